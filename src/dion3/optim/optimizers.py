@@ -1,0 +1,91 @@
+"""The public optimizers: thin constructors over OrthogonalOptimizer with their own defaults.
+
+Every group may override any hyperparameter, including `algorithm`: one of "dion3" (alias
+"nordion2"), "muon", "normuon" for matrices, "adamw" or "lion" for everything else.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from torch import Tensor
+
+from .base import OrthogonalOptimizer
+
+Coefficients = Union[str, Sequence[Sequence[float]]]
+
+
+def _defaults(algorithm: str, **values) -> dict:
+    # Keys every algorithm may read, so a group can switch algorithm and still find its settings.
+    base = dict(fraction=0.25, muon_beta2=0.95, nesterov=False, selection_scope="local")
+    base.update(values)
+    base["algorithm"] = algorithm
+    return base
+
+
+class Dion3(OrthogonalOptimizer):
+    """Dion3: orthogonalize only the `fraction` of momentum rows with the largest L1 norm, with
+    error feedback on the selected rows and NorMuon's per-row normalization."""
+
+    def __init__(
+        self,
+        params,
+        distributed_mesh=None,
+        lr: Union[float, Tensor] = 0.01,
+        fraction: float = 0.25,
+        mu: float = 0.95,
+        muon_beta2: float = 0.95,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.01,
+        epsilon: float = 1e-8,
+        adjust_lr: Optional[str] = "spectral_norm",
+        flatten: bool = False,
+        orthogonalizer: str = "auto",
+        ns_coefficients: Coefficients = "polar_express",
+        selection_scope: str = "local",
+        check_finite: bool = False,
+    ):
+        defaults = _defaults(
+            "dion3", lr=lr, fraction=fraction, mu=mu, muon_beta2=muon_beta2, betas=betas,
+            weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr, flatten=flatten,
+            orthogonalizer=orthogonalizer, ns_coefficients=ns_coefficients, selection_scope=selection_scope,
+        )
+        super().__init__(params, defaults, distributed_mesh, check_finite)
+
+
+class Muon(OrthogonalOptimizer):
+    """Muon: orthogonalized momentum, M ← μM + G, X ← (1 − ηλ)X − η'·Orth(M)."""
+
+    _algorithm = "muon"
+
+    def __init__(
+        self,
+        params,
+        distributed_mesh=None,
+        lr: Union[float, Tensor] = 0.01,
+        mu: float = 0.95,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.01,
+        epsilon: float = 1e-8,
+        nesterov: bool = False,
+        adjust_lr: Optional[str] = "spectral_norm",
+        flatten: bool = False,
+        orthogonalizer: str = "auto",
+        ns_coefficients: Coefficients = "polar_express",
+        check_finite: bool = False,
+        **extra,
+    ):
+        defaults = _defaults(
+            self._algorithm, lr=lr, mu=mu, betas=betas, weight_decay=weight_decay, epsilon=epsilon,
+            nesterov=nesterov, adjust_lr=adjust_lr, flatten=flatten, orthogonalizer=orthogonalizer,
+            ns_coefficients=ns_coefficients, **extra,
+        )
+        super().__init__(params, defaults, distributed_mesh, check_finite)
+
+
+class NorMuon(Muon):
+    """NorMuon: Muon followed by per-row normalization with a second-moment estimate."""
+
+    _algorithm = "normuon"
+
+    def __init__(self, params, distributed_mesh=None, muon_beta2: float = 0.95, **kwargs):
+        super().__init__(params, distributed_mesh, muon_beta2=muon_beta2, **kwargs)

@@ -1,0 +1,90 @@
+"""AdamW and Lion for the parameters that should not be orthogonalized (embeddings, norms,
+biases, LM head). Multi-tensor (foreach) and free of host syncs, so they run inside a captured
+CUDA graph; `lr` may be a float or a 0-d tensor."""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+from torch import Tensor
+
+Scalar = Union[float, Tensor]
+
+
+def init_adamw_state(param: Tensor) -> dict[str, Tensor]:
+    return {
+        # float32 on the parameter's device: exact counts up to 2**24 and capturable
+        "step": torch.zeros((), dtype=torch.float32, device=param.device),
+        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+    }
+
+
+def init_lion_state(param: Tensor) -> dict[str, Tensor]:
+    return {"exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format)}
+
+
+def adamw_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    lr: Scalar,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    weight_decay: float,
+) -> None:
+    """Decoupled-weight-decay Adam, the same update as torch.optim.AdamW."""
+    if not params:
+        return
+    torch._foreach_add_(steps, 1.0)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+    if weight_decay != 0.0:
+        _foreach_scale_(params, 1.0 - lr * weight_decay)
+    # bias corrections as tensors: 1 − β^t
+    correction1 = torch._foreach_pow(beta1, steps)
+    torch._foreach_sub_(correction1, 1.0)
+    torch._foreach_neg_(correction1)
+    correction2 = torch._foreach_pow(beta2, steps)
+    torch._foreach_sub_(correction2, 1.0)
+    torch._foreach_neg_(correction2)
+    torch._foreach_sqrt_(correction2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, correction2)
+    torch._foreach_add_(denom, epsilon)
+    update = torch._foreach_div(exp_avgs, denom)
+    torch._foreach_div_(update, correction1)
+    _foreach_scale_(update, lr)
+    torch._foreach_sub_(params, update)
+
+
+def lion_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    lr: Scalar,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+) -> None:
+    """Lion: X ← (1 − lr·λ)X − lr·sign(β₁m + (1−β₁)g); m ← β₂m + (1−β₂)g."""
+    if not params:
+        return
+    update = torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1)
+    torch._foreach_sign_(update)
+    if weight_decay != 0.0:
+        _foreach_scale_(params, 1.0 - lr * weight_decay)
+    _foreach_scale_(update, lr)
+    torch._foreach_sub_(params, update)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)
+
+
+def _foreach_scale_(tensors: list[Tensor], factor: Scalar) -> None:
+    if isinstance(factor, Tensor):
+        torch._foreach_mul_(tensors, factor.to(tensors[0].device))
+    else:
+        torch._foreach_mul_(tensors, factor)

@@ -1,0 +1,122 @@
+"""Standard and Gram Newton–Schulz orthogonalization on batched [B, rows, cols] inputs.
+
+Both return an approximation of the polar factor U·Vᵀ of X = U·Σ·Vᵀ. Inputs are normalized
+first and processed in the wide orientation (rows ≤ cols); tall inputs are transposed.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..kernels import symmetric_kernels_available, symmetric_matmul
+from .coefficients import CoefficientSpec, Schedule, get_schedule
+from .restarts import default_restarts
+
+METHODS = ("auto", "newton_schulz", "gram")
+_NORM_EPS = 1e-7
+
+
+def choose_method(rows: int, cols: int, symmetric_kernels: bool) -> str:
+    """Gram NS wins when the aspect ratio m/n exceeds 1.5 (1 with symmetric kernels);
+    square matrices always use standard NS (DESIGN §3)."""
+    n, m = min(rows, cols), max(rows, cols)
+    threshold = 1.0 if symmetric_kernels else 1.5
+    return "gram" if m > threshold * n else "newton_schulz"
+
+
+def default_compute_dtype(device: torch.device, method: str) -> torch.dtype:
+    """bf16 for standard NS and fp16 for Gram NS on GPU (fp16 has more mantissa and R ≤ 1);
+    float32 on CPU, where half-precision matmuls are slow and gain nothing."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.float16 if method == "gram" else torch.bfloat16
+
+
+def _normalized_wide(x: Tensor, schedule: Schedule, dtype: torch.dtype) -> tuple[Tensor, bool]:
+    transposed = x.shape[-2] > x.shape[-1]
+    if transposed:
+        x = x.mT
+    norm = torch.linalg.vector_norm(x.float(), dim=(-2, -1), keepdim=True)
+    # Out of place: never normalize the caller's tensor.
+    x = (x.float() / (norm * schedule.norm_scale + _NORM_EPS)).to(dtype)
+    return x, transposed
+
+
+def newton_schulz(x: Tensor, schedule: Schedule) -> Tensor:
+    """Standard NS on a normalized wide batch: X ← aX + (bA + cA²)X, A = XXᵀ."""
+    for a, b, c in schedule.steps:
+        gram = symmetric_matmul(x, x.mT)
+        poly = symmetric_matmul(gram, gram, gram, alpha=c, beta=b)
+        x = torch.baddbmm(x, poly, x, beta=a, alpha=1.0)
+    return x
+
+
+def gram_newton_schulz(x: Tensor, schedule: Schedule, restarts: Sequence[int]) -> Tensor:
+    """Gram NS on a normalized wide batch [B, n, m]: iterate on R = XXᵀ (n×n) and accumulate
+    Q with X_T = Q·X. Each step: Z = bR + cR², Q ← QZ + aQ, P = RZ + aR, R ← ZP + aP.
+    A restart after step s sets X ← QX, R ← XXᵀ, Q ← I (clears half-precision drift in R)."""
+    steps = len(schedule)
+    restart_after = set(int(s) for s in restarts)
+    if any(s < 1 or s >= steps for s in restart_after):
+        raise ValueError(f"restart positions must lie in 1..{steps - 1} for a {steps}-step schedule, got {list(restarts)}")
+    r = symmetric_matmul(x, x.mT)
+    q: Optional[Tensor] = None  # None stands for the identity
+    for i, (a, b, c) in enumerate(schedule.steps, start=1):
+        z = symmetric_matmul(r, r, r, alpha=c, beta=b)
+        if q is None:
+            q = z.clone()  # Q = I·Z + a·I; z itself is still needed for P and R
+            q.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            q = symmetric_matmul(q, z, q, alpha=1.0, beta=a)
+        if i == steps:
+            break
+        if i in restart_after:
+            x = torch.bmm(q, x)
+            r = symmetric_matmul(x, x.mT)
+            q = None
+            continue
+        p = symmetric_matmul(r, z, r, alpha=1.0, beta=a)
+        r = symmetric_matmul(z, p, p, alpha=1.0, beta=a)
+    return x if q is None else torch.bmm(q, x)
+
+
+def orthogonalize(
+    x: Tensor,
+    method: str = "auto",
+    coefficients: CoefficientSpec = "polar_express",
+    restarts: Optional[Sequence[int]] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """Approximate polar factor of x ([..., rows, cols]), returned in x's dtype.
+
+    method: "auto" (Gram NS for clearly non-square inputs), "newton_schulz" or "gram".
+    coefficients: "polar_express", "jordan", "you" or an explicit list of (a, b, c).
+    restarts: Gram NS restart positions (steps after which to restart); None picks the
+    autotuned default for the schedule (one restart).
+    dtype: compute dtype; None means bf16 (NS) / fp16 (Gram) on CUDA and float32 on CPU.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown orthogonalization method {method!r}; expected one of {METHODS}")
+    if x.dim() < 2:
+        raise ValueError(f"orthogonalize needs a [..., rows, cols] tensor, got shape {tuple(x.shape)}")
+    schedule = get_schedule(coefficients)
+    rows, cols = x.shape[-2], x.shape[-1]
+    if method == "auto":
+        method = choose_method(rows, cols, symmetric_kernels_available(x.device))
+    dtype = dtype or default_compute_dtype(x.device, method)
+    lead = x.shape[:-2]
+    batch = x.reshape(-1, rows, cols)
+    if batch.shape[0] == 0 or rows == 0 or cols == 0:
+        return torch.zeros_like(x)
+    wide, transposed = _normalized_wide(batch, schedule, dtype)
+    if method == "gram":
+        if restarts is None:
+            restarts = default_restarts(schedule)
+        out = gram_newton_schulz(wide, schedule, restarts)
+    else:
+        out = newton_schulz(wide, schedule)
+    if transposed:
+        out = out.mT
+    return out.to(x.dtype).reshape(*lead, rows, cols)

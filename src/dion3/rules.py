@@ -1,0 +1,132 @@
+"""Pure update-rule math on stacked [N, rows, cols] tensors (DESIGN §2).
+
+One rule serves Muon, NorMuon and Dion3; they differ only in its parameters:
+
+    Muon      fraction=None, normalize=False   (nesterov optional)
+    NorMuon   fraction=None, normalize=True    (nesterov optional)
+    Dion3     fraction=f,    normalize=True    (row selection with error feedback)
+
+The step is split where the distributed layer exchanges data:
+    pre_step (momentum, selection, snapshot)  →  orthogonalize  →  normalize_rows  →  apply_update
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from .kernels import post_update
+
+Grads = Union[Tensor, Sequence[Tensor]]
+ADJUST_LR = ("spectral_norm", "rms_norm", None)
+
+
+@dataclass(frozen=True)
+class RuleConfig:
+    fraction: Optional[float]  # None: every row (Muon/NorMuon); else Dion3's row fraction
+    mu: float
+    nesterov: bool = False
+    normalize: bool = False  # NorMuon per-row normalization
+    beta2: float = 0.95
+    epsilon: float = 1e-8
+
+
+def selected_row_count(rows: int, fraction: float) -> int:
+    """k = max(1, ⌈f·rows⌉), guarding against float fuzz such as 0.3·10 = 3.0000000000000004."""
+    return max(1, math.ceil(round(fraction * rows, 9)))
+
+
+def lr_scale(adjust_lr: Optional[str], rows: int, cols: int) -> float:
+    """Learning-rate multiplier from the full matrix shape (never the selected submatrix)."""
+    if adjust_lr == "spectral_norm":
+        return math.sqrt(rows / cols)
+    if adjust_lr == "rms_norm":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if adjust_lr is None:
+        return 1.0
+    raise ValueError(f"unknown adjust_lr {adjust_lr!r}; expected one of {ADJUST_LR}")
+
+
+def _add_grads(momentum: Tensor, grads: Grads) -> None:
+    if isinstance(grads, Tensor):
+        momentum.add_(grads)
+    else:  # per-parameter [B_i, R, C] pieces of the stacked buffer: no stacking copy
+        torch._foreach_add_(list(momentum.split([g.shape[0] for g in grads])), list(grads))
+
+
+def _stacked(grads: Grads) -> Tensor:
+    return grads if isinstance(grads, Tensor) else torch.cat(list(grads))
+
+
+def row_scores(momentum: Tensor) -> Tensor:
+    """L1 norm of each row, in float32: [N, R]."""
+    return torch.linalg.vector_norm(momentum, ord=1, dim=-1, dtype=torch.float32)
+
+
+def top_rows(scores: Tensor, k: int) -> Tensor:
+    """Indices of the k largest scores per matrix, ascending: [N, k] int64."""
+    return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+
+def gather_rows(x: Tensor, rows: Tensor) -> Tensor:
+    return x.gather(-2, rows.unsqueeze(-1).expand(*rows.shape, x.shape[-1]))
+
+
+def scatter_rows(x: Tensor, rows: Tensor, values: Tensor) -> None:
+    x.scatter_(-2, rows.unsqueeze(-1).expand(*rows.shape, x.shape[-1]), values)
+
+
+def pre_step(
+    momentum: Tensor, grads: Grads, cfg: RuleConfig, rows: Optional[Tensor] = None
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Update momentum in place and return (U, selected rows).
+
+    Muon/NorMuon: M ← μM + G; U = M (Nesterov: U = μM + G); rows = None.
+    Dion3: M ← M + G; rows = top-k rows by L1 norm (unless given, e.g. chosen globally);
+           U = M[rows] (snapshot); M[rows] ← μ·M[rows].
+    """
+    if cfg.fraction is None:
+        momentum.mul_(cfg.mu)
+        _add_grads(momentum, grads)
+        update = _stacked(grads).add(momentum, alpha=cfg.mu) if cfg.nesterov else momentum
+        return update, None
+    _add_grads(momentum, grads)
+    if rows is None:
+        rows = top_rows(row_scores(momentum), selected_row_count(momentum.shape[-2], cfg.fraction))
+    update = gather_rows(momentum, rows)
+    scatter_rows(momentum, rows, update * cfg.mu)
+    return update, rows
+
+
+def normalize_rows(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float) -> tuple[Tensor, Tensor]:
+    """NorMuon normalization (fp32) of O [N, k, C] with its rows' second moments V [N, k, 1].
+
+    n_i = mean_j O_ij²; V ← β₂V + (1−β₂)n; Ô = O / (√V + ε); Ô ← Ô·‖O‖_F / max(‖Ô‖_F, ε).
+    Returns (Ô, new V) without touching the inputs.
+    """
+    ortho = ortho.float()
+    frob = torch.linalg.vector_norm(ortho, dim=(-2, -1), keepdim=True)
+    new_variance = torch.lerp(variance.float(), ortho.square().mean(dim=-1, keepdim=True), 1.0 - beta2)
+    scaled = ortho / (new_variance.sqrt() + epsilon)
+    scaled_norm = torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True)
+    return scaled.mul_(frob / scaled_norm.clamp_min(epsilon)), new_variance
+
+
+def apply_update(
+    params: Sequence[Tensor],
+    update: Tensor,
+    rows: Optional[Tensor],
+    lr: Union[float, Tensor],
+    weight_decay: float,
+    scale: float,
+) -> None:
+    """X ← (1 − lr·λ)·X everywhere, then X[rows] ← X[rows] − lr·scale·update, rounded once.
+
+    params: [B_i, R, C] views whose batches concatenate to update's N.
+    """
+    decay = 1.0 - lr * weight_decay
+    step = lr * scale
+    post_update(params, update, rows, decay, step)
