@@ -34,7 +34,7 @@ def adamw_step(
     beta1: float,
     beta2: float,
     epsilon: float,
-    weight_decay: float,
+    weight_decay: Scalar,
 ) -> None:
     """Decoupled-weight-decay Adam, the same update as torch.optim.AdamW."""
     if not params:
@@ -43,7 +43,7 @@ def adamw_step(
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-    if weight_decay != 0.0:
+    if isinstance(weight_decay, Tensor) or weight_decay != 0.0:  # tensors: no host sync
         _foreach_scale_(params, 1.0 - lr * weight_decay)
     # bias corrections as tensors: 1 − β^t
     correction1 = torch._foreach_pow(beta1, steps)
@@ -69,14 +69,14 @@ def lion_step(
     lr: Scalar,
     beta1: float,
     beta2: float,
-    weight_decay: float,
+    weight_decay: Scalar,
 ) -> None:
     """Lion: X ← (1 − lr·λ)X − lr·sign(β₁m + (1−β₁)g); m ← β₂m + (1−β₂)g."""
     if not params:
         return
     update = torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_sign_(update)
-    if weight_decay != 0.0:
+    if isinstance(weight_decay, Tensor) or weight_decay != 0.0:  # tensors: no host sync
         _foreach_scale_(params, 1.0 - lr * weight_decay)
     _foreach_scale_(update, lr)
     torch._foreach_sub_(params, update)
