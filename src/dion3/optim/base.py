@@ -62,8 +62,10 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         group = dict(param_group)
         if "algorithm" in group:
             group["algorithm"] = ALIASES.get(group["algorithm"], group["algorithm"])
-        params = group.get("params")
-        params = [params] if isinstance(params, Tensor) else list(params) if params is not None else []
+        if "params" not in group:
+            raise ValueError(f"parameter group {len(self.param_groups)} has no 'params' entry")
+        params = group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
         names = None
         if params and isinstance(params[0], tuple):  # named parameters
             names, params = [n for n, _ in params], [p for _, p in params]
@@ -110,7 +112,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         _check_range(where, "weight_decay", group["weight_decay"], 0.0, math.inf)
         _check_range(where, "epsilon", group["epsilon"], 0.0, math.inf, low_open=True)
         betas = group["betas"]
-        if len(betas) != 2:
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
         for name, value in zip(("betas[0]", "betas[1]"), betas):
             _check_range(where, name, value, 0.0, 1.0, high_open=True)
@@ -129,6 +131,14 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{where}: Dion3 has no Nesterov variant; use nesterov=False")
         get_schedule(group["ns_coefficients"])  # raises on unknown names
         for i, p in enumerate(group["params"]):
+            label = self._label(group.get("param_names"), index, i, p)
+            if not p.is_floating_point():
+                raise ValueError(
+                    f"{where}: parameter {label} has dtype {p.dtype}, but algorithm {algorithm!r} "
+                    "needs real floating-point matrices (float32, bfloat16, float16, float64)"
+                )
+            if p.dim() >= 2 and 0 in p.shape:  # topk and the NS normalization need ≥ 1 row and column
+                raise ValueError(f"{where}: parameter {label} is empty (a dimension is 0); leave it out")
             if group["flatten"] and p.dim() >= 2:
                 continue
             if p.dim() not in (2, 3):
@@ -138,7 +148,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                     else "pass flatten=True to treat it as a matrix (e.g. conv weights)"
                 )
                 raise ValueError(
-                    f"{where}: parameter {self._label(group.get('param_names'), index, i, p)} is "
+                    f"{where}: parameter {label} is "
                     f"{p.dim()}-D, but algorithm {algorithm!r} needs 2-D matrices or 3-D batches of "
                     f"matrices; {hint}"
                 )
@@ -182,7 +192,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             state = self.state[p]
             targets = {"momentum": (bucket.momentum[span], p.shape)}
             if wants_variance:
-                targets["variance"] = (bucket.variance[span], (*p.shape[:-1], 1) if not group["flatten"] else (p.shape[0], 1))
+                targets["variance"] = (bucket.variance[span], variance_shape(p, group["flatten"]))
             for key, (target, shape) in targets.items():
                 if key in state:
                     loaded = state[key]
@@ -198,6 +208,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                     del state[key]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._check_state_dict(state_dict)  # before torch mutates anything
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype; restore full-precision variance.
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
@@ -207,6 +218,41 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             if "variance" in saved:
                 self.state[p]["variance"] = saved["variance"].to(device=p.device, dtype=torch.float32)
         self._build_buckets()
+
+    def _check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise ValueError unless state_dict has, for every parameter, each state entry its
+        (saved) algorithm needs with the parameter's shape."""
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
+            raise ValueError("state dict must have 'state' and 'param_groups' entries (from optimizer.state_dict())")
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"state dict has {len(saved_groups)} parameter groups but this optimizer has "
+                f"{len(self.param_groups)}; the state dict does not match these parameters"
+            )
+        for index, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"parameter group {index} of the state dict has {len(saved['params'])} parameters but "
+                    f"this optimizer's has {len(group['params'])}; the state dict does not match these parameters"
+                )
+            algorithm = ALIASES.get(saved.get("algorithm"), saved.get("algorithm", group["algorithm"]))
+            flatten = saved.get("flatten", group.get("flatten", False))
+            for i, (pid, p) in enumerate(zip(saved["params"], group["params"])):
+                entry = state_dict["state"].get(pid, {})
+                for key, shape in expected_state_shapes(algorithm, p, flatten).items():
+                    if key not in entry:
+                        raise ValueError(
+                            f"state dict has no {key!r} for parameter {self._label(group.get('param_names'), index, i, p)} "
+                            f"of group {index} ({algorithm}); the state dict does not match these parameters"
+                        )
+                    found = tuple(entry[key].shape) if isinstance(entry[key], Tensor) else ()
+                    if math.prod(found) != math.prod(shape) or (len(shape) > 0 and found != shape):
+                        raise ValueError(
+                            f"state {key!r} of parameter {self._label(group.get('param_names'), index, i, p)} "
+                            f"has shape {found} in the state dict, expected {shape}; the state dict does not "
+                            "match these parameters"
+                        )
 
     # ----------------------------------------------------------------- step
     @torch.no_grad()
@@ -320,6 +366,23 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             if bucket.variance is not None:
                 bucket.variance[span].copy_(sub.variance[start:stop])
             start = stop
+
+
+def variance_shape(param: Tensor, flatten: bool) -> tuple[int, ...]:
+    """Shape of a parameter's per-row second moment: one value per matrix row."""
+    return (param.shape[0], 1) if flatten else (*param.shape[:-1], 1)
+
+
+def expected_state_shapes(algorithm: str, param: Tensor, flatten: bool) -> dict[str, tuple[int, ...]]:
+    """The state entries (and their shapes) the optimizer keeps for param under algorithm."""
+    shape = tuple(param.shape)
+    if algorithm == "adamw":
+        return {"step": (), "exp_avg": shape, "exp_avg_sq": shape}
+    if algorithm == "lion":
+        return {"exp_avg": shape}
+    if algorithm == "muon":
+        return {"momentum": shape}
+    return {"momentum": shape, "variance": variance_shape(param, flatten)}
 
 
 def _check_range(where, name, value, low, high, low_open=False, high_open=False) -> None:

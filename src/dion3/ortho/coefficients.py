@@ -6,6 +6,7 @@ norm is inflated before iterating (it keeps the largest singular value safely be
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -76,4 +77,6 @@ def get_schedule(spec: CoefficientSpec) -> Schedule:
         raise ValueError(f"ns_coefficients must be a name or a list of (a, b, c), got {spec!r}") from None
     if not steps or any(len(row) != 3 for row in steps):
         raise ValueError(f"ns_coefficients must be a non-empty list of (a, b, c) triples, got {spec!r}")
+    if any(not math.isfinite(v) for row in steps for v in row):
+        raise ValueError(f"ns_coefficients must be finite numbers, got {spec!r}")
     return Schedule("custom", steps)  # type: ignore[arg-type]

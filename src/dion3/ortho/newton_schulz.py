@@ -101,6 +101,8 @@ def orthogonalize(
         raise ValueError(f"unknown orthogonalization method {method!r}; expected one of {METHODS}")
     if x.dim() < 2:
         raise ValueError(f"orthogonalize needs a [..., rows, cols] tensor, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"orthogonalize needs a real floating-point tensor, got dtype {x.dtype}")
     schedule = get_schedule(coefficients)
     rows, cols = x.shape[-2], x.shape[-1]
     if method == "auto":
