@@ -82,7 +82,11 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         if names is not None:
             group["param_names"] = names
-        self._validate_group(group, index)
+        try:
+            self._validate_group(group, index)
+        except ValueError:
+            self.param_groups.pop()  # a rejected group must leave the optimizer as it was
+            raise
         if self._ready:
             self._build_buckets()
 

@@ -1,0 +1,151 @@
+"""Every bad input of docs/errors.md gets its documented error type and message.
+
+The table below is the source of truth for the tests; a final test checks that each row id
+also appears in the doc, so the two cannot drift apart.
+"""
+from __future__ import annotations
+
+import copy
+import pathlib
+
+import pytest
+import torch
+
+from dion3 import Dion3, Muon, NorMuon, orthogonalize
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+
+
+def param(*shape, dtype=torch.float32):
+    return torch.nn.Parameter(torch.randn(*shape).to(dtype))
+
+
+def two_groups(matrix_shapes=((4, 6), (3, 5))):
+    """A Dion3 optimizer with one matrix group and one AdamW group for a bias."""
+    matrices = [param(*s) for s in matrix_shapes]
+    return Dion3([{"params": matrices}, {"params": [param(5)], "algorithm": "adamw"}])
+
+
+def stepped_state_dict():
+    opt = two_groups()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = torch.randn_like(p)
+    opt.step()
+    return opt.state_dict()
+
+
+def step_with_grad(value, check_finite=True):
+    w = param(4, 4)
+    opt = Dion3([{"params": [("w", w)]}], check_finite=check_finite)
+    w.grad = torch.full_like(w, value)
+    opt.step()
+
+
+def load_into(shapes, edit=None):
+    state_dict = stepped_state_dict()
+    if edit is not None:
+        edit(state_dict)
+    opt = Dion3([param(*s) for s in shapes]) if len(shapes) == 1 else two_groups(shapes)
+    opt.load_state_dict(state_dict)
+
+
+def drop_variance(state_dict):
+    del state_dict["state"][0]["variance"]
+
+
+def shared_param():
+    w = param(4, 4)
+    Dion3([{"params": [w]}, {"params": [w], "algorithm": "muon"}])
+
+
+# (row id, action, error type, message fragment)
+CASES = [
+    ("one-d-in-matrix-group", lambda: Dion3([param(8)]), ValueError, "is 1-D"),
+    ("four-d-without-flatten", lambda: Muon([param(2, 3, 4, 5)]), ValueError, "pass flatten=True"),
+    ("integer-matrix", lambda: Dion3([torch.zeros(4, 4, dtype=torch.int64)]), ValueError, "has dtype torch.int64"),
+    ("complex-matrix", lambda: Muon([param(4, 4, dtype=torch.complex64)]), ValueError, "has dtype torch.complex64"),
+    ("empty-matrix", lambda: NorMuon([param(0, 4)]), ValueError, "is empty (a dimension is 0)"),
+    ("named-parameter-label", lambda: Dion3([{"params": [("layer.bias", param(8))]}]), ValueError, "'layer.bias' is 1-D"),
+    ("group-without-params", lambda: Dion3([{"lr": 0.1}]), ValueError, "parameter group 0 has no 'params' entry"),
+    ("parameter-in-two-groups", shared_param, ValueError, "already belongs to parameter group 0"),
+    ("fraction-zero", lambda: Dion3([param(4, 4)], fraction=0.0), ValueError, "fraction must lie in (0.0, 1.0]"),
+    ("fraction-above-one", lambda: Dion3([param(4, 4)], fraction=1.5), ValueError, "fraction must lie in (0.0, 1.0]"),
+    ("unknown-algorithm", lambda: Dion3([{"params": [param(4, 4)], "algorithm": "sgd"}]), ValueError, "unknown algorithm 'sgd'"),
+    ("unknown-coefficients", lambda: Muon([param(4, 4)], ns_coefficients="fast"), ValueError, "unknown ns_coefficients 'fast'"),
+    ("coefficients-not-triples", lambda: Muon([param(4, 4)], ns_coefficients=[(3.0, -4.0)]), ValueError, "(a, b, c) triples"),
+    ("coefficients-not-finite", lambda: Muon([param(4, 4)], ns_coefficients=[(float("nan"), 1.0, 1.0)]), ValueError, "must be finite"),
+    ("negative-lr", lambda: Muon([param(4, 4)], lr=-0.1), ValueError, "lr must be a finite number ≥ 0"),
+    ("nan-lr", lambda: Dion3([param(4, 4)], lr=float("nan")), ValueError, "lr must be a finite number ≥ 0"),
+    ("lr-tensor-with-many-values", lambda: Dion3([param(4, 4)], lr=torch.tensor([0.1, 0.2])), ValueError, "lr tensor must hold one value"),
+    ("negative-momentum", lambda: Muon([param(4, 4)], mu=-0.5), ValueError, "mu must lie in [0.0, 1.0)"),
+    ("momentum-one", lambda: Dion3([param(4, 4)], mu=1.0), ValueError, "mu must lie in [0.0, 1.0)"),
+    ("muon-beta2-one", lambda: NorMuon([param(4, 4)], muon_beta2=1.0), ValueError, "muon_beta2 must lie in [0.0, 1.0)"),
+    ("negative-weight-decay", lambda: Dion3([param(4, 4)], weight_decay=-1.0), ValueError, "weight_decay must lie in [0.0, inf]"),
+    ("zero-epsilon", lambda: Dion3([param(4, 4)], epsilon=0.0), ValueError, "epsilon must lie in (0.0, inf]"),
+    ("betas-not-a-pair", lambda: Dion3([param(4, 4)], betas=(0.9,)), ValueError, "betas must be a pair"),
+    ("betas-none", lambda: Dion3([param(4, 4)], betas=None), ValueError, "betas must be a pair"),
+    ("adamw-beta2-one", lambda: Dion3([{"params": [param(4)], "algorithm": "adamw", "betas": (0.9, 1.0)}]), ValueError, "betas[1] must lie in [0.0, 1.0)"),
+    ("unknown-adjust-lr", lambda: Dion3([param(4, 4)], adjust_lr="fan_in"), ValueError, "unknown adjust_lr 'fan_in'"),
+    ("unknown-orthogonalizer", lambda: Dion3([param(4, 4)], orthogonalizer="svd"), ValueError, "unknown orthogonalizer 'svd'"),
+    ("unknown-selection-scope", lambda: Dion3([param(4, 4)], selection_scope="world"), ValueError, "unknown selection_scope 'world'"),
+    ("dion3-nesterov", lambda: Dion3([{"params": [param(4, 4)], "nesterov": True}]), ValueError, "Dion3 has no Nesterov variant"),
+    ("nan-gradient-check-finite", lambda: step_with_grad(float("nan")), FloatingPointError, "non-finite gradient in parameter 'w'"),
+    ("inf-gradient-check-finite", lambda: step_with_grad(float("inf")), FloatingPointError, "non-finite gradient in parameter 'w'"),
+    ("orthogonalize-vector", lambda: orthogonalize(torch.randn(4)), ValueError, "needs a [..., rows, cols] tensor"),
+    ("orthogonalize-integer", lambda: orthogonalize(torch.ones(4, 4, dtype=torch.int64)), ValueError, "real floating-point tensor"),
+    ("orthogonalize-unknown-method", lambda: orthogonalize(torch.randn(4, 4), method="svd"), ValueError, "unknown orthogonalization method 'svd'"),
+    ("gram-restart-out-of-range", lambda: orthogonalize(torch.randn(4, 16), method="gram", restarts=[5]), ValueError, "restart positions must lie in 1..4"),
+    ("state-dict-group-count", lambda: load_into([(4, 6)]), ValueError, "state dict has 2 parameter groups but this optimizer has 1"),
+    ("state-dict-param-count", lambda: load_into([(4, 6), (3, 5), (2, 2)]), ValueError, "has 2 parameters but this optimizer's has 3"),
+    ("state-dict-shape", lambda: load_into([(6, 4), (3, 5)]), ValueError, "has shape (4, 6) in the state dict, expected (6, 4)"),
+    ("state-dict-missing-entry", lambda: load_into([(4, 6), (3, 5)], drop_variance), ValueError, "state dict has no 'variance'"),
+    ("state-dict-not-an-optimizer-state", lambda: load_into([(4, 6), (3, 5)], lambda sd: sd.pop("state")), ValueError, "must have 'state' and 'param_groups'"),
+]
+
+
+@pytest.mark.parametrize("action, error, fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_gets_its_documented_error(action, error, fragment):
+    with pytest.raises(error) as caught:
+        action()
+    assert fragment in str(caught.value)
+
+
+def test_table_has_unique_ids_and_every_row_is_documented():
+    ids = [c[0] for c in CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 12
+    doc = DOC.read_text()
+    missing = [i for i in ids if f"`{i}`" not in doc]
+    assert not missing, f"rows missing from {DOC}: {missing}"
+
+
+@pytest.mark.parametrize("shapes, edit", [([(4, 6)], None), ([(6, 4), (3, 5)], None), ([(4, 6), (3, 5)], drop_variance)])
+def test_rejected_state_dict_leaves_the_optimizer_untouched(shapes, edit):
+    state_dict = stepped_state_dict()
+    if edit is not None:
+        edit(state_dict)
+    opt = Dion3([param(*s) for s in shapes]) if len(shapes) == 1 else two_groups(shapes)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = torch.randn_like(p)
+    opt.step()
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError):
+        opt.load_state_dict(state_dict)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for pid, entry in before["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(after["state"][pid][key], value), (pid, key)
+
+
+def test_rejected_param_group_leaves_the_optimizer_usable():
+    w = param(4, 4)
+    opt = Dion3([w], lr=0.1)
+    with pytest.raises(ValueError, match="fraction"):
+        opt.add_param_group({"params": [param(3, 3)], "fraction": 2.0})
+    assert len(opt.param_groups) == 1
+    w.grad = torch.randn_like(w)
+    before = w.detach().clone()
+    opt.step()
+    assert torch.isfinite(w).all() and not torch.equal(w, before)
