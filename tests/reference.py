@@ -1,0 +1,106 @@
+"""An independent float64 reference of the update rules of DESIGN §2.
+
+Written from the spec, one matrix at a time, with plain loops and no batching; it does not
+import dion3's rule code, so a shared mistake cannot hide.
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+
+def exact_polar(x: Tensor) -> Tensor:
+    """U·Vᵀ of x = U·Σ·Vᵀ (batched over leading dims), in float64; zero for a zero matrix
+    (whose SVD would give an arbitrary orthogonal factor)."""
+    u, s, vh = torch.linalg.svd(x.double(), full_matrices=False)
+    nonzero = (s.amax(dim=-1) > 0).to(s.dtype)[..., None, None]
+    return u @ vh * nonzero
+
+
+def lr_multiplier(adjust_lr: Optional[str], rows: int, cols: int) -> float:
+    if adjust_lr == "spectral_norm":
+        return math.sqrt(rows / cols)
+    if adjust_lr == "rms_norm":
+        return 0.2 * math.sqrt(max(rows, cols))
+    assert adjust_lr is None
+    return 1.0
+
+
+def selected_count(rows: int, fraction: float) -> int:
+    """k = max(1, ⌈f·rows⌉) with f read as the decimal the user wrote (0.3 means 3/10)."""
+    return max(1, math.ceil(Fraction(repr(fraction)) * rows))
+
+
+def normuon_normalize(o: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
+    """F = ‖O‖_F; V ← β₂V + (1−β₂)·mean_j O²; Ô = O/(√V + ε); Ô ← Ô·F / max(‖Ô‖_F, ε)."""
+    frob = o.norm()
+    v = beta2 * v + (1 - beta2) * (o * o).mean(dim=1, keepdim=True)
+    scaled = o / (v.sqrt() + eps)
+    return scaled * frob / max(scaled.norm(), eps), v
+
+
+class ReferenceOptimizer:
+    """Muon / NorMuon / Dion3 on float64 copies of the given matrices (2-D, or 3-D batches)."""
+
+    def __init__(
+        self,
+        params: list[Tensor],
+        algorithm: str,
+        lr: float = 0.01,
+        mu: float = 0.95,
+        muon_beta2: float = 0.95,
+        weight_decay: float = 0.0,
+        epsilon: float = 1e-8,
+        nesterov: bool = False,
+        fraction: float = 0.25,
+        adjust_lr: Optional[str] = "spectral_norm",
+        orthogonalizer: Callable[[Tensor], Tensor] = exact_polar,
+    ):
+        assert algorithm in ("muon", "normuon", "dion3")
+        self.algorithm = algorithm
+        self.lr, self.mu, self.beta2, self.wd, self.eps = lr, mu, muon_beta2, weight_decay, epsilon
+        self.nesterov, self.fraction, self.adjust_lr = nesterov, fraction, adjust_lr
+        self.orth = orthogonalizer
+        self.params = [p.detach().double().clone() for p in params]
+        self.momentum = [torch.zeros_like(p) for p in self.params]
+        self.variance = [torch.zeros(*p.shape[:-1], 1, dtype=torch.float64) for p in self.params]
+        self.selected: list[list[Tensor]] = []  # per param, per matrix: rows chosen last step
+
+    def step(self, grads: list[Optional[Tensor]]) -> None:
+        self.selected = []
+        for index, grad in enumerate(grads):
+            chosen = []
+            if grad is not None:
+                x, m, v = self.params[index], self.momentum[index], self.variance[index]
+                g = grad.double()
+                batched = x.dim() == 3
+                for b in range(x.shape[0] if batched else 1):
+                    pick = (lambda t: t[b]) if batched else (lambda t: t)
+                    chosen.append(self._matrix_step(pick(x), pick(m), pick(v), pick(g)))
+            self.selected.append(chosen)
+
+    def _matrix_step(self, x: Tensor, m: Tensor, v: Tensor, g: Tensor) -> Tensor:
+        """Updates x, m, v (views) in place; returns the rows that were updated."""
+        rows, cols = x.shape
+        lr_adjusted = self.lr * lr_multiplier(self.adjust_lr, rows, cols)
+        if self.algorithm == "dion3":
+            m += g
+            scores = m.abs().sum(dim=1)
+            k = selected_count(rows, self.fraction)
+            chosen = torch.argsort(scores, descending=True)[:k].sort().values
+            u = m[chosen].clone()
+            m[chosen] *= self.mu
+        else:
+            m.mul_(self.mu).add_(g)
+            u = self.mu * m + g if self.nesterov else m.clone()
+            chosen = torch.arange(rows)
+        o = self.orth(u.unsqueeze(0))[0].double()
+        if self.algorithm != "muon":
+            o, v[chosen] = normuon_normalize(o, v[chosen], self.beta2, self.eps)
+        x *= 1 - self.lr * self.wd
+        x[chosen] -= lr_adjusted * o
+        return chosen
