@@ -62,8 +62,9 @@ def _stacked(grads: Grads) -> Tensor:
 
 
 def row_scores(momentum: Tensor) -> Tensor:
-    """L1 norm of each row, in float32: [N, R]."""
-    return torch.linalg.vector_norm(momentum, ord=1, dim=-1, dtype=torch.float32)
+    """L1 norm of each row, in float32 or wider (float64 momentum keeps float64): [N, R]."""
+    dtype = torch.promote_types(momentum.dtype, torch.float32)
+    return torch.linalg.vector_norm(momentum, ord=1, dim=-1, dtype=dtype)
 
 
 def top_rows(scores: Tensor, k: int) -> Tensor:

@@ -34,8 +34,9 @@ def post_update_reference(
     offset = 0
     for param in params:
         count = param.shape[0]
-        piece = update[offset : offset + count].float()
-        work = param.float().mul_(decay)  # a copy for low-precision params; in place for fp32
+        compute = torch.promote_types(param.dtype, torch.float32)  # float64 params stay float64
+        piece = update[offset : offset + count].to(compute)
+        work = param.to(compute).mul_(decay)  # a copy for low-precision params; in place otherwise
         if rows is None:
             work.sub_(piece * step)
         else:
