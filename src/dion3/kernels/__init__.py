@@ -1,22 +1,85 @@
-"""Kernel dispatch: Triton kernels on CUDA when available and worth it, PyTorch otherwise."""
+"""Kernel dispatch: Triton kernels on CUDA when available and worth it, PyTorch otherwise.
+
+Symmetric products go to the Triton kernel when the tensors are on a CUDA device, Triton
+imports, the dtype is fp16/bf16 and the output is at least SYMMETRIC_MIN_N wide (below that,
+a launch of half-empty tiles gains nothing over cuBLAS; measured on H200, see docs/kernels.md).
+The fused post-update runs whenever its inputs are on CUDA and it supports them (one launch
+replaces several per parameter). DION3_KERNELS=0 in the environment, or
+set_kernels_enabled(False), routes everything to the PyTorch reference (cuBLAS) path.
+"""
 from __future__ import annotations
 
+import os
+
+import torch
+
 from .reference import post_update_reference, symmetric_matmul_reference
+
+try:  # Triton is optional: CPU-only and non-Linux installs use the reference path.
+    from . import post_update as _post_update_kernel
+    from . import symmetric_matmul as _symmetric_kernel
+except ImportError:  # pragma: no cover - depends on the install
+    _post_update_kernel = _symmetric_kernel = None
+
+SYMMETRIC_MIN_N = 512
+_enabled = os.environ.get("DION3_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def set_kernels_enabled(flag: bool) -> None:
+    """Turn the Triton kernels on or off for this process (off: the PyTorch/cuBLAS path)."""
+    global _enabled
+    _enabled = bool(flag)
+
+
+def kernels_enabled() -> bool:
+    """Whether Triton kernels may be used (they still need CUDA and Triton)."""
+    return _enabled
+
+
+def _triton_ready(device) -> bool:
+    return _enabled and _symmetric_kernel is not None and torch.device(device).type == "cuda"
+
+
+def _half_dot_ready(device) -> bool:
+    # bf16 tensor-core dots need sm80+; older GPUs keep cuBLAS.
+    return _triton_ready(device) and torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def symmetric_kernels_available(device, n: int | None = None) -> bool:
+    """Whether symmetric products on this device (with n×n outputs, when n is given) run on
+    a kernel that skips the upper triangle."""
+    return _half_dot_ready(device) and (n is None or n >= SYMMETRIC_MIN_N)
+
+
+def _symmetric_worth_it(a) -> bool:
+    return (
+        _half_dot_ready(a.device)
+        and a.dtype in _symmetric_kernel.SUPPORTED_DTYPES
+        and a.dim() in (2, 3)
+        and a.shape[-2] >= SYMMETRIC_MIN_N
+    )
 
 
 def symmetric_matmul(a, b, c=None, alpha: float = 1.0, beta: float = 0.0):
     """D = alpha·a·b + beta·c where the caller promises D is symmetric."""
+    if _symmetric_worth_it(a) and b.dtype == a.dtype:
+        return _symmetric_kernel.symmetric_matmul_triton(a, b, c, alpha, beta)
     return symmetric_matmul_reference(a, b, c, alpha, beta)
 
 
 def post_update(params, update, rows, decay, step) -> None:
     """For each [B_i, R, C] param: param ← decay·param; param[rows] −= step·update (one rounding)."""
-    post_update_reference(params, update, rows, decay, step)
+    if _triton_ready(update.device) and _post_update_kernel.fused_update_supported(params, update):
+        _post_update_kernel.post_update_triton(params, update, rows, decay, step)
+    else:
+        post_update_reference(params, update, rows, decay, step)
 
 
-def symmetric_kernels_available(device) -> bool:
-    """Whether symmetric products on this device run on a kernel that skips the upper triangle."""
-    return False
-
-
-__all__ = ["symmetric_matmul", "post_update", "symmetric_kernels_available"]
+__all__ = [
+    "symmetric_matmul",
+    "post_update",
+    "symmetric_kernels_available",
+    "set_kernels_enabled",
+    "kernels_enabled",
+    "SYMMETRIC_MIN_N",
+]

@@ -1,0 +1,70 @@
+"""Tile configurations for the symmetric-matmul kernel, one small table per GPU generation.
+
+No cold-start autotuning: a launch looks its configuration up here from the device's compute
+capability and the output size n. The Hopper (sm90) rows were chosen from a sweep on an H200
+(benchmarks/results/kernels-h200-*.md); rows for other generations are conservative defaults
+that fit their shared memory but were not tuned on hardware.
+
+Each row reads: for outputs with n ≥ min_n, use this config (the last matching row wins).
+  block_m, block_n   output tile (block_n is a multiple of block_m; tiles are computed only
+                     where they touch the lower triangle, and mirrored)
+  block_k            reduction step
+  num_warps          warps per program (8 = two warpgroups on Hopper)
+  num_stages         software-pipelining depth of the reduction loop
+  descriptors        load operands through TMA tensor descriptors (Hopper+, needs a
+                     16-byte-aligned contiguous operand); pointer loads otherwise
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    descriptors: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_n % self.block_m:
+            raise ValueError(f"block_n ({self.block_n}) must be a multiple of block_m ({self.block_m})")
+
+
+# (min_n, config) rows, ascending in min_n.
+HOPPER = (
+    (0, TileConfig(64, 64, 64, num_warps=4, num_stages=4)),
+    (512, TileConfig(128, 128, 64, num_warps=8, num_stages=4)),
+    (2048, TileConfig(128, 256, 64, num_warps=8, num_stages=3, descriptors=True)),
+)
+AMPERE = (
+    (0, TileConfig(64, 64, 32, num_warps=4, num_stages=3)),
+    (512, TileConfig(128, 128, 32, num_warps=4, num_stages=3)),
+)
+# Used for interpreter runs and unknown devices: small tiles, nothing generation-specific.
+PORTABLE = ((0, TileConfig(32, 32, 32, num_warps=4, num_stages=2)),)
+
+TABLES = {9: HOPPER, 10: HOPPER, 8: AMPERE}
+
+
+def table_for(capability_major: int | None):
+    """The config table for a compute-capability major version (None: portable)."""
+    if capability_major is None:
+        return PORTABLE
+    return TABLES.get(capability_major, AMPERE if capability_major > 8 else PORTABLE)
+
+
+def pick_config(n: int, capability_major: int | None) -> TileConfig:
+    """The tile config for an n×n output on a device of this generation."""
+    chosen = None
+    for min_n, config in table_for(capability_major):
+        if n >= min_n:
+            chosen = config
+    return chosen
+
+
+def with_overrides(config: TileConfig, **fields) -> TileConfig:
+    """A copy of config with some fields replaced (used by the benchmark's config sweep)."""
+    return replace(config, **fields)

@@ -1,0 +1,120 @@
+"""Triton fused post-update: param ← decay·param; param[rows] ← decay·param[rows] − step·update.
+
+One launch covers every matrix of a bucket: a table of data pointers (one int64 per matrix,
+cached per set of parameters) replaces a Python loop over parameters. Each element is read
+once, computed in fp32 and rounded once to the parameter's dtype. decay and step may be
+Python floats or 0-d device tensors read inside the kernel (no host sync: capturable).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BLOCK_ROWS = 4
+BLOCK_COLS = 512
+
+_pointer_tables: dict = {}
+
+
+@triton.jit
+def _scalar(value, IS_POINTER: tl.constexpr):
+    if IS_POINTER:
+        return tl.load(value).to(tl.float32)
+    return value
+
+
+@triton.jit
+def _post_update_kernel(
+    pointer_table, dtype_probe, update_ptr, position_ptr, decay, step,
+    R, C, k,
+    HAS_ROWS: tl.constexpr, DECAY_IS_POINTER: tl.constexpr, STEP_IS_POINTER: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    matrix = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    inside = (rows[:, None] < R) & (cols[None, :] < C)
+    param = tl.load(pointer_table + matrix).to(tl.pointer_type(dtype_probe.dtype.element_ty))
+    offsets = rows[:, None].to(tl.int64) * C + cols[None, :]
+    value = tl.load(param + offsets, mask=inside, other=0.0).to(tl.float32)
+    value = value * _scalar(decay, DECAY_IS_POINTER)
+    if HAS_ROWS:  # position of each row in update, −1 for rows not selected
+        position = tl.load(position_ptr + matrix * R + rows, mask=rows < R, other=-1)
+        selected = inside & (position[:, None] >= 0)
+        update_offsets = (matrix * k + position[:, None]) * C + cols[None, :]
+    else:
+        selected = inside
+        update_offsets = (matrix * R + rows[:, None]) * C + cols[None, :]
+    change = tl.load(update_ptr + update_offsets, mask=selected, other=0.0).to(tl.float32)
+    value = value - _scalar(step, STEP_IS_POINTER) * change
+    tl.store(param + offsets, value.to(dtype_probe.dtype.element_ty), mask=inside)
+
+
+def _pointer_table(params: Sequence[Tensor], device: torch.device) -> Tensor:
+    """int64 data pointers of every matrix, cached so that a captured step does no host copy."""
+    key = tuple((p.data_ptr(), p.shape[0], p.stride(0) * p.element_size()) for p in params)
+    table = _pointer_tables.get(key)
+    if table is None:
+        if len(_pointer_tables) > 4096:  # parameters were reallocated many times: start over
+            _pointer_tables.clear()
+        pointers = [base + b * stride for base, count, stride in key for b in range(count)]
+        table = torch.tensor(pointers, dtype=torch.int64, device=device)
+        _pointer_tables[key] = table
+    return table
+
+
+def fused_update_supported(params: Sequence[Tensor], update: Tensor) -> bool:
+    """Whether the kernel handles these inputs: one dtype, same [R, C], each matrix contiguous."""
+    if not params:
+        return False
+    first = params[0]
+    if first.dtype not in SUPPORTED_DTYPES or first.dim() != 3:
+        return False
+    _, rows, cols = first.shape
+    return update.is_contiguous() and all(
+        p.dtype == first.dtype and p.device == update.device and p.dim() == 3
+        and p.shape[1:] == (rows, cols) and p.stride(-1) == 1 and p.stride(-2) == cols
+        for p in params
+    )
+
+
+def post_update_triton(
+    params: Sequence[Tensor],
+    update: Tensor,
+    rows: Optional[Tensor],
+    decay: Union[Tensor, float],
+    step: Union[Tensor, float],
+) -> None:
+    """In place, as post_update_reference, in one launch (see fused_update_supported)."""
+    if not fused_update_supported(params, update):
+        raise ValueError("post_update_triton needs same-dtype, same-shape params with contiguous matrices")
+    _, R, C = params[0].shape
+    total = sum(p.shape[0] for p in params)
+    k = R if rows is None else rows.shape[1]
+    if update.shape != (total, k, C):
+        raise ValueError(f"update must have shape {(total, k, C)}, got {tuple(update.shape)}")
+    if total == 0 or R == 0 or C == 0:
+        return
+    position = update  # placeholder pointer when rows is None
+    if rows is not None:
+        if rows.shape != (total, k):
+            raise ValueError(f"rows must have shape {(total, k)}, got {tuple(rows.shape)}")
+        # Inverse of the row selection, built on the device (no sync, capturable).
+        position = torch.full((total, R), -1, dtype=torch.int32, device=update.device)
+        order = torch.arange(k, dtype=torch.int32, device=update.device).expand(total, k)
+        position.scatter_(1, rows.long(), order)
+    decay_is_pointer = isinstance(decay, Tensor)
+    step_is_pointer = isinstance(step, Tensor)
+    grid = (total, triton.cdiv(R, BLOCK_ROWS), triton.cdiv(C, BLOCK_COLS))
+    _post_update_kernel[grid](
+        _pointer_table(params, update.device), params[0], update, position,
+        decay if decay_is_pointer else float(decay), step if step_is_pointer else float(step),
+        R, C, k,
+        HAS_ROWS=rows is not None, DECAY_IS_POINTER=decay_is_pointer, STEP_IS_POINTER=step_is_pointer,
+        BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4,
+    )

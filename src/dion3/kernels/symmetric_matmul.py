@@ -1,0 +1,200 @@
+"""Triton symmetric GEMM: D = alpha·A·B + beta·C when the caller promises D is symmetric.
+
+Only output tiles that touch the lower triangle are computed (about half the FLOPs of a full
+product for large n); each tile stores its lower-triangle part directly and its strictly-lower
+part transposed into the upper triangle, so every element of D is written exactly once.
+Batched [B, n, k] @ [B, k, n] with arbitrary strides (B = A.mT as a view is the common case),
+fp16/bf16 operands, fp32 accumulation, output in the operands' dtype.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .configs import TileConfig, pick_config
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _tile_coordinates(t, RATIO: tl.constexpr):
+    """Map a linear tile index to (row block i, column block j) over the tiles that touch the
+    lower triangle, in row-block order. With block_n = RATIO·block_m, row block i holds
+    i // RATIO + 1 tiles, so groups of RATIO row blocks hold RATIO·(p+1) tiles and the first p
+    groups RATIO·p·(p+1)/2; invert that with a square root, then fix float rounding."""
+    p = ((tl.sqrt(8.0 * t.to(tl.float32) / RATIO + 1.0) - 1.0) * 0.5).to(tl.int32)
+    p = tl.where(RATIO * p * (p + 1) // 2 > t, p - 1, p)
+    p = tl.where(RATIO * (p + 1) * (p + 2) // 2 <= t, p + 1, p)
+    rem = t - RATIO * p * (p + 1) // 2
+    return RATIO * p + rem // (p + 1), rem % (p + 1)
+
+
+@triton.jit
+def _accumulate(a, b, acc, UPCAST_DOT: tl.constexpr):
+    # Triton's interpreter (3.9) computes garbage for bf16 tl.dot; bf16 → fp32 is exact, so
+    # interpreter runs upcast first. Compiled kernels always feed the half-precision operands.
+    if UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _symmetric_matmul_kernel(
+    a_ptr, b_ptr, c_ptr, d_ptr, a_desc, b_desc,
+    n, K,
+    stride_ab, stride_am, stride_ak,
+    stride_bb, stride_bk, stride_bn,
+    stride_cb, stride_cm, stride_cn,
+    stride_db, stride_dm, stride_dn,
+    alpha, beta,
+    HAS_C: tl.constexpr, USE_DESCRIPTORS: tl.constexpr, B_TRANSPOSED: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RATIO: tl.constexpr,
+):
+    i, j = _tile_coordinates(tl.program_id(0), RATIO)
+    batch = tl.program_id(1).to(tl.int64)  # int64: batch × stride overflows int32 for big stacks
+    row0 = i * BLOCK_M
+    col0 = j * BLOCK_N
+    local_m = tl.arange(0, BLOCK_M)
+    local_n = tl.arange(0, BLOCK_N)
+    local_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    if USE_DESCRIPTORS:
+        for step in range(0, tl.cdiv(K, BLOCK_K)):
+            k0 = step * BLOCK_K
+            a = a_desc.load([batch.to(tl.int32), row0, k0]).reshape(BLOCK_M, BLOCK_K)
+            if B_TRANSPOSED:  # b_desc describes B.mT ([B, n, K], K contiguous)
+                b = b_desc.load([batch.to(tl.int32), col0, k0]).reshape(BLOCK_N, BLOCK_K).trans()
+            else:
+                b = b_desc.load([batch.to(tl.int32), k0, col0]).reshape(BLOCK_K, BLOCK_N)
+            acc = _accumulate(a, b, acc, UPCAST_DOT)
+    else:
+        # Rows/columns past n are clamped to n-1 (valid memory); their results are masked out.
+        safe_m = tl.minimum(row0 + local_m, n - 1) - row0
+        safe_n = tl.minimum(col0 + local_n, n - 1) - col0
+        a_ptrs = (a_ptr + batch * stride_ab + row0.to(tl.int64) * stride_am
+                  + safe_m[:, None] * stride_am + local_k[None, :] * stride_ak)
+        b_ptrs = (b_ptr + batch * stride_bb + col0.to(tl.int64) * stride_bn
+                  + local_k[:, None] * stride_bk + safe_n[None, :] * stride_bn)
+        for step in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_left = K - step * BLOCK_K
+                a = tl.load(a_ptrs, mask=local_k[None, :] < k_left, other=0.0)
+                b = tl.load(b_ptrs, mask=local_k[:, None] < k_left, other=0.0)
+            acc = _accumulate(a, b, acc, UPCAST_DOT)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+    rows = row0 + local_m
+    cols = col0 + local_n
+    inside = (rows[:, None] < n) & (cols[None, :] < n)
+    acc = acc * alpha
+    if HAS_C:
+        c_ptrs = c_ptr + batch * stride_cb + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+        acc += beta * tl.load(c_ptrs, mask=inside, other=0.0).to(tl.float32)
+    out = acc.to(d_ptr.dtype.element_ty)
+    d_base = d_ptr + batch * stride_db
+    # Lower part (diagonal included) in place; strictly-lower part mirrored into the upper triangle.
+    tl.store(d_base + rows[:, None] * stride_dm + cols[None, :] * stride_dn, out,
+             mask=inside & (rows[:, None] >= cols[None, :]))
+    inside_t = (cols[:, None] < n) & (rows[None, :] < n)
+    tl.store(d_base + cols[:, None] * stride_dm + rows[None, :] * stride_dn, tl.trans(out),
+             mask=inside_t & (cols[:, None] < rows[None, :]))
+
+
+def lower_tile_count(n: int, block_m: int, block_n: int) -> int:
+    """Number of block_m×block_n output tiles that touch the lower triangle of an n×n output."""
+    ratio = block_n // block_m
+    return sum(i // ratio + 1 for i in range(triton.cdiv(n, block_m)))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _descriptor_ready(t: Tensor) -> bool:
+    """TMA needs a unit last stride, 16-byte-aligned base and other strides."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((s * size) % 16 == 0 for s in t.stride()[:-1]))
+
+
+def _descriptor(t: Tensor, block_rows: int, block_cols: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    batch_stride = t.stride(0) if t.shape[0] > 1 else t.shape[1] * t.stride(1)
+    return TensorDescriptor(t, list(t.shape), [batch_stride, t.stride(1), 1], [1, block_rows, block_cols])
+
+
+def _as_batched(name: str, t: Tensor) -> Tensor:
+    if t.dim() == 2:
+        return t.unsqueeze(0)
+    if t.dim() != 3:
+        raise ValueError(f"{name} must be 2-D or 3-D ([B, rows, cols]), got shape {tuple(t.shape)}")
+    return t
+
+
+def symmetric_matmul_triton(
+    a: Tensor,
+    b: Tensor,
+    c: Optional[Tensor] = None,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    config: Optional[TileConfig] = None,
+) -> Tensor:
+    """D = alpha·a·b + beta·c with only the lower-triangle tiles computed (D must be symmetric).
+
+    a: [B, n, k] or [n, k]; b: [B, k, n] or [k, n] (any strides); c: [B, n, n] or [n, n], or None.
+    config: tile config; None picks one from configs.py for this device and n.
+    """
+    squeeze = a.dim() == 2
+    a3, b3 = _as_batched("a", a), _as_batched("b", b)
+    batch, n, k = a3.shape
+    if b3.shape != (batch, k, n):
+        raise ValueError(f"b must have shape {(batch, k, n)} to match a {tuple(a3.shape)}, got {tuple(b3.shape)}")
+    if a3.dtype not in SUPPORTED_DTYPES or b3.dtype != a3.dtype:
+        raise ValueError(f"a and b must share a dtype in {SUPPORTED_DTYPES}, got {a3.dtype} and {b3.dtype}")
+    has_c = c is not None and beta != 0.0
+    c3 = _as_batched("c", c) if has_c else None
+    if has_c and c3.shape != (batch, n, n):
+        raise ValueError(f"c must have shape {(batch, n, n)}, got {tuple(c3.shape)}")
+    out = torch.empty((batch, n, n), dtype=a3.dtype, device=a3.device)
+    if batch == 0 or n == 0:
+        return out[0] if squeeze else out
+    if k == 0:
+        out.zero_() if not has_c else out.copy_(c3 * beta)
+        return out[0] if squeeze else out
+    if config is None:
+        major = None if a3.device.type != "cuda" else torch.cuda.get_device_capability(a3.device)[0]
+        config = pick_config(n, major)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    # TMA only where the operands allow it; the pointer path handles everything else.
+    b_transposed = b3.stride(-2) == 1 and b3.stride(-1) != 1
+    b_view = b3.mT if b_transposed else b3
+    use_descriptors = config.descriptors and _descriptor_ready(a3) and _descriptor_ready(b_view)
+    a_desc = b_desc = None
+    if use_descriptors:
+        a_desc = _descriptor(a3, bm, bk)
+        b_desc = _descriptor(b_view, bn, bk) if b_transposed else _descriptor(b_view, bk, bn)
+    c_arg = c3 if has_c else out
+    grid = (lower_tile_count(n, bm, bn), batch)
+    _symmetric_matmul_kernel[grid](
+        a3, b3, c_arg, out, a_desc, b_desc,
+        n, k,
+        *a3.stride(), *b3.stride(), *c_arg.stride(), *out.stride(),
+        float(alpha), float(beta),
+        HAS_C=has_c, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=b_transposed,
+        EVEN_K=(k % bk == 0), UPCAST_DOT=(_interpreting() and a3.dtype == torch.bfloat16),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RATIO=bn // bm,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out[0] if squeeze else out
