@@ -106,7 +106,7 @@ def orthogonalize(
     schedule = get_schedule(coefficients)
     rows, cols = x.shape[-2], x.shape[-1]
     if method == "auto":
-        method = choose_method(rows, cols, symmetric_kernels_available(x.device))
+        method = choose_method(rows, cols, symmetric_kernels_available(x.device, min(rows, cols)))
     dtype = dtype or default_compute_dtype(x.device, method)
     lead = x.shape[:-2]
     batch = x.reshape(-1, rows, cols)
