@@ -1,0 +1,210 @@
+"""Cost model of one optimizer step: matmul FLOPs, elementwise memory traffic, bytes sent.
+
+FLOPs count only the matrix products of orthogonalization (2·n·k·m per n×k by k×m product);
+the elementwise work is memory-bound and counted as bytes instead. Two FLOP figures:
+  dense     what the algorithm costs with ordinary GEMMs (used for "effective TFLOP/s");
+  executed  what runs when symmetric products compute only their lower-triangle tiles:
+            T(T+1)/2 of T² tiles, T = ⌈n / tile⌉ (DESIGN §4).
+
+Bytes are the minimum traffic of a fully fused implementation, per matrix element, with fp32
+parameters, gradients and state and half-precision orthogonalization input/output:
+  AdamW    read p, g, m, v; write p, m, v                                     28 B
+  Muon     momentum (read M, G; write M) 12 + normalize-and-cast (read M; write half) 6
+           + apply (read O half; read, write X) 10                            28 B
+  NorMuon  Muon + one read of O for the row norms                             30 B
+  Dion3    momentum and row scores 12 + decay of all of X (read, write) 8, and per selected
+           element: read M[S] 4, write U half 2, write μ·M[S] 4, read O twice 4   20 + 14·k/rows B
+The floor on a device is executed_flops / matmul peak + bytes / copy bandwidth: the passes
+run one after another, each bound by one resource. Small matrices do not reach the peak, so
+the floor is a target, not a prediction.
+
+Bytes sent are per rank per step for distributed runs (0 on one GPU), with `wire_bytes` per
+element (fp32 snapshot by default):
+  fsdp  rows sharded over W ranks; each matrix's local rows (all of them, or Dion3's local
+        top ⌈f·⌈rows/W⌉⌉) travel to the rank that orthogonalizes it and come back:
+        2 · count · (W−1)/W · local_rows · cols · wire_bytes
+        (global selection adds an all-gather of the local row scores, 4 B each)
+  ddp   replicated; each rank orthogonalizes ⌈count/W⌉ matrices and all-gathers the result
+        (k rows each): (W−1) · ⌈count/W⌉ · k · cols · wire_bytes
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+from ..ortho import choose_method, default_restarts, get_schedule
+from ..rules import selected_row_count
+from .presets import PRESETS, MatrixShape, Preset
+
+H200_MATMUL_FLOPS = 790e12  # bf16 dense matmul, measured
+H200_COPY_BYTES_PER_S = 4.3e12  # device-to-device copy, measured
+SYMMETRIC_TILE = 128
+ALGORITHMS = ("adamw", "muon", "normuon", "dion3")
+LAYOUTS = ("fsdp", "ddp")
+
+Product = tuple[int, bool]  # (dense FLOPs, output symmetric)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    dense_flops: int
+    executed_flops: float
+    bytes_moved: float
+    bytes_sent: float
+
+    def floor_seconds(self, matmul_flops: float = H200_MATMUL_FLOPS, copy_bytes: float = H200_COPY_BYTES_PER_S) -> float:
+        return self.executed_flops / matmul_flops + self.bytes_moved / copy_bytes
+
+
+def newton_schulz_products(n: int, m: int, steps: int) -> list[Product]:
+    """Per step on a wide n×m X: A = XXᵀ, A² (both symmetric), then (bA + cA²)·X."""
+    return [(2 * n * n * m, True), (2 * n ** 3, True), (2 * n * n * m, False)] * steps
+
+
+def gram_products(n: int, m: int, steps: int, restarts: Iterable[int]) -> list[Product]:
+    """Products of Gram NS exactly as ortho.gram_newton_schulz runs them: R = XXᵀ; per step
+    Z = bR + cR², Q ← QZ + aQ (none while Q = I), P and R updates (skipped on the last step and
+    before a restart); a restart is X ← QX, R = XXᵀ; finally X ← QX."""
+    square, gram, apply_q = (2 * n ** 3, True), (2 * n * n * m, True), (2 * n * n * m, False)
+    restart_after = set(restarts)
+    products, q_is_identity = [gram], True
+    for i in range(1, steps + 1):
+        products.append(square)  # Z
+        if not q_is_identity:
+            products.append(square)  # Q·Z
+        q_is_identity = False
+        if i == steps:
+            break
+        if i in restart_after:
+            products += [apply_q, gram]
+            q_is_identity = True
+        else:
+            products += [square, square]  # P, R
+    return products + ([] if q_is_identity else [apply_q])
+
+
+def symmetric_share(n: int, tile: int = SYMMETRIC_TILE) -> float:
+    """Fraction of an n×n output's tiles on or below the diagonal."""
+    tiles = math.ceil(n / tile)
+    return (tiles + 1) / (2 * tiles)
+
+
+def orthogonalize_flops(
+    rows: int, cols: int, method: str, symmetric: bool, schedule="polar_express",
+    restarts: Optional[Sequence[int]] = None,
+) -> tuple[int, float]:
+    """(dense, executed) FLOPs to orthogonalize one rows×cols matrix."""
+    n, m = min(rows, cols), max(rows, cols)
+    if method == "auto":
+        method = choose_method(rows, cols, symmetric)
+    schedule = get_schedule(schedule)
+    if method == "gram":
+        restarts = default_restarts(schedule) if restarts is None else restarts
+        products = gram_products(n, m, len(schedule), restarts)
+    elif method == "newton_schulz":
+        products = newton_schulz_products(n, m, len(schedule))
+    else:
+        raise ValueError(f"method must be 'auto', 'newton_schulz' or 'gram', got {method!r}")
+    share = symmetric_share(n) if symmetric else 1.0
+    dense = sum(f for f, _ in products)
+    return dense, sum(f * share if sym else f for f, sym in products)
+
+
+def elementwise_bytes(algorithm: str, rows: int, cols: int, selected_rows: int) -> float:
+    """Minimum fused memory traffic for one matrix (see the module docstring)."""
+    numel = rows * cols
+    if algorithm in ("adamw", "muon"):
+        return 28.0 * numel
+    if algorithm == "normuon":
+        return 30.0 * numel
+    if algorithm == "dion3":
+        return 20.0 * numel + 14.0 * selected_rows * cols
+    raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+
+
+def sent_bytes(
+    shape: MatrixShape, fraction: Optional[float], world_size: int, layout: str = "fsdp",
+    scope: str = "local", wire_bytes: int = 4,
+) -> float:
+    """Bytes one rank sends per step for one group of same-shape matrices."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be ≥ 1, got {world_size}")
+    if world_size == 1:
+        return 0.0
+    w, count = world_size, shape.count
+    if layout == "ddp":
+        k = shape.rows if fraction is None else selected_row_count(shape.rows, fraction)
+        return (w - 1) * math.ceil(count / w) * k * shape.cols * wire_bytes
+    local_rows = math.ceil(shape.rows / w)
+    k_local = local_rows if fraction is None else selected_row_count(local_rows, fraction)
+    total = 2 * count * (w - 1) / w * k_local * shape.cols * wire_bytes
+    if fraction is not None and scope == "global":
+        total += count * (w - 1) * local_rows * 4
+    return total
+
+
+def step_cost(
+    matrices: Sequence[MatrixShape], algorithm: str, fraction: Optional[float] = None,
+    method: str = "auto", symmetric: bool = False, schedule="polar_express",
+    restarts: Optional[Sequence[int]] = None, scalar_numel: int = 0,
+    world_size: int = 1, layout: str = "fsdp", scope: str = "local",
+) -> StepCost:
+    """Cost of one step over the given matrices (and `scalar_numel` AdamW elements)."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if (fraction is not None) != (algorithm == "dion3"):
+        raise ValueError(f"fraction is required for dion3 and meaningless for {algorithm!r}, got {fraction!r}")
+    dense = executed = 0.0
+    moved, sent = 28.0 * scalar_numel, 0.0
+    for shape in matrices:
+        k = shape.rows if fraction is None else selected_row_count(shape.rows, fraction)
+        moved += shape.count * elementwise_bytes(algorithm, shape.rows, shape.cols, k)
+        if algorithm == "adamw":
+            continue
+        d, e = orthogonalize_flops(k, shape.cols, method, symmetric, schedule, restarts)
+        dense += shape.count * d
+        executed += shape.count * e
+        sent += sent_bytes(shape, fraction, world_size, layout, scope)
+    return StepCost(int(dense), executed, moved, sent)
+
+
+# The variants of the README table: (label, algorithm, fraction, method, symmetric kernels).
+TABLE_VARIANTS = (
+    ("AdamW", "adamw", None, "auto", False),
+    ("Muon (NS, cuBLAS)", "muon", None, "newton_schulz", False),
+    ("Muon + Gram + sym", "muon", None, "auto", True),
+    ("NorMuon + Gram + sym", "normuon", None, "auto", True),
+    ("Dion3 f=1/2", "dion3", 0.5, "auto", True),
+    ("Dion3 f=1/4", "dion3", 0.25, "auto", True),
+    ("Dion3 f=1/8", "dion3", 0.125, "auto", True),
+)
+
+
+def markdown_table(preset: Preset, world_size: int = 8) -> str:
+    """README table: FLOPs, bytes and the H200 floor for each variant on one preset."""
+    lines = [
+        f"| {preset.name} | dense TFLOP | executed TFLOP | GB moved | floor ms (H200) | GB sent/rank, FSDP W={world_size} |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, algorithm, fraction, method, symmetric in TABLE_VARIANTS:
+        cost = step_cost(preset.matrices, algorithm, fraction, method, symmetric, world_size=world_size)
+        lines.append(
+            f"| {label} | {cost.dense_flops / 1e12:.2f} | {cost.executed_flops / 1e12:.2f} | "
+            f"{cost.bytes_moved / 1e9:.1f} | {cost.floor_seconds() * 1e3:.1f} | {cost.bytes_sent / 1e9:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Print the README tables: `python -m dion3.bench.flops`."""
+    for preset in PRESETS.values():
+        print(f"{preset.name}: {preset.description}; {preset.matrix_numel / 1e9:.2f} B matrix parameters\n")
+        print(markdown_table(preset) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

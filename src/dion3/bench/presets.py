@@ -1,0 +1,103 @@
+"""Parameter shapes for the step-time benchmark: Llama-shaped presets and custom shape lists.
+
+A preset lists the weight matrices of every transformer layer (q, o, k, v, gate, up, down)
+times the layer count (DESIGN §8), which is what the orthogonal optimizers work on. It also
+lists the non-matrix parameters of the same model (token embedding, LM head, RMSNorm weights);
+those belong in an AdamW group and are only benchmarked with `dion3 bench --scalars`, because
+the reference figures of DESIGN §8 cover the matrix parameters alone.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class MatrixShape:
+    """`count` matrices of shape rows × cols (one parameter each)."""
+
+    name: str
+    rows: int
+    cols: int
+    count: int
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols * self.count
+
+
+@dataclass(frozen=True)
+class ScalarShape:
+    """`count` non-matrix parameters (AdamW group) of the given shape."""
+
+    name: str
+    shape: tuple[int, ...]
+    count: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape) * self.count
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    matrices: tuple[MatrixShape, ...]
+    scalars: tuple[ScalarShape, ...] = field(default=())
+    description: str = ""
+
+    @property
+    def matrix_numel(self) -> int:
+        return sum(m.numel for m in self.matrices)
+
+    @property
+    def scalar_numel(self) -> int:
+        return sum(s.numel for s in self.scalars)
+
+
+def llama(name: str, layers: int, dim: int, kv_dim: int, hidden: int, vocab: int, tied: bool) -> Preset:
+    """Matrices of a Llama decoder (weights stored out_features × in_features, as nn.Linear)."""
+    matrices = (
+        MatrixShape("q,o", dim, dim, 2 * layers),
+        MatrixShape("k,v", kv_dim, dim, 2 * layers),
+        MatrixShape("gate,up", hidden, dim, 2 * layers),
+        MatrixShape("down", dim, hidden, layers),
+    )
+    scalars = (
+        ScalarShape("embedding" if tied else "embedding,lm_head", (vocab, dim), 1 if tied else 2),
+        ScalarShape("rmsnorm", (dim,), 2 * layers + 1),  # two per layer plus the final norm
+    )
+    description = f"{layers} layers, d={dim}, kv={kv_dim}, ffn={hidden}, vocab={vocab}" + (", tied embeddings" if tied else "")
+    return Preset(name, matrices, scalars, description)
+
+
+PRESETS = {
+    # Llama 3.2 1B: 16 layers, 0.97 B matrix parameters.
+    "llama-1b": llama("llama-1b", layers=16, dim=2048, kv_dim=512, hidden=8192, vocab=128256, tied=True),
+    # Llama 3.1 8B: 32 layers, 6.98 B matrix parameters.
+    "llama-8b": llama("llama-8b", layers=32, dim=4096, kv_dim=1024, hidden=14336, vocab=128256, tied=False),
+}
+
+_SHAPE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*(?::\s*(\d+))?\s*$")
+
+
+def parse_shapes(text: str) -> Preset:
+    """Custom shapes such as "4096x4096:32,1024x4096:64" (ROWSxCOLS[:COUNT], count 1 if omitted)."""
+    matrices = []
+    for item in text.split(","):
+        match = _SHAPE.match(item)
+        if not match:
+            raise ValueError(f"--shapes: cannot parse {item.strip()!r}; expected ROWSxCOLS[:COUNT], e.g. 4096x4096:32")
+        rows, cols, count = int(match[1]), int(match[2]), int(match[3] or 1)
+        if min(rows, cols, count) < 1:
+            raise ValueError(f"--shapes: {item.strip()!r} needs rows, cols and count ≥ 1")
+        matrices.append(MatrixShape(f"{rows}x{cols}", rows, cols, count))
+    return Preset("custom", tuple(matrices), (), f"custom shapes {text}")
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"--preset: unknown preset {name!r}; expected one of {sorted(PRESETS)}") from None

@@ -1,0 +1,350 @@
+"""`dion3 bench`: time one optimizer step on model-shaped fp32 parameters.
+
+Each variant (AdamW, the standard-NS Muon baseline, Muon with kernels and Gram NS, NorMuon,
+Dion3 at several fractions) runs alone, eager and graph-captured, on fixed random gradients;
+memory is freed between runs and a failing variant reports its error in its row. Reported per
+row: median device ms (CUDA events; perf_counter on CPU), median host ms (time for the step
+call to return), first step s (optimizer construction to the end of the first step, including
+compilation and autotuning), ready s (to the end of warm-up, capture included), effective
+TFLOP/s and GB/s from the cost model in flops.py, bytes sent per step, speedup vs the baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shlex
+import statistics
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Callable, Optional
+
+import torch
+
+from .. import kernels
+from ..optim import Dion3, Muon, NorMuon
+from . import flops
+from .presets import PRESETS, Preset, get_preset, parse_shapes
+
+GRAPH_WARMUP = 3  # eager steps CapturedStep runs before capturing
+BASELINE = "muon"
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    algorithm: str  # adamw | muon | normuon | dion3
+    fraction: Optional[float] = None
+    orthogonalizer: str = "auto"
+    kernels: bool = True  # Triton kernels enabled (dion3.kernels.set_kernels_enabled)
+
+
+NAMED_VARIANTS = {
+    "adamw": Variant("adamw", "adamw", kernels=False),
+    "muon": Variant("muon", "muon", orthogonalizer="newton_schulz", kernels=False),  # the baseline
+    "muon-gram": Variant("muon-gram", "muon"),  # auto: Gram NS for non-square, NS for square
+    "normuon": Variant("normuon", "normuon"),
+}
+DEFAULT_OPTIMIZERS = "adamw,muon,muon-gram,normuon,dion3-1/2,dion3-1/4,dion3-1/8"
+
+
+def parse_variant(name: str) -> Variant:
+    """A named variant, or dion3-F with F a fraction in (0, 1] such as 1/4 or 0.25."""
+    if name in NAMED_VARIANTS:
+        return NAMED_VARIANTS[name]
+    if name.startswith("dion3-"):
+        try:
+            fraction = float(Fraction(name[len("dion3-"):]))
+        except (ValueError, ZeroDivisionError):
+            fraction = -1.0
+        if 0.0 < fraction <= 1.0:
+            return Variant(name, "dion3", fraction=fraction)
+    raise ValueError(
+        f"--optimizers: unknown optimizer {name!r}; expected one of {sorted(NAMED_VARIANTS)} "
+        "or dion3-F with a fraction F in (0, 1], e.g. dion3-1/4"
+    )
+
+
+# ------------------------------------------------------------------------ building a run
+def make_parameters(preset: Preset, device: torch.device, with_scalars: bool):
+    """Fresh fp32 matrices (and scalar params) with fixed random gradients."""
+    def leaf(shape):
+        p = torch.nn.Parameter(torch.randn(shape, device=device).mul_(0.02))
+        p.grad = torch.randn(shape, device=device)
+        return p
+
+    matrices = [leaf((m.rows, m.cols)) for m in preset.matrices for _ in range(m.count)]
+    scalars = [leaf(s.shape) for s in preset.scalars for _ in range(s.count)] if with_scalars else []
+    return matrices, scalars
+
+
+def make_optimizer(variant: Variant, matrices, scalars, device: torch.device, graph: bool):
+    if variant.algorithm == "adamw":
+        mode = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        return torch.optim.AdamW(matrices + scalars, lr=1e-3, weight_decay=0.01, capturable=graph, **mode)
+    groups = [{"params": matrices}]
+    if scalars:
+        groups.append({"params": scalars, "algorithm": "adamw", "lr": 1e-3})
+    common = dict(lr=0.01, weight_decay=0.01, orthogonalizer=variant.orthogonalizer)
+    if variant.algorithm == "dion3":
+        return Dion3(groups, fraction=variant.fraction, **common)
+    return (Muon if variant.algorithm == "muon" else NorMuon)(groups, **common)
+
+
+@contextmanager
+def kernels_enabled(enabled: bool, notes: list[str]):
+    """Switch dion3's Triton kernels on or off for one run, back on afterwards."""
+    setter = getattr(kernels, "set_kernels_enabled", None)
+    if setter is None:
+        notes.append("dion3.kernels.set_kernels_enabled missing: kernels left at their default")
+        yield
+        return
+    setter(enabled)
+    try:
+        yield
+    finally:
+        setter(True)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------ measuring
+def timed_calls(step: Callable[[], object], count: int, device: torch.device, progress: Callable[[int], None]):
+    """(device ms, host ms) per call: CUDA events around each call on GPU, perf_counter on CPU."""
+    cuda = device.type == "cuda"
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(count)] if cuda else []
+    host = []
+    for i in range(count):
+        if cuda:
+            events[i][0].record()
+        start = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - start) * 1e3)
+        if cuda:
+            events[i][1].record()
+        progress(i + 1)
+    synchronize(device)
+    device_ms = [begin.elapsed_time(end) for begin, end in events] if cuda else host
+    return device_ms, host
+
+
+def measure(variant: Variant, graph: bool, preset: Preset, args, device: torch.device, progress) -> dict:
+    """Run warm-up and timed steps of one variant; return its measurements."""
+    torch.manual_seed(0)
+    matrices, scalars = make_parameters(preset, device, args.scalars)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    optimizer = make_optimizer(variant, matrices, scalars, device, graph)
+    step = optimizer.step
+    if graph:
+        from ..optim.graph import CapturedStep  # the lead's capture wrapper
+
+        step = CapturedStep(optimizer, warmup_steps=GRAPH_WARMUP)
+    step()
+    synchronize(device)
+    first = time.perf_counter() - start
+    for i in range(1, args.warmup):
+        progress(f"warm-up {i + 1}/{args.warmup}")
+        step()
+    synchronize(device)
+    ready = time.perf_counter() - start
+    sent_before = getattr(optimizer, "bytes_sent", None)
+    device_ms, host_ms = timed_calls(step, args.steps, device, lambda i: progress(f"step {i}/{args.steps}"))
+    sent_after = getattr(optimizer, "bytes_sent", None)
+    result = dict(
+        device_ms=statistics.median(device_ms), host_ms=statistics.median(host_ms),
+        device_ms_all=device_ms, first_step_s=first, ready_s=ready,
+        bytes_sent=(sent_after - sent_before) / args.steps if sent_before is not None else 0.0,
+        bytes_sent_source="optimizer.bytes_sent" if sent_before is not None else "none (single device)",
+    )
+    if device.type == "cuda":
+        result["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    return result
+
+
+def cost_of(variant: Variant, preset: Preset, device: torch.device, with_scalars: bool) -> flops.StepCost:
+    symmetric = variant.kernels and kernels.symmetric_kernels_available(device)
+    return flops.step_cost(
+        preset.matrices, variant.algorithm, variant.fraction, variant.orthogonalizer, symmetric,
+        scalar_numel=preset.scalar_numel if with_scalars else 0,
+    )
+
+
+def run_variant(variant: Variant, graph: bool, preset: Preset, args, device: torch.device, progress) -> dict:
+    row = dict(name=variant.name, mode="graph" if graph else "eager", variant=asdict(variant))
+    notes: list[str] = []
+    try:
+        with kernels_enabled(variant.kernels, notes):
+            cost = cost_of(variant, preset, device, args.scalars)
+            row["model"] = asdict(cost)
+            row.update(measure(variant, graph, preset, args, device, progress))
+        seconds = row["device_ms"] / 1e3
+        row["tflops"] = cost.dense_flops / seconds / 1e12 if cost.dense_flops else None
+        row["gbps"] = cost.bytes_moved / seconds / 1e9
+    except Exception as error:  # a failing variant must not stop the others
+        row["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
+        row["traceback"] = traceback.format_exc()
+    finally:
+        free_memory(device)
+    if notes:
+        row["notes"] = notes
+    return row
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Speedup of every row vs the baseline measured in the same run (eager preferred)."""
+    baseline = [r for r in rows if r["name"] == BASELINE and "device_ms" in r]
+    baseline.sort(key=lambda r: r["mode"] != "eager")
+    for row in rows:
+        ok = baseline and "device_ms" in row
+        row["speedup"] = baseline[0]["device_ms"] / row["device_ms"] if ok else None
+
+
+# ------------------------------------------------------------------------ output
+COLUMNS = (
+    ("variant", "name", "{}"), ("mode", "mode", "{}"), ("device ms", "device_ms", "{:.2f}"),
+    ("host ms", "host_ms", "{:.3f}"), ("first s", "first_step_s", "{:.2f}"), ("ready s", "ready_s", "{:.2f}"),
+    ("TFLOP/s", "tflops", "{:.3g}"), ("GB/s", "gbps", "{:.3g}"), ("sent MB", "bytes_sent", "{:.1f}"),
+    ("speedup", "speedup", "{:.2f}x"), ("peak GB", "peak_gb", "{:.1f}"),
+)
+
+
+def format_table(rows: list[dict]) -> str:
+    def cell(row, key, fmt):
+        value = row.get(key)
+        if key == "bytes_sent" and value is not None:
+            value /= 1e6
+        return "-" if value is None else fmt.format(value)
+
+    header = [title for title, _, _ in COLUMNS]
+    measured = [[cell(row, key, fmt) for _, key, fmt in COLUMNS] for row in rows if "error" not in row]
+    widths = [max(len(r[i]) for r in [header] + measured) for i in range(len(COLUMNS))]
+
+    def line(cells):  # names left-aligned, numbers right-aligned
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    lines = [line(header)]
+    for row in rows:
+        if "error" in row:  # the message runs on past the columns
+            lines.append(f"{row['name'].ljust(widths[0])}  {row['mode'].ljust(widths[1])}  error: {row['error'][:160]}")
+        else:
+            lines.append(line([cell(row, key, fmt) for _, key, fmt in COLUMNS]))
+    return "\n".join(lines)
+
+
+class Progress:
+    """One status line on stderr: rewritten in place on a terminal, one line per run otherwise."""
+
+    def __init__(self, total: int):
+        self.total, self.index, self.label = total, 0, ""
+        self.live = sys.stderr.isatty()
+
+    def start(self, label: str) -> None:
+        self.index += 1
+        self.label = f"[{self.index}/{self.total}] {label}"
+        self("first step (compiling)")
+
+    def __call__(self, status: str) -> None:
+        if self.live:
+            sys.stderr.write(f"\r\033[K{self.label}: {status}")
+            sys.stderr.flush()
+
+    def finish(self, row: dict) -> None:
+        outcome = f"error: {row['error']}" if "error" in row else f"{row['device_ms']:.2f} ms"
+        sys.stderr.write(("\r\033[K" if self.live else "") + f"{self.label}: {outcome}\n")
+        sys.stderr.flush()
+
+
+# ------------------------------------------------------------------------ command line
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="dion3 bench", description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=sorted(PRESETS), default="llama-1b", help="model shapes (default llama-1b)")
+    source.add_argument("--shapes", help="custom matrices ROWSxCOLS[:COUNT],... e.g. 4096x4096:32,1024x4096:64")
+    parser.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS, help=f"comma list (default {DEFAULT_OPTIMIZERS})")
+    parser.add_argument("--skip", default="", help="comma list of optimizers to leave out (e.g. adamw on llama-8b)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run (median reported; default 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first, the first step included (default 5)")
+    parser.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
+                        help="also run each variant graph-captured (default: on for CUDA)")
+    parser.add_argument("--scalars", action="store_true", help="add embedding/LM head/norm params in an AdamW group")
+    parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be ≥ 1, got {args.steps}")
+    if args.warmup < 1:
+        parser.error(f"--warmup must be ≥ 1 (the first step is always untimed), got {args.warmup}")
+    try:
+        args.device = torch.device(args.device)
+        args.source = parse_shapes(args.shapes) if args.shapes else get_preset(args.preset)
+        skip = {name.strip() for name in args.skip.split(",") if name.strip()}
+        args.variants = [parse_variant(n.strip()) for n in args.optimizers.split(",") if n.strip() and n.strip() not in skip]
+    except (ValueError, RuntimeError) as error:
+        parser.error(str(error))
+    if args.graph is None:
+        args.graph = args.device.type == "cuda"
+    if args.graph and args.device.type != "cuda":
+        parser.error("--graph needs a CUDA device (use --no-graph with --device cpu)")
+    if args.graph and args.warmup <= GRAPH_WARMUP:
+        args.warmup = GRAPH_WARMUP + 1  # so that every timed step is a graph replay
+    return args
+
+
+def environment(device: torch.device) -> dict:
+    info = {"torch": torch.__version__, "device": str(device)}
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.steps < 10:
+        print(f"note: --steps {args.steps} < 10; medians of so few steps are noisy", file=sys.stderr)
+    modes = [False, True] if args.graph else [False]
+    runs = [(v, g) for v in args.variants for g in modes]
+    report = {
+        "command": "dion3 bench " + shlex.join(argv), "environment": environment(args.device),
+        "source": asdict(args.source), "steps": args.steps, "warmup": args.warmup, "scalars": args.scalars,
+        "results": [],
+    }
+    progress = Progress(len(runs))
+    for variant, graph in runs:
+        progress.start(f"{variant.name} {'graph' if graph else 'eager'}")
+        row = run_variant(variant, graph, args.source, args, args.device, progress)
+        progress.finish(row)
+        report["results"].append(row)
+        add_speedups(report["results"])
+        if args.json:  # rewritten after every run so a crash keeps what was measured
+            with open(args.json, "w") as handle:
+                json.dump(report, handle, indent=1)
+    print(f"{args.source.name}: {args.source.description}; {args.source.matrix_numel:,} matrix params, "
+          f"fp32, {args.steps} timed steps, device {report['environment'].get('device_name', args.device)}")
+    print(format_table(report["results"]))
+    return 1 if all("error" in r for r in report["results"]) and runs else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
