@@ -1,0 +1,200 @@
+"""Newton–Schulz and Gram Newton–Schulz against float64 references.
+
+The reference for a schedule is exact: for X = U·diag(σ)·Vᵀ, T polynomial steps on the
+normalized X give U·diag(p_T(…p_1(σ̂)))·Vᵀ with σ̂ = σ / (norm_scale·‖X‖_F). We build inputs
+with known SVD and compare against that image, computed by the scalar recursion in float64.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dion3 import autotune_restarts, orthogonalize
+from dion3.ortho import SCHEDULES, get_schedule
+from dion3.ortho.quality import relative_difference, singular_values
+
+CONVERGED = 1e-2  # normalized singular values at least this large must land in the band
+
+
+def scalar_image(schedule, sigma_hat):
+    """p_T(…p_1(σ̂)) in float64, elementwise."""
+    x = np.asarray(sigma_hat, dtype=np.float64)
+    for a, b, c in schedule.steps:
+        x = a * x + b * x**3 + c * x**5
+    return x
+
+
+def known_svd(batch, rows, cols, smallest, generator=None):
+    """X = U·diag(σ)·Vᵀ with σ log-spaced from 1 to `smallest`; returns X, U, σ, V (float64)."""
+    n = min(rows, cols)
+    u, _ = torch.linalg.qr(torch.randn(batch, rows, n, dtype=torch.float64, generator=generator))
+    v, _ = torch.linalg.qr(torch.randn(batch, cols, n, dtype=torch.float64, generator=generator))
+    sigma = torch.logspace(0, math.log10(smallest), n, dtype=torch.float64).expand(batch, n)
+    return (u * sigma[:, None, :]) @ v.mT, u, sigma, v
+
+
+def polynomial_image(schedule, u, sigma, v):
+    sigma_hat = sigma / (schedule.norm_scale * sigma.norm(dim=-1, keepdim=True))
+    image = torch.from_numpy(scalar_image(schedule, sigma_hat.numpy()))
+    return (u * image[:, None, :]) @ v.mT, sigma_hat
+
+
+# ---------------------------------------------------------------- the schedules' bands
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_band_holds_for_converged_singular_values(name):
+    """Simulate every schedule over all normalized singular values that can occur
+    (σ̂ ≤ 1/norm_scale because σ_max ≤ ‖X‖_F) and that are large enough to converge."""
+    schedule = SCHEDULES[name]
+    sigma_hat = np.logspace(0, math.log10(CONVERGED), 20001) / schedule.norm_scale
+    image = scalar_image(schedule, sigma_hat)
+    low, high = schedule.band
+    assert image.min() >= low and image.max() <= high, (
+        f"{name}: converged singular values span [{image.min():.4f}, {image.max():.4f}], "
+        f"outside the declared band {schedule.band}"
+    )
+    assert 0.5 <= low < 1.0 < high <= 1.3  # a band that says something
+
+
+# ---------------------------------------------------------------- NS and Gram NS
+
+
+SHAPES = [(32, 32), (32, 64), (16, 128), (96, 24), (256, 32)]  # aspect ratios 1, 2, 8, 4 (tall), 8 (tall)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("method", ["newton_schulz", "gram"])
+@pytest.mark.parametrize("rows, cols", SHAPES)
+def test_follows_polynomial_image(name, method, rows, cols):
+    """float32 output vs the exact float64 polynomial image, on a spectrum down to 1e-6; the
+    converged components lie in the schedule's band."""
+    schedule = SCHEDULES[name]
+    x, u, sigma, v = known_svd(3, rows, cols, 1e-6)
+    expected, sigma_hat = polynomial_image(schedule, u, sigma, v)
+    out = orthogonalize(x.float(), method, name)
+    assert out.dtype == torch.float32 and out.shape == x.shape
+    assert relative_difference(out, expected).max() < 2e-3
+    diagonal = torch.diagonal(u.mT @ out.double() @ v, dim1=-2, dim2=-1)  # output's σ per input σ
+    converged = diagonal[sigma_hat >= CONVERGED]
+    low, high = schedule.band
+    assert converged.min() >= low - 1e-3 and converged.max() <= high + 1e-3
+
+
+@pytest.mark.parametrize("rows, cols", SHAPES)
+@pytest.mark.parametrize("smallest", [1.0, 1e-2, 1e-6])
+def test_gram_agrees_with_standard(rows, cols, smallest):
+    """Equal compute precision (float32 on CPU), batched, random and ill-conditioned inputs."""
+    random = torch.randn(2, rows, cols)
+    ill, *_ = known_svd(2, rows, cols, smallest)
+    x = torch.cat([random, ill.float()])
+    gram = orthogonalize(x, "gram")
+    standard = orthogonalize(x, "newton_schulz")
+    assert relative_difference(gram, standard).max() <= 2e-2
+
+
+@pytest.mark.parametrize("method", ["newton_schulz", "gram"])
+def test_well_conditioned_output_singular_values_in_band(method):
+    x, *_ = known_svd(4, 24, 96, 0.1)  # every normalized σ is ≥ 0.02: all converge
+    out = orthogonalize(x.float(), method)
+    sv = singular_values(out)
+    low, high = SCHEDULES["polar_express"].band
+    assert sv.min() >= low and sv.max() <= high
+
+
+@pytest.mark.parametrize(
+    "method, dtype", [("newton_schulz", torch.float32), ("gram", torch.float32), ("newton_schulz", torch.bfloat16), ("gram", torch.float16)]
+)
+def test_zero_and_rank_one_inputs(method, dtype):
+    zero = orthogonalize(torch.zeros(2, 8, 24), method, dtype=dtype)
+    assert torch.equal(zero, torch.zeros(2, 8, 24))
+    left, right = torch.randn(8, 1, dtype=torch.float64), torch.randn(1, 24, dtype=torch.float64)
+    rank_one = left @ right
+    out = orthogonalize(rank_one.float(), method, dtype=dtype)
+    assert torch.isfinite(out).all()
+    schedule = SCHEDULES["polar_express"]
+    level = float(scalar_image(schedule, 1 / schedule.norm_scale))
+    expected = level * rank_one / rank_one.norm()
+    if dtype == torch.float32:
+        assert relative_difference(out, expected) < 1e-4
+    else:
+        # half-precision noise in the other directions is amplified ~p'(0)^T ≈ 1000×, as for
+        # any low-precision NS; the input's own direction must still come out in the band
+        u_hat, v_hat = left / left.norm(), right / right.norm()
+        along = float(u_hat.mT @ out.double() @ v_hat.mT)
+        assert schedule.band[0] <= along <= schedule.band[1]
+
+
+def test_fp16_gram_with_restart_beats_bf16_standard():
+    """On a 1e-6 spectrum, against the exact float64 polynomial image: fp16 Gram NS with the
+    default restart is no worse than bf16 standard NS; without restarts it is clearly worse,
+    which is why restarts exist."""
+    schedule = SCHEDULES["polar_express"]
+    x, u, sigma, v = known_svd(4, 64, 256, 1e-6)
+    expected, _ = polynomial_image(schedule, u, sigma, v)
+    x = x.float()
+    bf16_standard = relative_difference(orthogonalize(x, "newton_schulz", dtype=torch.bfloat16), expected).max()
+    fp16_gram = relative_difference(orthogonalize(x, "gram", dtype=torch.float16), expected).max()
+    no_restart = orthogonalize(x, "gram", dtype=torch.float16, restarts=())
+    no_restart_error = relative_difference(no_restart, expected).max()
+    assert fp16_gram <= bf16_standard
+    assert fp16_gram < 0.1
+    assert not torch.isfinite(no_restart_error) or no_restart_error > 5 * fp16_gram
+
+
+def test_restart_autotuner():
+    positions, condition = autotune_restarts("polar_express", 1)
+    assert positions == (2,)
+    assert math.isfinite(condition) and condition >= 1.0
+    _, without = autotune_restarts("polar_express", 0)
+    assert not math.isfinite(without) or without > 1e3 * condition
+    # the chosen restart is what orthogonalize uses by default
+    x = torch.randn(2, 16, 64)
+    torch.testing.assert_close(orthogonalize(x, "gram"), orthogonalize(x, "gram", restarts=[2]), rtol=0, atol=0)
+    with pytest.raises(ValueError):
+        autotune_restarts("polar_express", 5)
+
+
+def test_restarts_do_not_change_exact_arithmetic():
+    """In float64 a restart only regroups the same products: result equals no restart."""
+    x = torch.randn(2, 16, 64, dtype=torch.float64)
+    base = orthogonalize(x, "gram", restarts=(), dtype=torch.float64)
+    for restarts in ([1], [2], [3, 4], [1, 2, 3, 4]):
+        got = orthogonalize(x, "gram", restarts=restarts, dtype=torch.float64)
+        torch.testing.assert_close(got, base, rtol=1e-9, atol=1e-10)
+    with pytest.raises(ValueError, match="restart"):
+        orthogonalize(x, "gram", restarts=[5])
+
+
+# ---------------------------------------------------------------- interface
+
+
+def test_auto_picks_gram_only_for_clearly_non_square():
+    wide, square, near = torch.randn(2, 16, 64), torch.randn(2, 16, 16), torch.randn(2, 16, 20)
+    assert torch.equal(orthogonalize(wide), orthogonalize(wide, "gram"))
+    assert torch.equal(orthogonalize(square), orthogonalize(square, "newton_schulz"))
+    assert torch.equal(orthogonalize(near), orthogonalize(near, "newton_schulz"))
+
+
+def test_leading_dims_input_untouched_and_explicit_coefficients():
+    x = torch.randn(2, 3, 12, 20)
+    before = x.clone()
+    out = orthogonalize(x, "newton_schulz", "jordan")
+    assert torch.equal(x, before)
+    assert out.shape == x.shape
+    for i in range(2):
+        torch.testing.assert_close(out[i], orthogonalize(x[i], "newton_schulz", "jordan"), rtol=1e-5, atol=1e-6)
+    explicit = orthogonalize(x, "newton_schulz", [list(t) for t in SCHEDULES["jordan"].steps])
+    torch.testing.assert_close(explicit, out, rtol=0, atol=0)
+
+
+def test_orthogonalize_rejects_bad_input():
+    with pytest.raises(ValueError, match="method"):
+        orthogonalize(torch.randn(4, 4), "svd")
+    with pytest.raises(ValueError, match="ns_coefficients"):
+        orthogonalize(torch.randn(4, 4), coefficients="keller")
+    with pytest.raises(ValueError):
+        orthogonalize(torch.randn(4))
+    with pytest.raises(ValueError):
+        get_schedule([(1.0, 2.0)])
