@@ -38,8 +38,9 @@ POLAR_EXPRESS = Schedule(
     band=(0.7, 1.2),
 )
 
-# Keller Jordan's fixed quintic, 5 steps.
-JORDAN = Schedule("jordan", ((3.4445, -4.7750, 2.0315),) * 5, band=(0.68, 1.13))
+# Keller Jordan's fixed quintic, 5 steps. Its invariant interval is [p(x*), p(p(x*))] with x* the
+# local minimum of p: ≈ [0.6818, 1.1344].
+JORDAN = Schedule("jordan", ((3.4445, -4.7750, 2.0315),) * 5, band=(0.68, 1.14))
 
 # Jiacheng You's 5-step schedule.
 YOU = Schedule(
