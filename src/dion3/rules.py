@@ -108,12 +108,16 @@ def normalize_rows(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float
     n_i = mean_j O_ij²; V ← β₂V + (1−β₂)n; Ô = O / (√V + ε); Ô ← Ô·‖O‖_F / max(‖Ô‖_F, ε).
     Returns (Ô, new V) without touching the inputs.
     """
+    # Everything reduces to per-row factors computed from the row norms, so O is read once
+    # for the norms and once for the final scaling (no full-size temporaries).
     ortho = ortho.float()
-    frob = torch.linalg.vector_norm(ortho, dim=(-2, -1), keepdim=True)
-    new_variance = torch.lerp(variance.float(), ortho.square().mean(dim=-1, keepdim=True), 1.0 - beta2)
-    scaled = ortho / (new_variance.sqrt() + epsilon)
-    scaled_norm = torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True)
-    return scaled.mul_(frob / scaled_norm.clamp_min(epsilon)), new_variance
+    row_sq = torch.linalg.vector_norm(ortho, dim=-1, keepdim=True).square()  # [N, k, 1]
+    new_variance = torch.lerp(variance.float(), row_sq / ortho.shape[-1], 1.0 - beta2)
+    inverse_rms = 1.0 / (new_variance.sqrt() + epsilon)
+    frob = row_sq.sum(dim=-2, keepdim=True).sqrt()  # ‖O‖_F, [N, 1, 1]
+    scaled_frob = (row_sq * inverse_rms.square()).sum(dim=-2, keepdim=True).sqrt()  # ‖Ô‖_F before rescale
+    row_scale = inverse_rms * (frob / scaled_frob.clamp_min(epsilon))
+    return ortho * row_scale, new_variance
 
 
 def apply_update(
