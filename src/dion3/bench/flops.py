@@ -4,7 +4,8 @@ FLOPs count only the matrix products of orthogonalization (2·n·k·m per n×k b
 the elementwise work is memory-bound and counted as bytes instead. Two FLOP figures:
   dense     what the algorithm costs with ordinary GEMMs (used for "effective TFLOP/s");
   executed  what runs when symmetric products compute only their lower-triangle tiles:
-            T(T+1)/2 of T² tiles, T = ⌈n / tile⌉ (DESIGN §4).
+            T(T+1)/2 of T² tiles, T = ⌈n / tile⌉ (DESIGN §4), for the n at which the
+            kernels are used (dion3.kernels sends n < SYMMETRIC_MIN_N to cuBLAS).
 
 Bytes are the minimum traffic of a fully fused implementation, per matrix element, with fp32
 parameters, gradients and state and half-precision orthogonalization input/output:
@@ -31,8 +32,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, Union
 
+from ..kernels import SYMMETRIC_MIN_N
 from ..ortho import choose_method, default_restarts, get_schedule
 from ..rules import selected_row_count
 from .presets import PRESETS, MatrixShape, Preset
@@ -44,6 +46,13 @@ ALGORITHMS = ("adamw", "muon", "normuon", "dion3")
 LAYOUTS = ("fsdp", "ddp")
 
 Product = tuple[int, bool]  # (dense FLOPs, output symmetric)
+# Whether symmetric kernels serve n×n outputs: a flag, or a rule of n (kernels skip small n).
+Symmetric = Union[bool, Callable[[int], bool]]
+
+
+def h200_symmetric(n: int) -> bool:
+    """The dispatch rule of dion3.kernels on a GPU with Triton: symmetric kernel from n ≥ SYMMETRIC_MIN_N."""
+    return n >= SYMMETRIC_MIN_N
 
 
 @dataclass(frozen=True)
@@ -91,11 +100,12 @@ def symmetric_share(n: int, tile: int = SYMMETRIC_TILE) -> float:
 
 
 def orthogonalize_flops(
-    rows: int, cols: int, method: str, symmetric: bool, schedule="polar_express",
+    rows: int, cols: int, method: str, symmetric: Symmetric, schedule="polar_express",
     restarts: Optional[Sequence[int]] = None,
 ) -> tuple[int, float]:
     """(dense, executed) FLOPs to orthogonalize one rows×cols matrix."""
     n, m = min(rows, cols), max(rows, cols)
+    symmetric = symmetric(n) if callable(symmetric) else bool(symmetric)
     if method == "auto":
         method = choose_method(rows, cols, symmetric)
     schedule = get_schedule(schedule)
@@ -148,7 +158,7 @@ def sent_bytes(
 
 def step_cost(
     matrices: Sequence[MatrixShape], algorithm: str, fraction: Optional[float] = None,
-    method: str = "auto", symmetric: bool = False, schedule="polar_express",
+    method: str = "auto", symmetric: Symmetric = False, schedule="polar_express",
     restarts: Optional[Sequence[int]] = None, scalar_numel: int = 0,
     world_size: int = 1, layout: str = "fsdp", scope: str = "local",
 ) -> StepCost:
@@ -175,11 +185,11 @@ def step_cost(
 TABLE_VARIANTS = (
     ("AdamW", "adamw", None, "auto", False),
     ("Muon (NS, cuBLAS)", "muon", None, "newton_schulz", False),
-    ("Muon + Gram + sym", "muon", None, "auto", True),
-    ("NorMuon + Gram + sym", "normuon", None, "auto", True),
-    ("Dion3 f=1/2", "dion3", 0.5, "auto", True),
-    ("Dion3 f=1/4", "dion3", 0.25, "auto", True),
-    ("Dion3 f=1/8", "dion3", 0.125, "auto", True),
+    ("Muon + Gram + sym", "muon", None, "auto", h200_symmetric),
+    ("NorMuon + Gram + sym", "normuon", None, "auto", h200_symmetric),
+    ("Dion3 f=1/2", "dion3", 0.5, "auto", h200_symmetric),
+    ("Dion3 f=1/4", "dion3", 0.25, "auto", h200_symmetric),
+    ("Dion3 f=1/8", "dion3", 0.125, "auto", h200_symmetric),
 )
 
 

@@ -177,7 +177,9 @@ def measure(variant: Variant, graph: bool, preset: Preset, args, device: torch.d
 
 
 def cost_of(variant: Variant, preset: Preset, device: torch.device, with_scalars: bool) -> flops.StepCost:
-    symmetric = variant.kernels and kernels.symmetric_kernels_available(device)
+    def symmetric(n: int) -> bool:  # the dispatch rule of dion3.kernels, asked as the run will ask it
+        return variant.kernels and kernels.symmetric_kernels_available(device, n)
+
     return flops.step_cost(
         preset.matrices, variant.algorithm, variant.fraction, variant.orthogonalizer, symmetric,
         scalar_numel=preset.scalar_numel if with_scalars else 0,

@@ -1,0 +1,202 @@
+"""`dion3 bench`: presets, the FLOP/byte cost model against hand counts, and CPU end-to-end runs."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dion3 import cli
+from dion3.bench import flops, step
+from dion3.bench.presets import PRESETS, MatrixShape, parse_shapes
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # The CI box has 2 cores; tiny matmuls on several threads only add contention.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------ presets
+def test_llama_presets_match_the_published_matrix_counts():
+    # DESIGN §8: Llama-1B 16 layers of q,o 2048², k,v 512×2048, gate/up 8192×2048, down 2048×8192.
+    one_b = 16 * (2 * 2048 * 2048 + 2 * 512 * 2048 + 2 * 8192 * 2048 + 2048 * 8192)
+    eight_b = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 2 * 14336 * 4096 + 4096 * 14336)
+    assert PRESETS["llama-1b"].matrix_numel == one_b == 973_078_528
+    assert PRESETS["llama-8b"].matrix_numel == eight_b == 6_979_321_856
+    assert sum(m.count for m in PRESETS["llama-8b"].matrices) == 32 * 7
+
+
+def test_parse_shapes_reads_counts_and_rejects_garbage():
+    preset = parse_shapes("4096x4096:32, 1024x4096")
+    assert [(m.rows, m.cols, m.count) for m in preset.matrices] == [(4096, 4096, 32), (1024, 4096, 1)]
+    for bad in ("4096by4096", "0x4:2", "4x4:0", ""):
+        with pytest.raises(ValueError, match="--shapes"):
+            parse_shapes(bad)
+
+
+# ------------------------------------------------------------------------ FLOP model
+def test_standard_ns_flops_hand_count():
+    # 2×4 (and its transpose): per step XXᵀ 2·2·2·4 = 32, A² 2·2·2·2 = 16, (bA+cA²)X 32 → 80; 5 steps.
+    assert flops.orthogonalize_flops(2, 4, "newton_schulz", False) == (400, 400)
+    assert flops.orthogonalize_flops(4, 2, "newton_schulz", False) == (400, 400)
+
+
+def test_gram_flops_match_design_formula_and_restart_free_count():
+    n, m = 64, 640
+    dense, executed = flops.orthogonalize_flops(n, m, "gram", False, restarts=(2,))
+    assert dense == executed == 8 * n * n * m + 28 * n ** 3  # DESIGN §3, T = 5, one restart
+    # No restart: R = XXᵀ, 5 Z's, Q·Z at steps 2–5, P and R at steps 1–4, final Q·X.
+    no_restart = 2 * n * n * m + 5 * 2 * n ** 3 + 4 * 2 * n ** 3 + 4 * 4 * n ** 3 + 2 * n * n * m
+    assert flops.orthogonalize_flops(n, m, "gram", False, restarts=())[0] == no_restart
+
+
+def test_symmetric_kernels_discount_only_symmetric_products():
+    n, m = 512, 1024  # 4 tiles of 128 per side: 10 of 16 tiles computed
+    share = 10 / 16
+    _, ns = flops.orthogonalize_flops(n, m, "newton_schulz", True)
+    assert ns == pytest.approx(5 * (share * (2 * n * n * m + 2 * n ** 3) + 2 * n * n * m))
+    _, gram = flops.orthogonalize_flops(n, m, "gram", True, restarts=(2,))
+    # Symmetric: both XXᵀ and all 28n³; dense: the two Q·X products.
+    assert gram == pytest.approx(share * (4 * n * n * m + 28 * n ** 3) + 4 * n * n * m)
+    # A rule of n: below the threshold nothing is discounted.
+    assert flops.orthogonalize_flops(n, m, "newton_schulz", lambda size: size > n)[1] == 5 * (4 * n * n * m + 2 * n ** 3)
+
+
+@pytest.mark.parametrize("ratio, gram_wins", [(1.25, False), (1.4, False), (1.6, True), (3.0, True)])
+def test_gram_beats_standard_ns_above_aspect_ratio_one_and_a_half(ratio, gram_wins):
+    n = 200
+    m = int(ratio * n)
+    gram = flops.orthogonalize_flops(n, m, "gram", False, restarts=(2,))[0]
+    standard = flops.orthogonalize_flops(n, m, "newton_schulz", False)[0]
+    assert (gram < standard) == gram_wins
+
+
+def test_elementwise_bytes_and_dion3_selection():
+    assert flops.elementwise_bytes("adamw", 8, 4, 8) == 28 * 32
+    # fp32: read G, M, write M, read M to cast, read and write X; half: write U, read O.
+    assert flops.elementwise_bytes("muon", 8, 4, 8) == 4 * 6 * 32 + 2 * 32 + 2 * 32
+    assert flops.elementwise_bytes("normuon", 8, 4, 8) == 30 * 32
+    # f = 1/4 of 8 rows → 2 rows of 4: 20 B on every element, 14 B on each selected one.
+    assert flops.elementwise_bytes("dion3", 8, 4, 2) == 20 * 32 + 14 * 8
+
+
+def test_step_cost_sums_shapes_and_scales_with_fraction():
+    shapes = [MatrixShape("a", 64, 256, 3), MatrixShape("b", 256, 64, 2)]
+    cost = flops.step_cost(shapes, "muon", method="newton_schulz")
+    per_matrix = 5 * (4 * 64 * 64 * 256 + 2 * 64 ** 3)
+    assert cost.dense_flops == 5 * per_matrix
+    assert cost.bytes_moved == 28 * 5 * 64 * 256 and cost.bytes_sent == 0
+    # Dion3 f=1/4 on 256×64: k = 64 rows → a square 64×64 orthogonalization per matrix.
+    dion = flops.step_cost([MatrixShape("b", 256, 64, 2)], "dion3", 0.25, method="newton_schulz")
+    assert dion.dense_flops == 2 * 5 * 6 * 64 ** 3
+    adamw = flops.step_cost(shapes, "adamw", scalar_numel=1000)
+    assert adamw.dense_flops == 0 and adamw.bytes_moved == 28 * (5 * 64 * 256 + 1000)
+    assert cost.floor_seconds(1e12, 1e9) == pytest.approx(cost.dense_flops / 1e12 + cost.bytes_moved / 1e9)
+    with pytest.raises(ValueError, match="fraction"):
+        flops.step_cost(shapes, "muon", fraction=0.5)
+
+
+def test_bytes_sent_hand_count():
+    shape = MatrixShape("x", 8, 16, 3)
+    assert flops.sent_bytes(shape, None, 1) == 0
+    # FSDP W=4: 2 local rows each; 3/4 of them leave and come back: 2·3·(3/4)·2·16·4 B.
+    assert flops.sent_bytes(shape, None, 4) == 576
+    assert flops.sent_bytes(shape, 0.5, 4) == 288  # 1 local row of 2
+    assert flops.sent_bytes(shape, 0.5, 4, scope="global") == 288 + 3 * 3 * 2 * 4
+    # DDP W=4: each rank owns ⌈3/4⌉ = 1 matrix and sends it (8 rows, fp32) to 3 ranks.
+    assert flops.sent_bytes(shape, None, 4, layout="ddp") == 3 * 8 * 16 * 4
+    with pytest.raises(ValueError, match="layout"):
+        flops.sent_bytes(shape, None, 4, layout="ring")
+
+
+def test_muon_baseline_on_llama_1b_matches_hand_sum():
+    expected = 0
+    for rows, cols, count in ((2048, 2048, 32), (512, 2048, 32), (8192, 2048, 32), (2048, 8192, 16)):
+        n, m = min(rows, cols), max(rows, cols)
+        expected += count * 5 * (4 * n * n * m + 2 * n ** 3)
+    assert flops.step_cost(PRESETS["llama-1b"].matrices, "muon", method="newton_schulz").dense_flops == expected
+
+
+# ------------------------------------------------------------------------ the benchmark itself
+def test_variant_names():
+    assert step.parse_variant("dion3-1/8").fraction == 0.125
+    assert step.parse_variant("dion3-0.3").fraction == pytest.approx(0.3)
+    baseline = step.parse_variant("muon")
+    assert baseline.orthogonalizer == "newton_schulz" and not baseline.kernels
+    for bad in ("dion3-0", "dion3-3/2", "dion3-x", "sgd"):
+        with pytest.raises(ValueError, match="--optimizers"):
+            step.parse_variant(bad)
+
+
+def test_dion3_variant_moves_only_its_fraction_of_rows():
+    torch.manual_seed(0)
+    matrices, _ = step.make_parameters(parse_shapes("8x16:2"), torch.device("cpu"), False)
+    before = [p.detach().clone() for p in matrices]
+    optimizer = step.make_optimizer(step.parse_variant("dion3-1/4"), matrices, [], torch.device("cpu"), graph=False)
+    optimizer.step()
+    decay = 1 - 0.01 * 0.01  # lr · weight_decay of the benchmark's optimizers
+    for p, old in zip(matrices, before):
+        moved = (p.detach() - old * decay).abs().amax(dim=1) > 1e-6
+        assert int(moved.sum()) == math.ceil(8 / 4)
+
+
+def test_cpu_run_end_to_end_writes_json_and_table(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    code = cli.main([
+        "bench", "--device", "cpu", "--shapes", "48x96:2,96x48,32x32:2", "--steps", "3", "--warmup", "2",
+        "--optimizers", "adamw,muon,muon-gram,normuon,dion3-1/2,dion3-1/4", "--json", str(path),
+    ])
+    assert code == 0
+    out, err = capsys.readouterr()
+    report = json.loads(path.read_text())
+    rows = report["results"]
+    assert [r["name"] for r in rows] == ["adamw", "muon", "muon-gram", "normuon", "dion3-1/2", "dion3-1/4"]
+    assert all(r["mode"] == "eager" and "error" not in r for r in rows), [r.get("error") for r in rows]
+    assert "--shapes 48x96:2,96x48,32x32:2" in report["command"]
+    shapes = parse_shapes("48x96:2,96x48,32x32:2").matrices
+    for row in rows:
+        assert len(row["device_ms_all"]) == 3 and row["device_ms"] > 0 and row["host_ms"] > 0
+        assert row["first_step_s"] <= row["ready_s"]
+        assert row["bytes_sent"] == 0
+        muon_like = row["variant"]["algorithm"] != "adamw"
+        assert (row["model"]["dense_flops"] > 0) == muon_like and (row["tflops"] is not None) == muon_like
+    baseline = rows[1]
+    assert baseline["speedup"] == 1.0
+    assert baseline["model"]["dense_flops"] == flops.step_cost(shapes, "muon", method="newton_schulz").dense_flops
+    assert rows[0]["speedup"] == pytest.approx(baseline["device_ms"] / rows[0]["device_ms"])
+    for name in ("muon-gram", "dion3-1/4"):
+        assert name in out
+    assert "[1/6] adamw eager" in err and "[6/6] dion3-1/4 eager" in err
+
+
+def test_a_failing_variant_reports_its_error_and_the_rest_still_run(monkeypatch, tmp_path, capsys):
+    real = step.make_optimizer
+
+    def flaky(variant, *args, **kwargs):
+        if variant.name == "normuon":
+            raise RuntimeError("out of memory (simulated)")
+        return real(variant, *args, **kwargs)
+
+    monkeypatch.setattr(step, "make_optimizer", flaky)
+    path = tmp_path / "bench.json"
+    code = step.main(["--device", "cpu", "--shapes", "16x32", "--steps", "1", "--warmup", "1",
+                      "--optimizers", "muon,normuon,dion3-1/2", "--json", str(path)])
+    assert code == 0
+    rows = json.loads(path.read_text())["results"]
+    assert [("error" in r) for r in rows] == [False, True, False]
+    assert "out of memory (simulated)" in rows[1]["error"] and rows[1]["speedup"] is None
+    assert "error: RuntimeError: out of memory (simulated)" in capsys.readouterr().out
+
+
+def test_command_line_errors():
+    with pytest.raises(SystemExit):
+        step.main(["--device", "cpu", "--graph", "--shapes", "8x8"])  # capture needs CUDA
+    with pytest.raises(SystemExit):
+        step.main(["--device", "cpu", "--shapes", "8x8", "--steps", "0"])
+    args = step.parse_args(["--device", "cpu", "--shapes", "8x8", "--skip", "adamw,muon"])
+    assert "adamw" not in [v.name for v in args.variants] and not args.graph
