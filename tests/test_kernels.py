@@ -1,0 +1,150 @@
+"""Triton kernels against float64 references: on CPU under TRITON_INTERPRET=1 (in a subprocess,
+since the variable must be set before Triton is imported), on GPU compiled; plus the dispatch."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dion3.kernels as kernels
+
+HERE = Path(__file__).resolve().parent
+triton = pytest.importorskip("triton", reason="Triton is not installed: the kernels cannot run here")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU-only check)")
+
+
+@pytest.fixture(scope="module")
+def interpreted_results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, str(HERE / "kernel_cases.py"), "cpu"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {(r["kind"], r["case"], r.get("dtype")): r for r in map(json.loads, done.stdout.splitlines())}
+
+
+def _results_of(results, kind):
+    return [r for key, r in results.items() if key[0] == kind]
+
+
+def test_interpreted_symmetric_matmul_matches_float64(interpreted_results):
+    cases = _results_of(interpreted_results, "symmetric")
+    assert len(cases) == 18  # 9 shapes × fp16, bf16
+    for r in cases:
+        assert r["shape_ok"] and r["dtype_ok"] and r["finite"], r
+        assert r["symmetric"], f"output not exactly symmetric: {r}"
+        assert r["error"] <= r["tol"], r
+
+
+def test_interpreted_post_update_rounds_once(interpreted_results):
+    cases = _results_of(interpreted_results, "post_update")
+    assert len(cases) == 12
+    for r in cases:
+        # within one ulp of the float64 result (the interpreter truncates to bf16)
+        assert r["ok"], r
+
+
+def test_lower_tile_count_matches_brute_force(interpreted_results):
+    assert interpreted_results[("tiles", "lower_tile_count", None)]["ok"]
+
+
+def test_cpu_dispatch_uses_reference():
+    a = torch.randn(3, 20, 30)
+    c = torch.randn(3, 20, 20)
+    out = kernels.symmetric_matmul(a, a.mT, c, alpha=0.5, beta=2.0)
+    exact = 0.5 * a.double() @ a.double().mT + 2.0 * c.double()
+    assert torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-4)
+    assert not kernels.symmetric_kernels_available(torch.device("cpu"))
+    assert not kernels.symmetric_kernels_available("cpu", 4096)
+
+
+def test_cpu_dispatch_post_update_float64_math():
+    p = torch.randn(2, 6, 5)
+    before = p.double().clone()
+    update = torch.randn(2, 3, 5)
+    rows = torch.tensor([[0, 2, 5], [1, 3, 4]])
+    kernels.post_update([p], update, rows, 0.5, 0.25)
+    expected = before * 0.5
+    for m in range(2):
+        expected[m, rows[m]] -= 0.25 * update[m].double()
+    assert torch.allclose(p.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_switch_toggles_and_env_variable_disables():
+    assert kernels.kernels_enabled()
+    try:
+        kernels.set_kernels_enabled(False)
+        assert not kernels.kernels_enabled()
+        assert not kernels.symmetric_kernels_available("cuda")
+    finally:
+        kernels.set_kernels_enabled(True)
+    code = "import dion3.kernels as k; print(k.kernels_enabled())"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, DION3_KERNELS="0"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_bad_shapes_raise_value_error():
+    from dion3.kernels.symmetric_matmul import symmetric_matmul_triton
+
+    a = torch.randn(2, 8, 4, dtype=torch.float16)
+    with pytest.raises(ValueError, match="b must have shape"):
+        symmetric_matmul_triton(a, torch.randn(2, 8, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="dtype"):
+        symmetric_matmul_triton(a.float(), a.float().mT)
+
+
+# ----------------------------------------------------------------------------- GPU only
+@needs_cuda
+def test_gpu_kernel_cases_match_float64():
+    sys.path.insert(0, str(HERE))
+    import kernel_cases
+
+    for r in kernel_cases.run_all("cuda"):
+        if r["kind"] == "symmetric":
+            assert r["shape_ok"] and r["finite"] and r["symmetric"] and r["error"] <= r["tol"], r
+        elif r["kind"] == "post_update":
+            assert r["ulps"] <= 0.55, r  # round to nearest on hardware: half an ulp (+ fp32 slack)
+        else:
+            assert r["ok"], r
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch,n,k,square", [(1, 1024, 2048, False), (4, 777, 1000, False),
+                                              (2, 1536, 1536, True), (1, 2304, 4096, False)])
+def test_gpu_error_no_worse_than_twice_cublas(dtype, batch, n, k, square):
+    from dion3.kernels.symmetric_matmul import symmetric_matmul_triton
+
+    torch.manual_seed(0)
+    if square:
+        x = torch.randn(batch, n, n, device="cuda", dtype=torch.float64)
+        a = b = c = (x + x.mT).div_(n ** 0.5).to(dtype)
+        alpha, beta = 0.8, -1.5
+    else:
+        a = torch.randn(batch, n, k, device="cuda").to(dtype)
+        b, c, alpha, beta = a.mT, None, 1.0, 0.0
+    exact = alpha * (a.double() @ b.double()) + (0 if c is None else beta * c.double())
+    cublas = alpha * torch.matmul(a, b) + (0 if c is None else beta * c)
+    ours = symmetric_matmul_triton(a, b, c, alpha, beta)
+    ours_error = (ours.double() - exact).abs().max()
+    cublas_error = (cublas.double() - exact).abs().max()
+    assert torch.equal(ours, ours.mT)
+    assert ours_error <= 2 * cublas_error, (float(ours_error), float(cublas_error))
+
+
+@needs_cuda
+def test_gpu_dispatch_uses_kernel_and_orthogonalize_stays_accurate():
+    from dion3.ortho.newton_schulz import orthogonalize
+
+    assert kernels.symmetric_kernels_available("cuda", 1024)
+    assert not kernels.symmetric_kernels_available("cuda", kernels.SYMMETRIC_MIN_N - 1)
+    x = torch.randn(4, 1024, 3072, device="cuda")
+    exact = orthogonalize(x.double(), method="newton_schulz", dtype=torch.float64)
+    for method in ("newton_schulz", "gram"):
+        out = orthogonalize(x, method=method)
+        assert float((out.double() - exact).norm() / exact.norm()) < 2e-2, method
