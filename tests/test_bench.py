@@ -200,3 +200,19 @@ def test_command_line_errors():
         step.main(["--device", "cpu", "--shapes", "8x8", "--steps", "0"])
     args = step.parse_args(["--device", "cpu", "--shapes", "8x8", "--skip", "adamw,muon"])
     assert "adamw" not in [v.name for v in args.variants] and not args.graph
+
+
+def test_only_the_cublas_baseline_runs_with_kernels_off(monkeypatch):
+    from dion3 import kernels
+
+    seen = {}
+
+    def record(variant, *args, **kwargs):
+        seen[variant.name] = kernels.kernels_enabled()
+        return {"device_ms": 1.0}
+
+    monkeypatch.setattr(step, "measure", record)
+    before = kernels.kernels_enabled()
+    step.main(["--device", "cpu", "--shapes", "8x8", "--optimizers", "muon,muon-gram,dion3-1/4"])
+    assert seen == {"muon": False, "muon-gram": before, "dion3-1/4": before}
+    assert kernels.kernels_enabled() == before

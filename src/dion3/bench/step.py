@@ -96,18 +96,16 @@ def make_optimizer(variant: Variant, matrices, scalars, device: torch.device, gr
 
 
 @contextmanager
-def kernels_enabled(enabled: bool, notes: list[str]):
-    """Switch dion3's Triton kernels on or off for one run, back on afterwards."""
-    setter = getattr(kernels, "set_kernels_enabled", None)
-    if setter is None:
-        notes.append("dion3.kernels.set_kernels_enabled missing: kernels left at their default")
-        yield
-        return
-    setter(enabled)
+def kernels_switched_off(off: bool):
+    """Turn dion3's Triton kernels off for one run (the cuBLAS baseline), then restore them.
+    Runs that want kernels leave the switch alone, so DION3_KERNELS=0 still applies to them."""
+    previous = kernels.kernels_enabled()
+    if off:
+        kernels.set_kernels_enabled(False)
     try:
         yield
     finally:
-        setter(True)
+        kernels.set_kernels_enabled(previous)
 
 
 def free_memory(device: torch.device) -> None:
@@ -188,9 +186,8 @@ def cost_of(variant: Variant, preset: Preset, device: torch.device, with_scalars
 
 def run_variant(variant: Variant, graph: bool, preset: Preset, args, device: torch.device, progress) -> dict:
     row = dict(name=variant.name, mode="graph" if graph else "eager", variant=asdict(variant))
-    notes: list[str] = []
     try:
-        with kernels_enabled(variant.kernels, notes):
+        with kernels_switched_off(not variant.kernels):
             cost = cost_of(variant, preset, device, args.scalars)
             row["model"] = asdict(cost)
             row.update(measure(variant, graph, preset, args, device, progress))
@@ -202,8 +199,6 @@ def run_variant(variant: Variant, graph: bool, preset: Preset, args, device: tor
         row["traceback"] = traceback.format_exc()
     finally:
         free_memory(device)
-    if notes:
-        row["notes"] = notes
     return row
 
 
