@@ -1,0 +1,209 @@
+"""`dion3 compare`: train one model from one seed with AdamW, Muon, NorMuon and Dion3, on the
+same batches, and compare final validation loss and step times.
+
+Writes to --out: summary.md (the table), results.json (settings and every curve), history.csv
+(one row per evaluation) and val_loss.png (validation loss against step and wall-clock time).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from .data import load_data
+from .model import GPTConfig
+from .plot import plot_validation
+from .trainer import RunResult, RunSpec, Schedule, resolve_device, train
+
+DEFAULT_OPTIMIZERS = ("adamw", "muon", "normuon", "dion3-f0.5", "dion3-f0.25")
+
+
+@dataclass(frozen=True)
+class Preset:
+    model: GPTConfig
+    schedule: Schedule
+    lrs: dict  # matrix learning rate per optimizer name (docs/training.md explains the values)
+    device: str = "auto"
+    bf16: bool = False
+
+
+PRESETS: dict[str, Preset] = {
+    # ~0.8 M parameters, byte-level; sized for ≤ 10 minutes of all five runs on 2 CPU cores.
+    "cpu-tiny": Preset(
+        model=GPTConfig(seq_len=128, n_layer=4, n_head=4, d_model=128),
+        schedule=Schedule(steps=250, batch_size=16, eval_every=25, eval_batches=8, warmup_steps=10),
+        lrs={"adamw": 0.003, "muon": 0.02, "normuon": 0.02, "dion3-f0.5": 0.03, "dion3-f0.25": 0.04},
+        device="cpu",
+    ),
+    # ~25 M parameters in the blocks (d=512, 8 layers); ~5 minutes for all five runs on one H200.
+    "gpu-small": Preset(
+        model=GPTConfig(seq_len=1024, n_layer=8, n_head=8, d_model=512),
+        schedule=Schedule(steps=1500, batch_size=16, eval_every=100, eval_batches=16, warmup_steps=50),
+        lrs={"adamw": 0.002, "muon": 0.02, "normuon": 0.02, "dion3-f0.5": 0.03, "dion3-f0.25": 0.04},
+        device="cuda",
+        bf16=True,
+    ),
+}
+
+
+def run_spec(name: str, lrs: dict, overrides: dict) -> RunSpec:
+    """"adamw", "muon", "normuon" or "dion3-f<fraction>"; a Dion3 fraction without a preset lr
+    gets the f=¼ lr scaled by the 1/√f rule of thumb."""
+    if name in ("adamw", "muon", "normuon"):
+        lr = overrides.get(name, lrs[name])
+        return RunSpec(name, name, lr)
+    if name.startswith("dion3-f"):
+        try:
+            fraction = float(name[len("dion3-f"):])
+        except ValueError:
+            fraction = math.nan
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"--optimizers: {name!r} needs a fraction in (0, 1], e.g. dion3-f0.25")
+        default = lrs.get(name, lrs["dion3-f0.25"] * math.sqrt(0.25 / fraction))
+        return RunSpec(name, "dion3", overrides.get(name, default), fraction)
+    raise ValueError(f"--optimizers: unknown optimizer {name!r}; use adamw, muon, normuon or dion3-f<fraction>")
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="dion3 compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="cpu-tiny", choices=sorted(PRESETS), help="model size, steps, lrs (default cpu-tiny)")
+    parser.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS), help="comma-separated (default: %(default)s)")
+    parser.add_argument("--steps", type=int, help="training steps per optimizer (preset default otherwise)")
+    parser.add_argument("--batch-size", type=int, help="sequences per step")
+    parser.add_argument("--eval-every", type=int, help="steps between validation evaluations")
+    parser.add_argument("--lr", action="append", default=[], metavar="NAME=LR", help="override one optimizer's matrix lr, e.g. --lr muon=0.03")
+    parser.add_argument("--data", nargs="+", metavar="PATH", help="text files/directories or .bin token shards (default: the Python standard library)")
+    parser.add_argument("--out", type=Path, help="output directory (default: compare-<preset>)")
+    parser.add_argument("--device", help="auto, cpu or cuda[:N] (preset default otherwise)")
+    parser.add_argument("--seed", type=int, default=0, help="model initialization and batch order (default 0)")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    args = parser.parse_args(argv)
+    for name in ("steps", "batch_size", "eval_every", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    return args
+
+
+def _lr_overrides(items: Sequence[str]) -> dict[str, float]:
+    overrides = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        try:
+            overrides[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--lr: expected NAME=LR (e.g. muon=0.02), got {item!r}") from None
+    return overrides
+
+
+class Progress:
+    """A tqdm bar per run on a terminal; one plain line per evaluation otherwise (CI logs)."""
+
+    def __init__(self, label: str, steps: int):
+        self.label, self.steps, self.bar = label, steps, None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=steps, desc=f"{label:<12}", unit="step", leave=True, dynamic_ncols=True)
+
+    def step(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def evaluated(self, result: RunResult, step: int) -> None:
+        message = f"val {result.val_losses[-1]:.4f}"
+        if self.bar is not None:
+            self.bar.set_postfix_str(message)
+        else:
+            print(f"[{self.label}] step {step:>5}/{self.steps}  {message}  ({result.eval_seconds[-1]:.1f} s)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def summary_table(results: Sequence[RunResult]) -> str:
+    lines = [
+        "| optimizer | matrix lr | final val loss | optimizer ms/step | total ms/step | tokens/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.label} | {r.lr:g} | {r.final_val_loss:.4f} | {r.optimizer_ms:.2f} | {r.total_ms:.1f} | {r.tokens_per_second:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_logs(out: Path, results: Sequence[RunResult], settings: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [dict(dataclasses.asdict(r), final_val_loss=r.final_val_loss, tokens_per_second=r.tokens_per_second) for r in results]
+    (out / "results.json").write_text(json.dumps({"settings": settings, "runs": runs}, indent=1) + "\n")
+    with open(out / "history.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["optimizer", "step", "train_seconds", "val_loss"])
+        for r in results:
+            for row in zip(r.eval_steps, r.eval_seconds, r.val_losses):
+                writer.writerow([r.label, row[0], f"{row[1]:.3f}", f"{row[2]:.5f}"])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        return _compare(args)
+    except (ValueError, OSError) as error:
+        print(f"dion3 compare: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _compare(args: argparse.Namespace) -> int:
+    preset = PRESETS[args.preset]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = _lr_overrides(args.lr)
+    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    specs = [run_spec(name, preset.lrs, overrides) for name in names]
+    unknown = set(overrides) - set(names)
+    if unknown:
+        raise ValueError(f"--lr names optimizers that are not being run: {sorted(unknown)}")
+    changes = {k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("eval_every", args.eval_every)) if v}
+    schedule = dataclasses.replace(preset.schedule, **changes)
+    device = resolve_device(args.device or preset.device)
+    out = args.out or Path(f"compare-{args.preset}")
+    data = load_data(args.data)
+    print(f"dion3 compare --preset {args.preset}: {len(specs)} runs × {schedule.steps} steps on {device} "
+          f"(torch {torch.__version__}, {torch.get_num_threads()} threads); data: {data.description}, "
+          f"{data.train.numel():,} train / {data.val.numel():,} val tokens", flush=True)
+
+    results, started = [], time.perf_counter()
+    for spec in specs:
+        progress = Progress(spec.label, schedule.steps)
+        results.append(train(spec, preset.model, schedule, data, device, args.seed, preset.bf16, progress.evaluated, progress.step))
+        progress.close()
+    total_minutes = (time.perf_counter() - started) / 60
+
+    table = summary_table(results)
+    settings = {
+        "preset": args.preset, "model": dataclasses.asdict(preset.model), "schedule": dataclasses.asdict(schedule),
+        "device": str(device), "bf16": preset.bf16, "seed": args.seed, "data": data.description,
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.platform(),
+        "total_minutes": round(total_minutes, 2),
+    }
+    write_logs(out, results, settings)
+    (out / "summary.md").write_text(table + "\n")
+    plot = plot_validation(results, out / "val_loss.png", f"dion3 compare --preset {args.preset} ({device})")
+    print(f"\n{table}\n\n{total_minutes:.1f} min in all; wrote {out}/summary.md, results.json, history.csv, {plot.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""One training run: build the model from a seed, train it with one optimizer on a fixed batch
+order, evaluate on a fixed validation set, and time the optimizer step separately from the rest.
+
+Times come from CUDA events on a GPU (no host sync inside the step) and from perf_counter on
+the CPU. The first `TIMING_WARMUP` steps are left out of the per-step means (allocation, kernel
+autotuning, lazy initialization).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ..optim import Dion3
+from .data import TokenData, train_batches, val_batches
+from .groups import param_groups
+from .model import GPT, GPTConfig, padded_vocab
+
+TIMING_WARMUP = 5
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One optimizer configuration of the comparison."""
+
+    label: str  # e.g. "dion3 f=1/4"
+    algorithm: str  # "adamw", "muon", "normuon", "dion3"
+    lr: float  # matrix learning rate
+    fraction: Optional[float] = None  # Dion3 only
+
+
+@dataclass(frozen=True)
+class Schedule:
+    steps: int
+    batch_size: int
+    eval_every: int
+    eval_batches: int
+    warmup_steps: int = 0
+    cooldown_fraction: float = 0.4  # linear decay to 0 over this last share of the steps
+
+    def lr_multiplier(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        cooldown = max(1, int(self.steps * self.cooldown_fraction))
+        return min(1.0, (self.steps - step) / cooldown)
+
+
+@dataclass
+class RunResult:
+    label: str
+    algorithm: str
+    lr: float
+    fraction: Optional[float]
+    eval_steps: list[int] = field(default_factory=list)
+    eval_seconds: list[float] = field(default_factory=list)  # training time so far, evals excluded
+    val_losses: list[float] = field(default_factory=list)
+    train_losses: list[float] = field(default_factory=list)
+    optimizer_ms: float = math.nan  # mean optimizer step time after warm-up
+    total_ms: float = math.nan  # mean forward + backward + optimizer time after warm-up
+    tokens_per_step: int = 0
+
+    @property
+    def final_val_loss(self) -> float:
+        return self.val_losses[-1] if self.val_losses else math.nan
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / (self.total_ms / 1000.0) if self.total_ms > 0 else math.nan
+
+
+class _StepClock:
+    """Pairs of (start, end) marks per step for the optimizer and for the whole step."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: dict[str, list[tuple]] = {"optimizer": [], "total": []}
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add(self, kind: str, start, end) -> None:
+        self.marks[kind].append((start, end))
+
+    def milliseconds(self, kind: str) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [start.elapsed_time(end) for start, end in self.marks[kind]]
+        return [(end - start) * 1000.0 for start, end in self.marks[kind]]
+
+
+def resolve_device(requested: str = "auto") -> torch.device:
+    """"auto" → CUDA when available, else CPU; an explicit "cuda" without a GPU is an error."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError as error:
+        raise ValueError(f"--device: {requested!r} is not a device name ({error})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {requested}: CUDA is not available on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device: only 'cpu', 'cuda[:N]' and 'auto' are supported, got {requested!r}")
+    return device
+
+
+def build_optimizer(model: GPT, spec: RunSpec) -> Dion3:
+    # Dion3, Muon and NorMuon share one front-end; each group names its algorithm, so the class
+    # only supplies defaults that every group here overrides or does not read.
+    options = {} if spec.fraction is None else {"fraction": spec.fraction}
+    return Dion3(param_groups(model, lm_head="lm_head", algorithm=spec.algorithm, lr=spec.lr, **options))
+
+
+@torch.no_grad()
+def evaluate(model: GPT, batches: list[tuple[Tensor, Tensor]], device: torch.device, autocast) -> float:
+    model.eval()
+    total = 0.0
+    for inputs, targets in batches:
+        with autocast():
+            total += float(model(inputs.to(device), targets.to(device)))
+    model.train()
+    return total / len(batches)
+
+
+def train(
+    spec: RunSpec,
+    model_config: GPTConfig,
+    schedule: Schedule,
+    data: TokenData,
+    device: torch.device,
+    seed: int = 0,
+    bf16: bool = False,
+    on_eval: Optional[Callable[[RunResult, int], None]] = None,
+    on_step: Optional[Callable[[], None]] = None,
+) -> RunResult:
+    """Train a freshly initialized model (same seed → same weights and batches) with `spec`."""
+    config = dataclasses.replace(model_config, vocab_size=padded_vocab(data.vocab_size))
+    torch.manual_seed(seed)
+    model = GPT(config).to(device)
+    optimizer = build_optimizer(model, spec)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = group["lr"]
+
+    def autocast():
+        if bf16 and device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    batches = train_batches(data.train, schedule.batch_size, config.seq_len, seed)
+    validation = val_batches(data.val, schedule.batch_size, config.seq_len, schedule.eval_batches)
+    result = RunResult(spec.label, spec.algorithm, spec.lr, spec.fraction, tokens_per_step=schedule.batch_size * config.seq_len)
+    clock = _StepClock(device)
+    elapsed = 0.0  # seconds of training so far, evaluations excluded
+
+    def record_eval(step: int) -> None:
+        result.eval_steps.append(step)
+        result.eval_seconds.append(elapsed)
+        result.val_losses.append(evaluate(model, validation, device, autocast))
+        if on_eval is not None:
+            on_eval(result, step)
+
+    record_eval(0)
+    segment_start = time.perf_counter()
+    for step in range(schedule.steps):
+        inputs, targets = (t.to(device, non_blocking=True) for t in next(batches))
+        step_start = clock.mark()
+        with autocast():
+            loss = model(inputs, targets)
+        loss.backward()
+        multiplier = schedule.lr_multiplier(step)
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * multiplier
+        optimizer_start = clock.mark()
+        optimizer.step()
+        step_end = clock.mark()
+        optimizer.zero_grad(set_to_none=True)
+        clock.add("optimizer", optimizer_start, step_end)
+        clock.add("total", step_start, step_end)
+        result.train_losses.append(loss.detach())
+        if on_step is not None:
+            on_step()
+        done = step + 1
+        if done % schedule.eval_every == 0 or done == schedule.steps:
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # wall-clock up to here must include queued GPU work
+            elapsed += time.perf_counter() - segment_start
+            record_eval(done)
+            segment_start = time.perf_counter()
+
+    result.train_losses = [float(v) for v in result.train_losses]
+    for kind, attribute in (("optimizer", "optimizer_ms"), ("total", "total_ms")):
+        times = clock.milliseconds(kind)
+        kept = times[TIMING_WARMUP:] if len(times) > 2 * TIMING_WARMUP else times
+        setattr(result, attribute, sum(kept) / len(kept))
+    return result
