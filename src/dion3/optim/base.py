@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from .. import rules
+from .. import distributed, rules
 from ..ortho import get_schedule, orthogonalize
 from ..ortho.newton_schulz import METHODS
 from . import scalar
@@ -47,9 +47,10 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
     """Base class; use Dion3, Muon or NorMuon."""
 
     def __init__(self, params, defaults: dict[str, Any], distributed_mesh=None, check_finite: bool = False):
-        if distributed_mesh is not None:
-            raise ValueError("distributed_mesh is not supported yet: pass None")
         self.distributed_mesh = distributed_mesh
+        self._mesh = distributed.resolve_mesh(distributed_mesh)  # None: single device
+        self.communication_bytes = 0  # bytes this rank sent in the last step (distributed only)
+        self.communication_bytes_by_kind: dict[str, int] = {}
         self.check_finite = bool(check_finite)
         self._buckets: list[list[Bucket]] = []
         self._ready = False
@@ -70,6 +71,8 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         if params and isinstance(params[0], tuple):  # named parameters
             names, params = [n for n, _ in params], [p for _, p in params]
         group["params"] = params
+        if names is not None:  # torch checks that all groups are named or none is
+            group["param_names"] = names
         index = len(self.param_groups)
         seen = {id(p): g for g, other in enumerate(self.param_groups) for p in other["params"]}
         for i, p in enumerate(params):
@@ -80,8 +83,6 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                 )
         super().add_param_group(group)
         group = self.param_groups[-1]
-        if names is not None:
-            group["param_names"] = names
         try:
             self._validate_group(group, index)
         except ValueError:
@@ -97,7 +98,9 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         return f"{index} of group {group_index} (shape {tuple(param.shape)})"
 
     def _param_label(self, group: dict, index: int) -> str:
-        return self._label(group.get("param_names"), self.param_groups.index(group), index, group["params"][index])
+        # by identity: list.index would compare group dicts, and with them their tensors
+        group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        return self._label(group.get("param_names"), group_index, index, group["params"][index])
 
     def _validate_group(self, group: dict, index: int) -> None:
         where = f"parameter group {index}"
@@ -163,6 +166,9 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         self._buckets = []
         for group in self.param_groups:
             buckets: dict[tuple, Bucket] = {}
+            if self._mesh is not None and group["algorithm"] in MATRIX_ALGORITHMS:
+                self._buckets.append(distributed.build_buckets(self, group, self._mesh))
+                continue
             if group["algorithm"] in MATRIX_ALGORITHMS:
                 for p in group["params"]:
                     view = matrix_view(p.detach(), group["flatten"])
@@ -267,13 +273,27 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self.check_finite:
             self._raise_on_nonfinite()
+        if self._mesh is not None:
+            self._distributed_matrix_step()
         for group, buckets in zip(self.param_groups, self._buckets):
             if group["algorithm"] in SCALAR_ALGORITHMS:
                 self._scalar_step(group)
-            else:
+            elif self._mesh is None:
                 for bucket in buckets:
                     self._matrix_step(bucket, group)
         return loss
+
+    def _distributed_matrix_step(self) -> None:
+        """All matrix buckets of all groups in one interleaved pass (dion3.distributed)."""
+        work = [
+            (group, bucket)
+            for group, buckets in zip(self.param_groups, self._buckets)
+            if group["algorithm"] in MATRIX_ALGORITHMS
+            for bucket in buckets
+        ]
+        traffic = distributed.run_step(work, self.rule_config, self._mesh)
+        self.communication_bytes = traffic.total
+        self.communication_bytes_by_kind = dict(traffic.by_kind)
 
     def _raise_on_nonfinite(self) -> None:
         checked = [(g, i, p) for g in self.param_groups for i, p in enumerate(g["params"]) if p.grad is not None]

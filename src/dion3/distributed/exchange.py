@@ -1,0 +1,89 @@
+"""Collectives of the distributed step, launched asynchronously and counted in bytes.
+
+Every function returns a `Pending` whose `wait()` yields the received tensor, so the caller can
+compute on another bucket while the data is in flight. Bytes are counted per rank as what leaves
+this rank for other ranks (the copy to itself is not traffic).
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .mesh import MeshInfo
+
+
+class Traffic:
+    """Bytes sent by this rank in the current step, by purpose ("rows", "variance", "scores", ...)."""
+
+    def __init__(self) -> None:
+        self.by_kind: dict[str, int] = defaultdict(int)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.by_kind[kind] += int(nbytes)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+
+class Pending:
+    """An in-flight collective and the tensor it fills; `wait()` returns that tensor, transformed."""
+
+    def __init__(self, work, result: Tensor, finish: Optional[Callable[[Tensor], Tensor]] = None):
+        self._work, self._result, self._finish = work, result, finish
+
+    def wait(self) -> Tensor:
+        if self._work is not None:
+            self._work.wait()
+        return self._finish(self._result) if self._finish is not None else self._result
+
+
+def _row_bytes(tensor: Tensor) -> int:
+    return math.prod(tensor.shape[1:]) * tensor.element_size()
+
+
+def exchange_rows(
+    send: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
+    mesh: MeshInfo, traffic: Traffic, kind: str,
+) -> Pending:
+    """All-to-all of dim-0 rows: send[...] is grouped by destination rank in `send_counts`."""
+    send = send.contiguous()
+    recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
+    traffic.add(kind, _row_bytes(send) * (sum(send_counts) - send_counts[mesh.rank]))
+    work = dist.all_to_all_single(
+        recv, send, list(recv_counts), list(send_counts), group=mesh.group, async_op=True
+    )
+    return Pending(work, recv)
+
+
+def gather_chunks(chunk: Tensor, mesh: MeshInfo, traffic: Traffic, kind: str) -> Pending:
+    """All-gather of equal chunks: returns [W, *chunk.shape] in rank order."""
+    chunk = chunk.contiguous()
+    # Concatenated along dim 0 (the layout every backend accepts), viewed as [W, ...] after.
+    out = chunk.new_empty((mesh.world_size * chunk.shape[0], *chunk.shape[1:]))
+    traffic.add(kind, chunk.numel() * chunk.element_size() * (mesh.world_size - 1))
+    work = dist.all_gather_into_tensor(out, chunk, group=mesh.group, async_op=True)
+    return Pending(work, out, lambda gathered: gathered.view(mesh.world_size, *chunk.shape))
+
+
+def owner_slots(counts_mine: Tensor, per_matrix: int) -> Tensor:
+    """Where each received row belongs in the owner's [n, K, ...] matrices.
+
+    counts_mine[s, j] rows of owned matrix j arrive from rank s; all_to_all delivers them
+    source-major (s, then j, then row order). Matrix j's K = Σ_s counts[s, j] rows are laid out
+    source-major too, which is ascending global row order under contiguous row sharding.
+    Returns slot[p] for received row p, as an index into the flattened [n·K] rows.
+    """
+    world, owned = counts_mine.shape
+    lengths = counts_mine.reshape(-1)
+    total = owned * per_matrix
+    first_in_matrix = counts_mine.cumsum(0) - counts_mine  # [W, n] offset of source s inside matrix j
+    slot_start = first_in_matrix + torch.arange(owned, device=counts_mine.device) * per_matrix
+    first_received = lengths.cumsum(0) - lengths  # where each (s, j) block starts in the receive buffer
+    shift = torch.repeat_interleave(slot_start.reshape(-1) - first_received, lengths, output_size=total)
+    return shift + torch.arange(total, device=counts_mine.device)

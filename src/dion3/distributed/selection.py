@@ -1,0 +1,90 @@
+"""Which rows of a row-sharded bucket each rank contributes, and how many go to whom.
+
+A `RowPlan` says, for every rank s and matrix i of the bucket, how many rows s contributes
+(counts[s, i]); and which of this rank's padded rows they are (flat indices into [N·chunk]).
+Muon/NorMuon contribute every real row; Dion3 "local" contributes each rank's own top
+⌈f·chunk⌉ real rows; Dion3 "global" contributes this rank's share of the exact top-k of the
+whole matrix, found from an all-gather of one score per row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import rules
+from .plan import ShardedBucket, owned_matrices
+
+
+@dataclass
+class RowPlan:
+    counts: list[list[int]]  # counts[s][i]: rows of matrix i that rank s contributes
+    rows: Optional[Tensor]  # this rank's contributed rows, flat in [N·chunk]; None = all real rows
+
+    def per_matrix(self) -> int:
+        """K: rows each matrix has on its owner (the same for every matrix of the bucket)."""
+        column = [self.counts[s][0] for s in range(len(self.counts))] if self.counts and self.counts[0] else [0]
+        return sum(column)
+
+    def send_counts(self, rank: int) -> list[int]:
+        """Rows this rank sends to each owner (its matrices are grouped by owner already)."""
+        world, count = len(self.counts), len(self.counts[rank])
+        return [sum(self.counts[rank][i] for i in owned_matrices(count, world, d)) for d in range(world)]
+
+    def recv_counts(self, rank: int) -> list[int]:
+        world, count = len(self.counts), len(self.counts[rank])
+        mine = owned_matrices(count, world, rank)
+        return [sum(self.counts[s][i] for i in mine) for s in range(world)]
+
+    def owned_counts(self, rank: int, device) -> Tensor:
+        """counts[:, matrices this rank owns] as a device tensor (for exchange.owner_slots)."""
+        world = len(self.counts)
+        mine = owned_matrices(len(self.counts[rank]), world, rank)
+        return torch.tensor([[self.counts[s][i] for i in mine] for s in range(world)], dtype=torch.long, device=device)
+
+
+def all_rows_plan(bucket: ShardedBucket) -> RowPlan:
+    return RowPlan([[bucket.rows_of(s)] * bucket.count for s in range(bucket.world_size)], None)
+
+
+def local_select_count(bucket: ShardedBucket, fraction: float, rank: int) -> int:
+    """⌈f·chunk⌉ rows per rank, capped by the rows the rank actually holds (never padding)."""
+    return min(rules.selected_row_count(bucket.chunk, fraction), bucket.rows_of(rank))
+
+
+def local_plan(bucket: ShardedBucket, real_momentum: Tensor, fraction: float) -> RowPlan:
+    """Each rank's own top rows by L1 norm; counts are static, so no host sync is needed."""
+    counts = [[local_select_count(bucket, fraction, s)] * bucket.count for s in range(bucket.world_size)]
+    k = counts[bucket.rank][0] if bucket.count else 0
+    if k == 0:
+        return RowPlan(counts, real_momentum.new_empty((0,), dtype=torch.long))
+    rows = rules.top_rows(rules.row_scores(real_momentum), k)
+    return RowPlan(counts, _flatten_rows(rows, bucket.chunk))
+
+
+def padded_scores(bucket: ShardedBucket, real_momentum: Tensor) -> Tensor:
+    """[N, chunk] float32 scores of this rank's rows; padding rows score −1 (real scores are ≥ 0)."""
+    scores = real_momentum.new_full((bucket.count, bucket.chunk), -1.0, dtype=torch.float32)
+    scores[:, : bucket.local_rows] = rules.row_scores(real_momentum)
+    return scores
+
+
+def global_plan(bucket: ShardedBucket, gathered_scores: Tensor, fraction: float) -> RowPlan:
+    """Exact top-k of every whole matrix (k from the TRUE row count) from all ranks' scores
+    [W, N, chunk]; every rank computes the same selection. One host sync for the split sizes."""
+    rows, world, chunk = bucket.shape[0], bucket.world_size, bucket.chunk
+    whole = gathered_scores.permute(1, 0, 2).reshape(bucket.count, world * chunk)[:, :rows]
+    selected = rules.top_rows(whole, rules.selected_row_count(rows, fraction))  # [N, k] global rows
+    owner = torch.div(selected, chunk, rounding_mode="floor")
+    counts = torch.zeros((world, bucket.count), dtype=torch.long, device=selected.device)
+    counts.scatter_add_(0, owner.mT, torch.ones_like(owner.mT))
+    mine = owner == bucket.rank
+    local = selected - bucket.rank * chunk + torch.arange(bucket.count, device=selected.device)[:, None] * chunk
+    return RowPlan(counts.tolist(), local[mine])
+
+
+def _flatten_rows(rows: Tensor, chunk: int) -> Tensor:
+    offsets = torch.arange(rows.shape[0], device=rows.device)[:, None] * chunk
+    return (rows + offsets).reshape(-1)

@@ -1,0 +1,155 @@
+"""The distributed matrix step: one generator per bucket, interleaved so that one bucket's
+collectives are in flight while another bucket computes.
+
+Each bucket step yields right after launching a collective and resumes by waiting on it.
+Every rank runs the same buckets in the same order and every bucket issues the same
+collectives on every rank (also ranks holding zero rows), so collectives always match.
+
+Row-sharded (FSDP2 Shard(0)):  pre-step on local rows → [Dion3 global: all-gather row scores]
+  → all-to-all of the contributed rows (+ their variances) to each matrix's owner → owner
+  orthogonalizes its whole matrices as one batch (+ NorMuon normalization) → all-to-all back
+  → apply locally with the global shape's lr scale.
+Replicated (DDP): identical pre-step everywhere → each rank orthogonalizes its 1/W of the
+  bucket → all-gather → normalize and apply everywhere.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from .. import rules
+from ..ortho import orthogonalize
+from .exchange import Traffic, exchange_rows, gather_chunks, owner_slots
+from .mesh import MeshInfo, local_tensor
+from .plan import ShardedBucket, owned_matrices
+from .selection import RowPlan, all_rows_plan, global_plan, local_plan, padded_scores
+
+PIPELINE_DEPTH = 4  # buckets in flight at once: enough overlap, bounded extra memory
+
+
+def run_step(work: list[tuple[dict, object]], rule_config, mesh: MeshInfo) -> Traffic:
+    """Step every (group, bucket) pair; returns the bytes this rank sent."""
+    traffic = Traffic()
+    steps = []
+    for group, bucket in work:
+        grads = [p.grad for p in bucket.params]
+        present = [g is not None for g in grads]
+        if not any(present):
+            continue
+        if not all(present):
+            raise ValueError(
+                "distributed step: some parameters of a bucket (shape "
+                f"{tuple(bucket.shape)}) have no gradient; give every matrix parameter of a group a "
+                "gradient (same on every rank) or move unused ones to their own group"
+            )
+        body = sharded_step if isinstance(bucket, ShardedBucket) else replicated_step
+        steps.append(body(bucket, group, rule_config(group), mesh, traffic))
+    interleave(steps, PIPELINE_DEPTH)
+    return traffic
+
+
+def interleave(steps: list[Iterator], depth: int) -> None:
+    """Advance up to `depth` bucket steps round-robin, one stage each, admitting new ones in order."""
+    waiting, active = deque(steps), deque()
+    while waiting or active:
+        while waiting and len(active) < depth:
+            active.append(waiting.popleft())
+        step = active.popleft()
+        if next(step, StopIteration) is not StopIteration:
+            active.append(step)
+
+
+def _orthogonalize(update: Tensor, group: dict) -> Tensor:
+    return orthogonalize(update, group["orthogonalizer"], group["ns_coefficients"])
+
+
+def _apply(bucket, update: Tensor, rows, group: dict) -> None:
+    scale = rules.lr_scale(group["adjust_lr"], *bucket.shape)
+    rules.apply_update(bucket.views, update, rows, group["lr"], group["weight_decay"], scale)
+
+
+def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh: MeshInfo, traffic: Traffic):
+    rows_here, cols, chunk, count = bucket.local_rows, bucket.shape[1], bucket.chunk, bucket.count
+    grads = [local_tensor(p.grad).reshape(1, rows_here, cols) for p in bucket.params]
+    real = bucket.momentum[:, :rows_here]
+    if cfg.fraction is None:  # Muon / NorMuon: every real row goes to its matrix's owner
+        update, _ = rules.pre_step(real, grads, cfg)
+        plan = all_rows_plan(bucket)
+        send = update.reshape(-1, cols)
+    else:  # Dion3: M ← M + G, select, snapshot the selected rows, decay them (error feedback)
+        torch._foreach_add_(list(real.split(1)), grads)
+        if group["selection_scope"] == "local":
+            plan = local_plan(bucket, real, cfg.fraction)
+        else:
+            scores = gather_chunks(padded_scores(bucket, real), mesh, traffic, "scores")
+            yield
+            plan = global_plan(bucket, scores.wait(), cfg.fraction)
+        flat = bucket.momentum.view(-1, cols)
+        send = flat.index_select(0, plan.rows)
+        flat.index_copy_(0, plan.rows, send * cfg.mu)
+    variance = None
+    if cfg.normalize:
+        variance = bucket.variance[:, :rows_here].reshape(-1, 1) if plan.rows is None else (
+            bucket.variance.view(-1, 1).index_select(0, plan.rows)
+        )
+
+    to_owner, from_owner = plan.send_counts(mesh.rank), plan.recv_counts(mesh.rank)
+    sent_rows = exchange_rows(send, to_owner, from_owner, mesh, traffic, "rows")
+    sent_variance = variance is not None and exchange_rows(variance, to_owner, from_owner, mesh, traffic, "variance")
+    yield
+
+    # Owner: whole matrices (or their selected rows), in ascending global row order.
+    owned = len(owned_matrices(count, mesh.world_size, mesh.rank))
+    per_matrix = plan.per_matrix()
+    slots = owner_slots(plan.owned_counts(mesh.rank, bucket.momentum.device), per_matrix)
+    matrices = _place(sent_rows.wait(), slots, (owned, per_matrix, cols))
+    ortho = _orthogonalize(matrices, group)
+    if sent_variance:
+        old = _place(sent_variance.wait(), slots, (owned, per_matrix, 1))
+        ortho, new = rules.normalize_rows(ortho, old, cfg.beta2, cfg.epsilon)
+        back_variance = exchange_rows(new.reshape(-1, 1).index_select(0, slots), from_owner, to_owner, mesh, traffic, "variance")
+    back_rows = exchange_rows(ortho.reshape(-1, cols).index_select(0, slots), from_owner, to_owner, mesh, traffic, "rows")
+    yield
+
+    result = back_rows.wait()
+    if plan.rows is None:
+        _apply(bucket, result.view(count, rows_here, cols), None, group)
+        if sent_variance:
+            bucket.variance[:, :rows_here] = back_variance.wait().view(count, rows_here, 1)
+        return
+    # Dion3: a dense update that is zero off the selected rows (x·decay − 0 is exact), since
+    # the number of selected rows per matrix varies across ranks under global selection.
+    dense = result.new_zeros((count * chunk, cols)).index_copy_(0, plan.rows, result)
+    _apply(bucket, dense.view(count, chunk, cols)[:, :rows_here], None, group)
+    bucket.variance.view(-1, 1).index_copy_(0, plan.rows, back_variance.wait())
+
+
+def _place(received: Tensor, slots: Tensor, shape: tuple[int, int, int]) -> Tensor:
+    out = received.new_empty((shape[0] * shape[1], shape[2]))
+    return out.index_copy_(0, slots, received).view(shape)
+
+
+def replicated_step(bucket, group: dict, cfg: rules.RuleConfig, mesh: MeshInfo, traffic: Traffic):
+    from ..optim.base import matrix_view  # deferred: optim.base imports this package
+
+    grads = [matrix_view(local_tensor(p.grad), group["flatten"]) for p in bucket.params]
+    update, rows = rules.pre_step(bucket.momentum, grads, cfg)
+    count = update.shape[0]
+    mine = owned_matrices(count, mesh.world_size, mesh.rank)
+    block = update.new_zeros((-(-count // mesh.world_size), *update.shape[1:]))
+    block[: len(mine)] = _orthogonalize(update[mine.start : mine.stop], group)
+    gathered = gather_chunks(block, mesh, traffic, "rows")
+    yield
+
+    ortho = gathered.wait().reshape(-1, *update.shape[1:])[:count]
+    if cfg.normalize:
+        old = bucket.variance if rows is None else rules.gather_rows(bucket.variance, rows)
+        ortho, new = rules.normalize_rows(ortho, old, cfg.beta2, cfg.epsilon)
+        if rows is None:
+            bucket.variance.copy_(new)
+        else:
+            rules.scatter_rows(bucket.variance, rows, new)
+    _apply(bucket, ortho, rows, group)

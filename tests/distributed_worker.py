@@ -1,0 +1,218 @@
+"""Spawned-worker side of tests/test_distributed.py: gloo process groups on loopback.
+
+Each worker runs every scenario against a plain single-process run of the same optimizer on
+the same full matrices and gradients (computed redundantly on every rank), and rank 0 writes
+the measured errors, moved-row counts and per-rank byte counts to a JSON file that the tests
+assert on. Not a test module itself (no test_ prefix).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from dion3 import Dion3, Muon, NorMuon
+from dion3.distributed import local_row_span
+
+# Mixed shapes in one group: repeated shapes (bucket of 3, not a multiple of W), tall and
+# wide matrices, 3 rows (a zero-row shard at W=4) and 5 rows (uneven 2/2/1/0 at W=4).
+MIXED = [(16, 24), (24, 16), (3, 8), (16, 24), (5, 7), (16, 24)]
+# Larger rows so that f·⌈rows/W⌉ is not dominated by rounding: for the byte budgets.
+TRAFFIC = [(64, 48)] * 5 + [(32, 40)] * 3
+STEPS = 3
+OPTIMIZERS = {"muon": Muon, "normuon": NorMuon, "dion3": Dion3}
+
+
+class Matrices(torch.nn.Module):
+    def __init__(self, shapes, seed: int):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes)
+
+
+def full_grads(shapes, step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(s, generator=gen) for s in shapes]
+
+
+def make_optimizer(kind: str, params, mesh, **options):
+    settings = dict(lr=0.02, weight_decay=0.1, orthogonalizer="newton_schulz")
+    settings.update(options)
+    return OPTIMIZERS[kind](params, distributed_mesh=mesh, **settings)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+
+
+class Run:
+    """One model on one layout ("fsdp": fully_shard Shard(0), "ddp": replicated + ProcessGroup)."""
+
+    def __init__(self, layout: str, shapes, mesh, world: int, rank: int):
+        self.layout, self.shapes, self.world, self.rank = layout, shapes, world, rank
+        self.model = Matrices(shapes, seed=7)
+        if layout == "fsdp":
+            fully_shard(self.model, mesh=mesh)
+            self.mesh = mesh
+        else:
+            self.mesh = dist.group.WORLD
+        self.params = list(self.model.parameters())
+
+    def set_grads(self, grads) -> None:
+        for p, g in zip(self.params, grads):
+            if isinstance(p, DTensor):
+                start, stop = local_row_span(g.shape[0], self.world, self.rank)
+                p.grad = DTensor.from_local(g[start:stop].clone(), p.device_mesh, [Shard(0)], run_check=False,
+                                            shape=g.shape, stride=g.stride())
+            else:
+                p.grad = g.clone()
+
+    def weights(self) -> list[torch.Tensor]:
+        return [full(p) for p in self.params]
+
+
+def max_relative_error(got, want) -> float:
+    return max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(got, want))
+
+
+def compare_to_single(layout, shapes, kind, mesh, world, rank, steps=STEPS, **options):
+    """Max relative error against the single-process optimizer, and per-rank bytes of the last step."""
+    run = Run(layout, shapes, mesh, world, rank)
+    ref = Matrices(shapes, seed=7)
+    opt = make_optimizer(kind, run.params, run.mesh, **options)
+    ref_opt = make_optimizer(kind, list(ref.parameters()), None, **options)
+    for step in range(steps):
+        grads = full_grads(shapes, step)
+        run.set_grads(grads)
+        for p, g in zip(ref.parameters(), grads):
+            p.grad = g.clone()
+        opt.step()
+        ref_opt.step()
+    error = max_relative_error(run.weights(), [p.detach() for p in ref.parameters()])
+    return error, gather_ints(opt.communication_bytes), run, opt
+
+
+def gather_ints(value: int) -> list[int]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, int(value))
+    return out
+
+
+def moved_rows(layout, shapes, mesh, world, rank, **options) -> list[list[int]]:
+    """Rows of each matrix that one Dion3 step moves (no weight decay), per rank's shard."""
+    run = Run(layout, shapes, mesh, world, rank)
+    opt = make_optimizer("dion3", run.params, run.mesh, weight_decay=0.0, **options)
+    before = [p.to_local().clone() if isinstance(p, DTensor) else p.detach().clone() for p in run.params]
+    run.set_grads(full_grads(shapes, 0))
+    opt.step()
+    after = [p.to_local() if isinstance(p, DTensor) else p.detach() for p in run.params]
+    mine = [int((a != b).any(dim=1).sum()) for a, b in zip(after, before)]
+    out = [None] * world
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def fsdp_backward_error(mesh, world, rank) -> float:
+    """Real fully_shard forward/backward (same batch on every rank) vs one process."""
+    torch.manual_seed(3)
+    layers = [torch.nn.Linear(12, 16, bias=False), torch.nn.Linear(16, 3, bias=False), torch.nn.Linear(3, 8, bias=False)]
+    model = torch.nn.Sequential(*layers)
+    ref = _copy(model)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = make_optimizer("dion3", list(model.parameters()), mesh, selection_scope="global", fraction=0.5)
+    ref_opt = make_optimizer("dion3", list(ref.parameters()), None, fraction=0.5)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(STEPS):
+        batch = torch.randn(6, 12, generator=gen)
+        for net, o in ((model, opt), (ref, ref_opt)):
+            net(batch).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    return max_relative_error([full(p) for p in model.parameters()], [p.detach() for p in ref.parameters()])
+
+
+def ddp_backward_error(world, rank) -> float:
+    """Real DistributedDataParallel forward/backward (same batch everywhere) vs one process."""
+    torch.manual_seed(4)
+    ref = torch.nn.Sequential(torch.nn.Linear(10, 12, bias=False), torch.nn.Linear(12, 4, bias=False))
+    model = torch.nn.parallel.DistributedDataParallel(_copy(ref))
+    opt = make_optimizer("normuon", list(model.parameters()), dist.group.WORLD)
+    ref_opt = make_optimizer("normuon", list(ref.parameters()), None)
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(STEPS):
+        batch = torch.randn(5, 10, generator=gen)
+        for net, o in ((model, opt), (ref, ref_opt)):
+            net(batch).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    return max_relative_error([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()])
+
+
+def _copy(module: torch.nn.Module) -> torch.nn.Module:
+    clone = torch.nn.Sequential(*[torch.nn.Linear(l.in_features, l.out_features, bias=False) for l in module])
+    clone.load_state_dict(module.state_dict())
+    return clone
+
+
+def scenarios(world: int, rank: int) -> dict:
+    mesh = init_device_mesh("cpu", (world,))
+    results: dict = {"errors": {}, "bytes": {}, "moved": {}}
+    for layout in ("fsdp", "ddp"):
+        for name, kind, options in (
+            ("muon", "muon", {}),
+            ("muon_nesterov", "muon", {"nesterov": True}),
+            ("normuon", "normuon", {}),
+            ("dion3_global", "dion3", {"selection_scope": "global", "fraction": 0.25}),
+            ("dion3_global_half", "dion3", {"selection_scope": "global", "fraction": 0.5}),
+        ):
+            error, _, _, _ = compare_to_single(layout, MIXED, kind, mesh, world, rank, **options)
+            results["errors"][f"{layout}/{name}"] = error
+    # "local" at f = 1 selects every row on every rank, so it must equal "global" at f = 1.
+    local_run = compare_to_single("fsdp", MIXED, "dion3", mesh, world, rank, selection_scope="local", fraction=1.0)[2]
+    global_run = compare_to_single("fsdp", MIXED, "dion3", mesh, world, rank, selection_scope="global", fraction=1.0)[2]
+    results["errors"]["local_vs_global_f1"] = max_relative_error(local_run.weights(), global_run.weights())
+    for scope in ("local", "global"):
+        results["moved"][scope] = moved_rows("fsdp", MIXED, mesh, world, rank, selection_scope=scope, fraction=0.25)
+    for layout in ("fsdp", "ddp"):
+        for name, kind, options in (
+            ("muon", "muon", {}),
+            ("dion3_local", "dion3", {"selection_scope": "local", "fraction": 0.25}),
+            ("dion3_global", "dion3", {"selection_scope": "global", "fraction": 0.25}),
+        ):
+            error, sent, _, _ = compare_to_single(layout, TRAFFIC, kind, mesh, world, rank, steps=2, **options)
+            results["bytes"][f"{layout}/{name}"] = sent
+            results["errors"][f"traffic/{layout}/{name}"] = error
+    results["errors"]["fsdp_backward/dion3_global"] = fsdp_backward_error(mesh, world, rank)
+    results["errors"]["ddp_backward/normuon"] = ddp_backward_error(world, rank)
+    return results
+
+
+def worker(rank: int, world: int, port: int, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results = scenarios(world, rank)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(results, f, indent=1)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # manual run: python tests/distributed_worker.py WORLD OUT.json
+    import socket
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free_port = s.getsockname()[1]
+    mp.spawn(worker, args=(int(sys.argv[1]), free_port, sys.argv[2]), nprocs=int(sys.argv[1]))
+    print(open(sys.argv[2]).read())
