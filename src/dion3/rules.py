@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .kernels import post_update
+from .kernels import accumulate_momentum, post_update
 
 Grads = Union[Tensor, Sequence[Tensor]]
 ADJUST_LR = ("spectral_norm", "rms_norm", None)
@@ -48,13 +48,6 @@ def lr_scale(adjust_lr: Optional[str], rows: int, cols: int) -> float:
     if adjust_lr is None:
         return 1.0
     raise ValueError(f"unknown adjust_lr {adjust_lr!r}; expected one of {ADJUST_LR}")
-
-
-def _add_grads(momentum: Tensor, grads: Grads) -> None:
-    if isinstance(grads, Tensor):
-        momentum.add_(grads)
-    else:  # per-parameter [B_i, R, C] pieces of the stacked buffer: no stacking copy
-        torch._foreach_add_(list(momentum.split([g.shape[0] for g in grads])), list(grads))
 
 
 def _stacked(grads: Grads) -> Tensor:
@@ -90,13 +83,12 @@ def pre_step(
            U = M[rows] (snapshot); M[rows] ← μ·M[rows].
     """
     if cfg.fraction is None:
-        momentum.mul_(cfg.mu)
-        _add_grads(momentum, grads)
+        accumulate_momentum(momentum, grads, cfg.mu, scores=False)
         update = _stacked(grads).add(momentum, alpha=cfg.mu) if cfg.nesterov else momentum
         return update, None
-    _add_grads(momentum, grads)
+    scores = accumulate_momentum(momentum, grads, 1.0, scores=rows is None)
     if rows is None:
-        rows = top_rows(row_scores(momentum), selected_row_count(momentum.shape[-2], cfg.fraction))
+        rows = top_rows(scores, selected_row_count(momentum.shape[-2], cfg.fraction))
     update = gather_rows(momentum, rows)
     scatter_rows(momentum, rows, update * cfg.mu)
     return update, rows

@@ -13,13 +13,17 @@ import os
 
 import torch
 
-from .reference import post_update_reference, symmetric_matmul_reference
+from .reference import accumulate_momentum_reference, post_update_reference, symmetric_matmul_reference
 
 try:  # Triton is optional: CPU-only and non-Linux installs use the reference path.
     from . import post_update as _post_update_kernel
     from . import symmetric_matmul as _symmetric_kernel
 except ImportError:  # pragma: no cover - depends on the install
     _post_update_kernel = _symmetric_kernel = None
+try:
+    from . import momentum as _momentum_kernel
+except ImportError:  # pragma: no cover - depends on the install
+    _momentum_kernel = None
 
 SYMMETRIC_MIN_N = 512
 _enabled = os.environ.get("DION3_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
@@ -75,7 +79,21 @@ def post_update(params, update, rows, decay, step) -> None:
         post_update_reference(params, update, rows, decay, step)
 
 
+def accumulate_momentum(momentum, grads, decay: float, scores: bool):
+    """momentum ← decay·momentum + grads; with scores, return each updated row's L1 norm [N, R]
+    (one fused pass on CUDA). grads: a stacked [N, R, C] tensor or per-parameter pieces."""
+    pieces = [grads] if isinstance(grads, torch.Tensor) else grads
+    if (
+        _triton_ready(momentum.device)
+        and _momentum_kernel is not None
+        and _momentum_kernel.fused_accumulate_supported(momentum, pieces)
+    ):
+        return _momentum_kernel.accumulate_momentum_triton(momentum, pieces, decay, scores)
+    return accumulate_momentum_reference(momentum, grads, decay, scores)
+
+
 __all__ = [
+    "accumulate_momentum",
     "symmetric_matmul",
     "post_update",
     "symmetric_kernels_available",

@@ -1,0 +1,74 @@
+"""Triton fused momentum accumulation: M ← decay·M + G and, optionally, each updated row's L1
+norm (Dion3's selection score) in the same pass — one read of M and G and one write of M,
+where the PyTorch path needs separate passes for scaling, adding and scoring.
+
+One launch per parameter (gradients are separate tensors and may be replaced between steps,
+so no pointer table is cached for them); inside a captured graph the launches cost nothing.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BLOCK_ROWS = 4
+BLOCK_COLS = 512
+
+
+@triton.jit
+def _accumulate_kernel(
+    momentum_ptr, grad_ptr, scores_ptr, decay, n_rows, C,
+    HAS_DECAY: tl.constexpr, SCORES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_inside = rows < n_rows
+    total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for start in range(0, C, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        inside = row_inside[:, None] & (cols[None, :] < C)
+        offsets = rows[:, None] * C + cols[None, :]
+        m = tl.load(momentum_ptr + offsets, mask=inside, other=0.0)
+        g = tl.load(grad_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        value = m.to(tl.float32)
+        if HAS_DECAY:
+            value = value * decay
+        stored = (value + g).to(m.dtype)
+        tl.store(momentum_ptr + offsets, stored, mask=inside)
+        if SCORES:  # score what was stored, so the selection sees the rounded momentum
+            total += tl.sum(tl.abs(stored.to(tl.float32)), axis=1)
+    if SCORES:
+        tl.store(scores_ptr + rows, total, mask=row_inside)
+
+
+def fused_accumulate_supported(momentum: Tensor, grads: Sequence[Tensor]) -> bool:
+    return (
+        momentum.is_cuda
+        and momentum.is_contiguous()
+        and momentum.dtype in SUPPORTED_DTYPES
+        and all(g.dtype in SUPPORTED_DTYPES and g.device == momentum.device for g in grads)
+    )
+
+
+def accumulate_momentum_triton(
+    momentum: Tensor, grads: Sequence[Tensor], decay: float, scores: bool
+) -> Optional[Tensor]:
+    """momentum [N, R, C] (contiguous) ← decay·momentum + concat(grads); grads are [B_i, R, C]."""
+    n, rows, cols = momentum.shape
+    out = torch.empty((n, rows), dtype=torch.float32, device=momentum.device) if scores else None
+    flat_m = momentum.view(n * rows, cols)
+    flat_s = out.view(n * rows) if scores else flat_m  # placeholder pointer when not scoring
+    offset = 0
+    for grad in grads:
+        count = grad.shape[0] * rows
+        grad = grad if grad.is_contiguous() else grad.contiguous()
+        grid = (triton.cdiv(count, BLOCK_ROWS),)
+        _accumulate_kernel[grid](
+            flat_m[offset:], grad, flat_s[offset:], float(decay), count, cols,
+            HAS_DECAY=decay != 1.0, SCORES=scores, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
+        )
+        offset += count
+    return out

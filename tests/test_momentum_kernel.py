@@ -1,0 +1,70 @@
+"""The fused momentum-accumulation kernel against float64 math: on CPU under TRITON_INTERPRET=1
+(in a subprocess, since the variable must be set before Triton is imported), on GPU directly."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+CASES = textwrap.dedent(
+    """
+    import json, sys, torch
+    from dion3.kernels.momentum import accumulate_momentum_triton
+    device = sys.argv[1]
+    results = []
+    gen = torch.Generator().manual_seed(0)
+    # (matrix rows, cols, per-parameter batch sizes, decay, dtype): odd sizes, several params
+    cases = [(5, 37, [1, 2], 1.0, torch.float32), (3, 600, [3], 0.9, torch.float32),
+             (7, 513, [1, 1, 2], 0.95, torch.bfloat16), (4, 40, [2], 1.0, torch.float16)]
+    for rows, cols, batches, decay, dtype in cases:
+        n = sum(batches)
+        m0 = torch.randn(n, rows, cols, generator=gen, dtype=torch.float64)
+        grads64 = [torch.randn(b, rows, cols, generator=gen, dtype=torch.float64) for b in batches]
+        momentum = m0.to(device=device, dtype=dtype)
+        grads = [g.to(device=device, dtype=dtype) for g in grads64]
+        scores = accumulate_momentum_triton(momentum, grads, decay, True)
+        # float64 reference from the same rounded inputs
+        scaled, added = decay * m0.to(dtype).double(), torch.cat([g.to(dtype).double() for g in grads64])
+        expected = scaled + added
+        magnitude = scaled.abs() + added.abs()  # error scale of fp32 math before the one rounding
+        got = momentum.double().cpu()
+        ulp = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
+        value_err = ((got - expected).abs() / magnitude).max().item() / ulp
+        score_ref = got.abs().sum(-1)  # scores must describe the stored (rounded) momentum
+        score_err = ((scores.double().cpu() - score_ref).abs() / score_ref).max().item()
+        again = accumulate_momentum_triton(momentum.clone(), grads, decay, False)
+        results.append(dict(case=f"{rows}x{cols}x{batches}/{dtype}", value_ulps=value_err,
+                            score_rel=score_err, no_scores=again is None))
+    print(json.dumps(results))
+    """
+)
+
+
+def _run(device, env):
+    done = subprocess.run([sys.executable, "-c", CASES, device], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _check(results):
+    assert len(results) == 4
+    for r in results:
+        # fp32 scale and add (decay itself rounded to fp32), then one rounding to the dtype;
+        # the interpreter's bf16 conversion truncates: at most ~2 ulps of the terms' magnitude
+        assert r["value_ulps"] <= 2.0, r
+        assert r["score_rel"] <= 1e-5, r
+        assert r["no_scores"], r
+
+
+def test_interpreted_kernel_matches_float64():
+    pytest.importorskip("triton")
+    _check(_run("cpu", dict(os.environ, TRITON_INTERPRET="1")))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_kernel_matches_float64():
+    _check(_run("cuda", dict(os.environ)))
