@@ -48,7 +48,7 @@ def make_optimizer(kind: str, params, mesh, **options):
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+    return tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
 
 
 class Run:
@@ -162,6 +162,28 @@ def _copy(module: torch.nn.Module) -> torch.nn.Module:
     return clone
 
 
+def rejected_layouts(mesh, world: int) -> dict:
+    """The ValueError text for layouts the optimizer must refuse (None if it did not refuse)."""
+    matrix = torch.randn(4 * world, 6)
+    cases = {
+        "column_sharded": lambda: Muon([DTensor.from_local(matrix[:, :3].clone(), mesh, [Shard(1)], run_check=False,
+                                                          shape=(4 * world, 3 * world), stride=(3 * world, 1))],
+                                       distributed_mesh=mesh),
+        "dtensor_with_process_group": lambda: Muon([DTensor.from_local(matrix[:4].clone(), mesh, [Shard(0)], run_check=False,
+                                                                      shape=matrix.shape, stride=matrix.stride())],
+                                                   distributed_mesh=dist.group.WORLD),
+        "two_dim_mesh": lambda: Muon([matrix], distributed_mesh=init_device_mesh("cpu", (1, world))),
+    }
+    messages = {}
+    for name, build in cases.items():
+        try:
+            build()
+            messages[name] = None
+        except ValueError as error:
+            messages[name] = str(error)
+    return messages
+
+
 def scenarios(world: int, rank: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     results: dict = {"errors": {}, "bytes": {}, "moved": {}}
@@ -190,6 +212,7 @@ def scenarios(world: int, rank: int) -> dict:
             error, sent, _, _ = compare_to_single(layout, TRAFFIC, kind, mesh, world, rank, steps=2, **options)
             results["bytes"][f"{layout}/{name}"] = sent
             results["errors"][f"traffic/{layout}/{name}"] = error
+    results["rejected"] = rejected_layouts(mesh, world)
     results["errors"]["fsdp_backward/dion3_global"] = fsdp_backward_error(mesh, world, rank)
     results["errors"]["ddp_backward/normuon"] = ddp_backward_error(world, rank)
     return results

@@ -16,6 +16,9 @@ from torch import Tensor
 
 from .mesh import MeshInfo
 
+# torch ≥ 2.10 renamed all_gather_into_tensor (the old name warns); same arguments.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
 
 class Traffic:
     """Bytes sent by this rank in the current step, by purpose ("rows", "variance", "scores", ...)."""
@@ -67,7 +70,7 @@ def gather_chunks(chunk: Tensor, mesh: MeshInfo, traffic: Traffic, kind: str) ->
     # Concatenated along dim 0 (the layout every backend accepts), viewed as [W, ...] after.
     out = chunk.new_empty((mesh.world_size * chunk.shape[0], *chunk.shape[1:]))
     traffic.add(kind, chunk.numel() * chunk.element_size() * (mesh.world_size - 1))
-    work = dist.all_gather_into_tensor(out, chunk, group=mesh.group, async_op=True)
+    work = _all_gather_single(out, chunk, group=mesh.group, async_op=True)
     return Pending(work, out, lambda gathered: gathered.view(mesh.world_size, *chunk.shape))
 
 

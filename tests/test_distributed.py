@@ -1,0 +1,161 @@
+"""Distributed step (DDP ProcessGroup and FSDP2 Shard(0)) against a single-process run.
+
+Two gloo process groups are spawned once per module (2 and 4 ranks on loopback); every worker
+runs all scenarios of tests/distributed_worker.py and the assertions below read their results.
+The reference is the same optimizer on one process with the full matrices and gradients.
+"""
+from __future__ import annotations
+
+import json
+import math
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import distributed_worker as worker
+from dion3 import Dion3, Muon
+from dion3.distributed import local_row_span
+
+TOLERANCE = 1e-5  # float32 NS; the distributed and single runs agree to ~1e-7 in practice
+EXACT_SCENARIOS = [
+    f"{layout}/{name}"
+    for layout in ("fsdp", "ddp")
+    for name in ("muon", "muon_nesterov", "normuon", "dion3_global", "dion3_global_half")
+] + [
+    "traffic/fsdp/muon", "traffic/fsdp/dion3_global", "traffic/ddp/muon", "traffic/ddp/dion3_global",
+    "traffic/ddp/dion3_local",  # replicated: every rank sees whole matrices, so "local" is exact too
+    "fsdp_backward/dion3_global", "ddp_backward/normuon",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def results(request, tmp_path_factory):
+    world = request.param
+    out = tmp_path_factory.mktemp(f"dist{world}") / "results.json"
+    mp.spawn(worker.worker, args=(world, _free_port(), str(out)), nprocs=world)
+    data = json.loads(out.read_text())
+    data["world"] = world
+    return data
+
+
+def _chunk(rows: int, world: int) -> int:
+    return -(-rows // world)
+
+
+def _rows_on(rows: int, world: int, rank: int) -> int:
+    return len(range(rows)[rank * _chunk(rows, world) : (rank + 1) * _chunk(rows, world)])
+
+
+@pytest.mark.parametrize("scenario", EXACT_SCENARIOS)
+def test_matches_single_process(results, scenario):
+    assert results["errors"][scenario] <= TOLERANCE, (scenario, results["errors"][scenario])
+
+
+def test_local_equals_global_at_fraction_one(results):
+    assert results["errors"]["local_vs_global_f1"] <= TOLERANCE
+
+
+def test_local_scope_is_a_different_rule_when_sharded(results):
+    # Shows the comparison above can fail: per-shard top-k is not the global top-k.
+    assert results["errors"]["traffic/fsdp/dion3_local"] > 1e-4
+
+
+def test_local_scope_moves_each_ranks_own_top_rows(results):
+    world, fraction = results["world"], 0.25
+    for rank, moved in enumerate(results["moved"]["local"]):
+        for (rows, _), count in zip(worker.MIXED, moved):
+            held = _rows_on(rows, world, rank)
+            assert count == min(math.ceil(fraction * _chunk(rows, world)), held), (rank, rows, count)
+
+
+def test_global_scope_moves_exactly_k_rows_of_each_matrix(results):
+    moved = results["moved"]["global"]
+    for i, (rows, _) in enumerate(worker.MIXED):
+        assert sum(per_rank[i] for per_rank in moved) == max(1, math.ceil(0.25 * rows))
+        for rank, per_rank in enumerate(moved):
+            assert per_rank[i] <= _rows_on(rows, results["world"], rank)
+
+
+def _muon_fsdp_bytes(shapes, world: int, rank: int, itemsize: int = 4) -> int:
+    """Hand count: rows of matrices owned elsewhere go out, whole matrices' other rows come back."""
+    total = 0
+    for shape in sorted(set(shapes), key=shapes.index):
+        count, (rows, cols) = shapes.count(shape), shape
+        block = -(-count // world)
+        owned = len(range(count)[rank * block : (rank + 1) * block])
+        held = _rows_on(rows, world, rank)
+        total += ((count - owned) * held + owned * (rows - held)) * cols * itemsize
+    return total
+
+
+def _muon_ddp_bytes(shapes, world: int, itemsize: int = 4) -> int:
+    """All-gather: each rank sends its block of ⌈N/W⌉ whole matrices to W − 1 ranks."""
+    return sum(-(-shapes.count(s) // world) * s[0] * s[1] * itemsize * (world - 1) for s in set(shapes))
+
+
+def test_muon_byte_counts_match_hand_count(results):
+    world = results["world"]
+    assert results["bytes"]["fsdp/muon"] == [_muon_fsdp_bytes(worker.TRAFFIC, world, r) for r in range(world)]
+    assert results["bytes"]["ddp/muon"] == [_muon_ddp_bytes(worker.TRAFFIC, world)] * world
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "ddp"])
+def test_dion3_sends_a_fraction_of_muons_bytes(results, layout):
+    muon = results["bytes"][f"{layout}/muon"]
+    for scope, budget in (("local", 0.3), ("global", 0.5)):
+        dion3 = results["bytes"][f"{layout}/dion3_{scope}"]
+        for rank, (sent, reference) in enumerate(zip(dion3, muon)):
+            assert 0 < sent <= budget * reference, (layout, scope, rank, sent, reference)
+    assert results["errors"][f"traffic/{layout}/dion3_global"] <= TOLERANCE
+
+
+def test_unsupported_layouts_raise_clear_errors(results):
+    rejected = results["rejected"]
+    assert "Shard(0)" in rejected["column_sharded"] and "adamw" in rejected["column_sharded"]
+    assert "DeviceMesh" in rejected["dtensor_with_process_group"]
+    assert "shard sub-mesh" in rejected["two_dim_mesh"]
+
+
+@pytest.mark.parametrize("mesh", ["cuda", 2, object()])
+def test_bad_distributed_mesh_is_rejected(mesh):
+    for optimizer in (Muon, Dion3):
+        with pytest.raises(ValueError, match="distributed_mesh"):
+            optimizer([torch.nn.Parameter(torch.randn(4, 4))], distributed_mesh=mesh)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 5, 8, 13])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_row_spans_follow_torch_chunk(rows, world):
+    pieces = torch.arange(rows).chunk(world) if rows else ()
+    for rank in range(world):
+        start, stop = local_row_span(rows, world, rank)
+        expected = pieces[rank].tolist() if rank < len(pieces) else []
+        assert list(range(start, stop)) == expected
+
+
+def test_single_rank_group_matches_single_process(tmp_path):
+    """World size 1 (one GPU with torchrun): the distributed path is still exact."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (1,))
+        for layout, kind, options in (
+            ("fsdp", "normuon", {}),
+            ("fsdp", "dion3", {"selection_scope": "global"}),
+            ("ddp", "dion3", {}),
+        ):
+            error, sent, _, _ = worker.compare_to_single(layout, worker.MIXED, kind, mesh, 1, 0, **options)
+            assert error <= TOLERANCE, (layout, kind, error)
+            assert sent == [0]  # nothing leaves a single rank
+    finally:
+        dist.destroy_process_group()
