@@ -164,7 +164,9 @@ def _run_against_reference(cls, options, hyper, shapes, steps=4):
     return params, opt, ref
 
 
-@pytest.mark.parametrize("cls, options", CASES, ids=lambda c: c.get("algorithm", "") + str(c.get("nesterov", c.get("fraction", ""))) if isinstance(c, dict) else "")
+@pytest.mark.parametrize(
+    "cls, options", CASES, ids=["muon", "muon-nesterov", "normuon", "normuon-nesterov", "dion3-f0.25", "dion3-f0.5", "dion3-f1"]
+)
 def test_optimizer_matches_reference(exact_orthogonalizer, cls, options):
     hyper = dict(lr=0.05, mu=0.9, weight_decay=0.1)
     if options["algorithm"] != "muon":
