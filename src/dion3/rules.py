@@ -102,14 +102,14 @@ def normalize_rows(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float
     """
     # Everything reduces to per-row factors computed from the row norms, so O is read once
     # for the norms and once for the final scaling (no full-size temporaries).
-    ortho = ortho.float()
-    row_sq = torch.linalg.vector_norm(ortho, dim=-1, keepdim=True).square()  # [N, k, 1]
-    new_variance = torch.lerp(variance.float(), row_sq / ortho.shape[-1], 1.0 - beta2)
+    math_dtype = torch.promote_types(ortho.dtype, torch.float32)  # half inputs: no float copy
+    row_sq = torch.linalg.vector_norm(ortho, dim=-1, keepdim=True, dtype=math_dtype).square()  # [N, k, 1]
+    new_variance = torch.lerp(variance.to(math_dtype), row_sq / ortho.shape[-1], 1.0 - beta2)
     inverse_rms = 1.0 / (new_variance.sqrt() + epsilon)
     frob = row_sq.sum(dim=-2, keepdim=True).sqrt()  # ‖O‖_F, [N, 1, 1]
     scaled_frob = (row_sq * inverse_rms.square()).sum(dim=-2, keepdim=True).sqrt()  # ‖Ô‖_F before rescale
     row_scale = inverse_rms * (frob / scaled_frob.clamp_min(epsilon))
-    return ortho * row_scale, new_variance
+    return ortho * row_scale, new_variance.to(variance.dtype)
 
 
 def apply_update(

@@ -38,10 +38,13 @@ def _normalized_wide(x: Tensor, schedule: Schedule, dtype: torch.dtype) -> tuple
     transposed = x.shape[-2] > x.shape[-1]
     if transposed:
         x = x.mT
-    norm = torch.linalg.vector_norm(x.float(), dim=(-2, -1), keepdim=True)
-    # Out of place: never normalize the caller's tensor.
-    x = (x.float() / (norm * schedule.norm_scale + _NORM_EPS)).to(dtype)
-    return x, transposed
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
+    inverse = 1.0 / (norm * schedule.norm_scale + _NORM_EPS)
+    # Out of place (never the caller's tensor), computed in x's precision and written straight
+    # into the compute dtype: no float32 copy of the batch, no fp16 overflow before scaling.
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    torch.mul(x, inverse, out=out)
+    return out, transposed
 
 
 def newton_schulz(x: Tensor, schedule: Schedule) -> Tensor:
@@ -88,6 +91,7 @@ def orthogonalize(
     coefficients: CoefficientSpec = "polar_express",
     restarts: Optional[Sequence[int]] = None,
     dtype: Optional[torch.dtype] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """Approximate polar factor of x ([..., rows, cols]), returned in x's dtype.
 
@@ -96,6 +100,7 @@ def orthogonalize(
     restarts: Gram NS restart positions (steps after which to restart); None picks the
     autotuned default for the schedule (one restart).
     dtype: compute dtype; None means bf16 (NS) / fp16 (Gram) on CUDA and float32 on CPU.
+    out_dtype: dtype of the result; None means x's dtype.
     """
     if method not in METHODS:
         raise ValueError(f"unknown orthogonalization method {method!r}; expected one of {METHODS}")
@@ -111,7 +116,7 @@ def orthogonalize(
     lead = x.shape[:-2]
     batch = x.reshape(-1, rows, cols)
     if batch.shape[0] == 0 or rows == 0 or cols == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x, dtype=out_dtype or x.dtype)
     wide, transposed = _normalized_wide(batch, schedule, dtype)
     if method == "gram":
         if restarts is None:
@@ -121,4 +126,4 @@ def orthogonalize(
         out = newton_schulz(wide, schedule)
     if transposed:
         out = out.mT
-    return out.to(x.dtype).reshape(*lead, rows, cols)
+    return out.to(out_dtype or x.dtype).reshape(*lead, rows, cols)
