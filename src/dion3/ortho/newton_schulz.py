@@ -26,11 +26,12 @@ def choose_method(rows: int, cols: int, symmetric_kernels: bool) -> str:
     return "gram" if m > threshold * n else "newton_schulz"
 
 
-def default_compute_dtype(device: torch.device, method: str) -> torch.dtype:
+def default_compute_dtype(device: torch.device, method: str, input_dtype: torch.dtype = torch.float32) -> torch.dtype:
     """bf16 for standard NS and fp16 for Gram NS on GPU (fp16 has more mantissa and R ≤ 1);
-    float32 on CPU, where half-precision matmuls are slow and gain nothing."""
+    on CPU, where half-precision matmuls are slow and gain nothing, float32 (float64 inputs
+    stay float64)."""
     if device.type != "cuda":
-        return torch.float32
+        return torch.float64 if input_dtype == torch.float64 else torch.float32
     return torch.float16 if method == "gram" else torch.bfloat16
 
 
@@ -112,7 +113,7 @@ def orthogonalize(
     rows, cols = x.shape[-2], x.shape[-1]
     if method == "auto":
         method = choose_method(rows, cols, symmetric_kernels_available(x.device, min(rows, cols)))
-    dtype = dtype or default_compute_dtype(x.device, method)
+    dtype = dtype or default_compute_dtype(x.device, method, x.dtype)
     lead = x.shape[:-2]
     batch = x.reshape(-1, rows, cols)
     if batch.shape[0] == 0 or rows == 0 or cols == 0:
