@@ -20,6 +20,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(scope="module")
 def interpreted_results():
+    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip(f"interpreter cases need Triton ≥ 3.9 (3.6's interpreter fails on them); have {triton.__version__}")
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, str(HERE / "kernel_cases.py"), "cpu"], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -139,12 +141,13 @@ def test_gpu_error_no_worse_than_twice_cublas(dtype, batch, n, k, square):
 
 @needs_cuda
 def test_gpu_dispatch_uses_kernel_and_orthogonalize_stays_accurate():
+    from dion3.bench.kernels import float64_newton_schulz
     from dion3.ortho.newton_schulz import orthogonalize
 
     assert kernels.symmetric_kernels_available("cuda", 1024)
     assert not kernels.symmetric_kernels_available("cuda", kernels.SYMMETRIC_MIN_N - 1)
     x = torch.randn(4, 1024, 3072, device="cuda")
-    exact = orthogonalize(x.double(), method="newton_schulz", dtype=torch.float64)
+    exact = float64_newton_schulz(x)
     for method in ("newton_schulz", "gram"):
         out = orthogonalize(x, method=method)
         assert float((out.double() - exact).norm() / exact.norm()) < 2e-2, method

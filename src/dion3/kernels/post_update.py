@@ -24,8 +24,10 @@ _pointer_tables: dict = {}
 @triton.jit
 def _scalar(value, IS_POINTER: tl.constexpr):
     if IS_POINTER:
-        return tl.load(value).to(tl.float32)
-    return value
+        result = tl.load(value).to(tl.float32)
+    else:
+        result = value
+    return result
 
 
 @triton.jit
