@@ -25,7 +25,7 @@ try:
 except ImportError:  # pragma: no cover - depends on the install
     _momentum_kernel = None
 
-SYMMETRIC_MIN_N = 512
+SYMMETRIC_MIN_N = 1024
 _enabled = os.environ.get("DION3_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
