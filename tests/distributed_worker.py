@@ -118,8 +118,9 @@ def moved_rows(layout, shapes, mesh, world, rank, **options) -> list[list[int]]:
     return out
 
 
-def fsdp_backward_error(mesh, world, rank) -> float:
-    """Real fully_shard forward/backward (same batch on every rank) vs one process."""
+def fsdp_backward_error(mesh, optimizer_mesh=None) -> float:
+    """Real fully_shard forward/backward (same batch on every rank) vs one process. For HSDP,
+    `mesh` is 2-D (replicate, shard) and the optimizer gets its shard sub-mesh."""
     torch.manual_seed(3)
     layers = [torch.nn.Linear(12, 16, bias=False), torch.nn.Linear(16, 3, bias=False), torch.nn.Linear(3, 8, bias=False)]
     model = torch.nn.Sequential(*layers)
@@ -127,7 +128,7 @@ def fsdp_backward_error(mesh, world, rank) -> float:
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = make_optimizer("dion3", list(model.parameters()), mesh, selection_scope="global", fraction=0.5)
+    opt = make_optimizer("dion3", list(model.parameters()), optimizer_mesh or mesh, selection_scope="global", fraction=0.5)
     ref_opt = make_optimizer("dion3", list(ref.parameters()), None, fraction=0.5)
     gen = torch.Generator().manual_seed(5)
     for _ in range(STEPS):
@@ -137,6 +138,23 @@ def fsdp_backward_error(mesh, world, rank) -> float:
             o.step()
             o.zero_grad()
     return max_relative_error([full(p) for p in model.parameters()], [p.detach() for p in ref.parameters()])
+
+
+def resume_error(mesh, world, rank) -> float:
+    """Step 3 after state_dict() → load_state_dict() into a new optimizer vs an unbroken run."""
+    options = dict(selection_scope="global", fraction=0.25)
+    unbroken, resumed = Run("fsdp", MIXED, mesh, world, rank), Run("fsdp", MIXED, mesh, world, rank)
+    first = make_optimizer("dion3", unbroken.params, mesh, **options)
+    second = make_optimizer("dion3", resumed.params, mesh, **options)
+    for step in range(STEPS):
+        if step == STEPS - 1:
+            saved = second.state_dict()
+            second = make_optimizer("dion3", resumed.params, mesh, **options)
+            second.load_state_dict(saved)
+        for run, opt in ((unbroken, first), (resumed, second)):
+            run.set_grads(full_grads(MIXED, step))
+            opt.step()
+    return max_relative_error(resumed.weights(), unbroken.weights())
 
 
 def ddp_backward_error(world, rank) -> float:
@@ -213,7 +231,11 @@ def scenarios(world: int, rank: int) -> dict:
             results["bytes"][f"{layout}/{name}"] = sent
             results["errors"][f"traffic/{layout}/{name}"] = error
     results["rejected"] = rejected_layouts(mesh, world)
-    results["errors"]["fsdp_backward/dion3_global"] = fsdp_backward_error(mesh, world, rank)
+    results["errors"]["fsdp_backward/dion3_global"] = fsdp_backward_error(mesh)
+    if world == 4:
+        hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        results["errors"]["hsdp_backward/dion3_global"] = fsdp_backward_error(hsdp, hsdp["shard"])
+    results["errors"]["resume/fsdp_dion3_global"] = resume_error(mesh, world, rank)
     results["errors"]["ddp_backward/normuon"] = ddp_backward_error(world, rank)
     return results
 

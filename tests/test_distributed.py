@@ -27,8 +27,15 @@ EXACT_SCENARIOS = [
 ] + [
     "traffic/fsdp/muon", "traffic/fsdp/dion3_global", "traffic/ddp/muon", "traffic/ddp/dion3_global",
     "traffic/ddp/dion3_local",  # replicated: every rank sees whole matrices, so "local" is exact too
-    "fsdp_backward/dion3_global", "ddp_backward/normuon",
+    "fsdp_backward/dion3_global", "ddp_backward/normuon", "resume/fsdp_dion3_global",
 ]
+
+
+def test_hsdp_shard_submesh_matches_single_process(results):
+    # HSDP needs a 2 (replicate) × 2 (shard) mesh, so only the 4-rank run has this scenario.
+    errors = results["errors"]
+    assert ("hsdp_backward/dion3_global" in errors) == (results["world"] == 4)
+    assert errors.get("hsdp_backward/dion3_global", 0.0) <= TOLERANCE
 
 
 def _free_port() -> int:
