@@ -35,6 +35,7 @@ class Preset:
     lrs: dict  # matrix learning rate per optimizer name (docs/training.md explains the values)
     device: str = "auto"
     bf16: bool = False
+    threads: Optional[int] = None  # CPU threads for torch; None keeps torch's default
 
 
 PRESETS: dict[str, Preset] = {
@@ -44,6 +45,9 @@ PRESETS: dict[str, Preset] = {
         schedule=Schedule(steps=250, batch_size=16, eval_every=25, eval_batches=8, warmup_steps=10),
         lrs={"adamw": 0.003, "muon": 0.02, "normuon": 0.02, "dion3-f0.5": 0.03, "dion3-f0.25": 0.04},
         device="cpu",
+        # One thread: 128-wide matrices gain little from a second one, and on a busy machine
+        # (CI runners, shared hosts) OpenMP threads waiting on each other cost several times more.
+        threads=1,
     ),
     # ~25 M parameters in the blocks (d=512, 8 layers); ~5 minutes for all five runs on one H200.
     "gpu-small": Preset(
@@ -86,7 +90,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="output directory (default: compare-<preset>)")
     parser.add_argument("--device", help="auto, cpu or cuda[:N] (preset default otherwise)")
     parser.add_argument("--seed", type=int, default=0, help="model initialization and batch order (default 0)")
-    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: the preset's, else torch's choice)")
     args = parser.parse_args(argv)
     for name in ("steps", "batch_size", "eval_every", "threads"):
         value = getattr(args, name)
@@ -167,8 +171,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     preset = PRESETS[args.preset]
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or preset.threads
+    if threads:
+        torch.set_num_threads(threads)
     overrides = _lr_overrides(args.lr)
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
     specs = [run_spec(name, preset.lrs, overrides) for name in names]

@@ -1,0 +1,289 @@
+"""Training demo: data sources, model shapes, parameter groups, a short run, `dion3 compare`."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dion3 import Dion3, param_groups
+from dion3.train import compare, data
+from dion3.train.model import GPT, GPTConfig, padded_vocab
+from dion3.train.trainer import RunSpec, Schedule, resolve_device, train
+
+TINY = GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=32)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny matrices gain nothing from threads, and on a busy 2-core CI machine OpenMP threads
+    # that wait for each other make these tests many times slower.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _write_raw_shard(path, header_values, tokens):
+    header = np.zeros(256, dtype="<i4")
+    header[: len(header_values)] = header_values
+    path.write_bytes(header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes())
+
+
+# ----------------------------------------------------------------------------- data
+def test_stdlib_default_is_bytes_with_a_stable_file_order_and_split():
+    root, files = data.stdlib_files()
+    names = [f.relative_to(root).as_posix() for f in files]
+    assert names == sorted(names) and "os.py" in names
+    assert not any(part in ("site-packages", "test") for n in names for part in n.split("/")[:-1])
+    loaded = data.load_data()
+    assert loaded.vocab_size == 256
+    assert loaded.train.dtype == torch.long and 0 <= int(loaded.train.min()) and int(loaded.train.max()) < 256
+    # Independent reconstruction of the split from the documented rule (CRC-32 of the relative path).
+    import zlib
+
+    val_names = [n for n in names if zlib.crc32(n.encode()) % 10_000 < 500]
+    val_bytes = sum((root / n).stat().st_size for n in val_names)
+    assert loaded.val.numel() == val_bytes
+    assert loaded.train.numel() + loaded.val.numel() == sum(f.stat().st_size for f in files)
+    first = (root / names[0]).read_bytes()
+    if names[0] not in val_names:
+        assert bytes(loaded.train[: len(first)].to(torch.uint8).tolist()) == first
+
+
+def test_text_files_and_directories(tmp_path):
+    texts = {f"doc{i}.txt": (f"document {i} " * 40).encode() for i in range(30)}
+    (tmp_path / "sub").mkdir()
+    for name, body in texts.items():
+        (tmp_path / "sub" / name).write_bytes(body)
+    from_dir = data.load_data(tmp_path)
+    total = sum(len(b) for b in texts.values())
+    assert from_dir.vocab_size == 256
+    assert from_dir.train.numel() + from_dir.val.numel() == total
+    assert from_dir.val.numel() > 0 and from_dir.train.numel() > 0
+    # The same files listed in another order give the same split.
+    listed = data.load_data([tmp_path / "sub" / n for n in reversed(list(texts))])
+    assert listed.train.numel() + listed.val.numel() == total
+    single = data.load_data(tmp_path / "sub" / "doc3.txt")  # one file: tail held out
+    body = texts["doc3.txt"]
+    cut = int(len(body) * 0.95)
+    assert bytes(single.train.to(torch.uint8).tolist()) == body[:cut]
+    assert bytes(single.val.to(torch.uint8).tolist()) == body[cut:]
+
+
+def test_token_shards_round_trip_and_val_shards(tmp_path):
+    rng = np.random.default_rng(0)
+    train_tokens = rng.integers(0, 50257, size=1000)
+    val_tokens = rng.integers(0, 50257, size=300)
+    data.write_shard(tmp_path / "fineweb_train_000001.bin", train_tokens)
+    _write_raw_shard(tmp_path / "fineweb_val_000000.bin", [20240520, 1, 300], val_tokens)
+    loaded = data.load_data(tmp_path)
+    assert loaded.vocab_size == 50257 and padded_vocab(loaded.vocab_size) == 50304
+    assert loaded.train.tolist() == train_tokens.tolist()
+    assert loaded.val.tolist() == val_tokens.tolist()
+    only_train = data.load_data(tmp_path / "fineweb_train_000001.bin")  # no val shard: tail split
+    assert only_train.train.tolist() + only_train.val.tolist() == train_tokens.tolist()
+    assert only_train.val.numel() == 1000 - int(1000 * 0.95)
+
+
+@pytest.mark.parametrize(
+    "header, tokens, message",
+    [
+        ([123, 1, 4], [1, 2, 3, 4], "bad magic"),
+        ([20240520, 7, 4], [1, 2, 3, 4], "unsupported version"),
+        ([20240520, 1, 9], [1, 2, 3, 4], "header says 9 tokens"),
+        ([20240520, 1, 2], [1, 60000], "outside the GPT-2 vocabulary"),
+    ],
+)
+def test_malformed_shards_raise_clear_errors(tmp_path, header, tokens, message):
+    path = tmp_path / "bad.bin"
+    _write_raw_shard(path, header, tokens)
+    with pytest.raises(ValueError, match=message):
+        data.load_data(path)
+
+
+def test_bad_paths_raise_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        data.load_data(tmp_path / "missing.txt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no files found"):
+        data.load_data(tmp_path / "empty")
+    (tmp_path / "short.bin").write_bytes(b"\x00" * 10)
+    with pytest.raises(ValueError, match="shorter than its 1024-byte header"):
+        data.load_data(tmp_path / "short.bin")
+    (tmp_path / "a.txt").write_text("x" * 100)
+    with pytest.raises(ValueError, match="mixing"):
+        data.load_data([tmp_path / "a.txt", tmp_path / "short.bin"])
+    (tmp_path / "one.txt").write_text("x")
+    with pytest.raises(ValueError, match="split is empty"):
+        data.load_data(tmp_path / "one.txt")
+
+
+def test_batches_are_shifted_windows_and_reproducible():
+    tokens = torch.arange(1000)
+    first = next(data.train_batches(tokens, 4, 8, seed=3))
+    again = next(data.train_batches(tokens, 4, 8, seed=3))
+    inputs, targets = first
+    assert torch.equal(inputs, again[0]) and inputs.shape == (4, 8)
+    assert torch.equal(targets, inputs + 1)  # next-token targets on a counting sequence
+    val = data.val_batches(tokens, 4, 8, num_batches=2)
+    assert len(val) == 2 and int(val[-1][1].max()) == 999  # reaches the end of the split
+    with pytest.raises(ValueError, match="fewer than seq_len"):
+        data.val_batches(torch.arange(5), 1, 8, 1)
+
+
+# ----------------------------------------------------------------------------- model
+def test_model_shapes_causality_and_config_errors():
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    tokens = torch.randint(0, 256, (3, 16))
+    logits = model(tokens)
+    assert logits.shape == (3, 16, 256)
+    loss = model(tokens, tokens).detach()
+    assert loss.dim() == 0
+    # lm_head starts at zero, so the first loss is exactly log(vocab).
+    assert math.isclose(float(loss), math.log(256), rel_tol=1e-6)
+    nn.init.normal_(model.lm_head.weight, std=0.1)
+    for block in model.blocks:
+        nn.init.normal_(block.attn.proj.weight, std=0.1)
+    changed = tokens.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 256
+    a, b = model(tokens), model(changed)
+    assert torch.allclose(a[:, :10], b[:, :10], atol=1e-5)  # causal: the past ignores the future
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+    with pytest.raises(ValueError, match="exceeds the model's seq_len"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match="divisible by n_head"):
+        GPTConfig(d_model=30, n_head=4)
+
+
+# ----------------------------------------------------------------------------- groups
+def test_param_groups_place_every_parameter_exactly_once():
+    model = GPT(TINY)
+    model.extra_bias = nn.Parameter(torch.zeros(5))
+    groups = param_groups(model, lm_head="lm_head", algorithm="muon", lr=0.05, fraction=0.5)
+    placed = [id(p) for g in groups for p in g["params"]]
+    assert sorted(placed) == sorted(id(p) for p in model.parameters())
+    def is_head(group):
+        return any(p is model.lm_head.weight for p in group["params"])
+
+    by_kind = {g["algorithm"] + ("-head" if is_head(g) else ""): g for g in groups}
+    matrices = {id(p) for p in by_kind["muon"]["params"]}
+    expected = {id(p) for n, p in model.named_parameters() if p.dim() == 2 and n not in ("embed.weight", "lm_head.weight")}
+    assert matrices == expected and by_kind["muon"]["lr"] == 0.05 and by_kind["muon"]["fraction"] == 0.5
+    assert by_kind["adamw-head"]["params"] == [model.lm_head.weight]
+    scalar_ids = {id(p) for g in groups if g["algorithm"] == "adamw" for p in g["params"]}
+    assert id(model.embed.weight) in scalar_ids and id(model.extra_bias) in scalar_ids
+    Dion3(groups)  # the optimizer accepts them
+    # A module object works as well as a name; a tied head is placed once.
+    model.lm_head.weight = model.embed.weight
+    tied = param_groups(model, lm_head=model.lm_head)
+    assert sorted(id(p) for g in tied for p in g["params"]) == sorted(id(p) for p in model.parameters())
+
+
+def test_param_groups_never_guess_the_head():
+    model = GPT(TINY)
+    with pytest.raises(ValueError, match="lm_head is required"):
+        param_groups(model)
+    with pytest.raises(ValueError, match="names no module or parameter"):
+        param_groups(model, lm_head="head")
+    with pytest.raises(ValueError, match="not part of the model"):
+        param_groups(model, lm_head=nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        param_groups(model, lm_head="lm_head", algorithm="sgd")
+
+
+# ----------------------------------------------------------------------------- training
+def _periodic_text(length: int) -> torch.Tensor:
+    pattern = b"def add(a, b):\n    return a + b\n\n"
+    return torch.tensor(list((pattern * (length // len(pattern) + 1))[:length]))
+
+
+@pytest.mark.parametrize("algorithm, lr, fraction", [("dion3", 0.04, 0.25), ("adamw", 0.01, None)])
+def test_short_training_run_lowers_the_loss(algorithm, lr, fraction):
+    tokens = _periodic_text(4000)
+    corpus = data.TokenData(tokens[:3000], tokens[3000:], 256, "periodic")
+    schedule = Schedule(steps=24, batch_size=8, eval_every=8, eval_batches=2)
+    result = train(RunSpec("run", algorithm, lr, fraction), TINY, schedule, corpus, torch.device("cpu"))
+    assert result.eval_steps == [0, 8, 16, 24]
+    assert result.val_losses[0] == pytest.approx(math.log(256), rel=1e-5)
+    assert result.val_losses[-1] < 0.6 * result.val_losses[0]
+    assert sum(result.train_losses[-5:]) < sum(result.train_losses[:5])
+    assert result.optimizer_ms > 0 and result.total_ms > result.optimizer_ms
+
+
+def test_same_seed_gives_identical_runs():
+    tokens = _periodic_text(3000)
+    corpus = data.TokenData(tokens[:2500], tokens[2500:], 256, "periodic")
+    schedule = Schedule(steps=4, batch_size=4, eval_every=2, eval_batches=1)
+    runs = [train(RunSpec("m", "muon", 0.02), TINY, schedule, corpus, torch.device("cpu"), seed=5) for _ in range(2)]
+    assert runs[0].train_losses == runs[1].train_losses and runs[0].val_losses == runs[1].val_losses
+
+
+def test_schedule_warmup_and_cooldown():
+    schedule = Schedule(steps=100, batch_size=1, eval_every=10, eval_batches=1, warmup_steps=4, cooldown_fraction=0.5)
+    values = [schedule.lr_multiplier(s) for s in range(100)]
+    assert values[:4] == [0.25, 0.5, 0.75, 1.0] and values[49] == 1.0
+    assert values[50] == pytest.approx(50 / 50) and values[99] == pytest.approx(1 / 50)
+
+
+def test_device_selection():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")
+    with pytest.raises(ValueError, match="only 'cpu', 'cuda"):
+        resolve_device("meta")
+    with pytest.raises(ValueError, match="not a device name"):
+        resolve_device("gpu0")
+
+
+# ----------------------------------------------------------------------------- dion3 compare
+def test_compare_command_writes_table_logs_and_plot(tmp_path, monkeypatch, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"f{i}.py").write_bytes(bytes(_periodic_text(700 + 13 * i).tolist()))
+    tiny = compare.Preset(
+        model=TINY, schedule=Schedule(steps=50, batch_size=4, eval_every=2, eval_batches=1),
+        lrs={"adamw": 0.01, "muon": 0.02, "normuon": 0.02, "dion3-f0.25": 0.04}, device="cpu",
+    )
+    monkeypatch.setitem(compare.PRESETS, "test-micro", tiny)
+    out = tmp_path / "out"
+    from dion3.cli import main as cli_main
+
+    code = cli_main([
+        "compare", "--preset", "test-micro", "--steps", "3", "--data", str(corpus), "--out", str(out),
+        "--optimizers", "adamw,muon,dion3-f0.25,dion3-f0.5", "--lr", "muon=0.03",
+    ])
+    assert code == 0
+    printed = capsys.readouterr()
+    for label in ("adamw", "muon", "dion3-f0.25", "dion3-f0.5"):
+        assert f"| {label} |" in printed.out
+    assert "[muon] step     3/3" in printed.err  # plain progress lines when not a terminal
+    summary = json.loads((out / "results.json").read_text())
+    runs = {r["label"]: r for r in summary["runs"]}
+    assert runs["muon"]["lr"] == 0.03
+    assert runs["dion3-f0.5"]["lr"] == pytest.approx(0.04 * math.sqrt(0.5))  # 1/√f rule from f=¼
+    assert all(r["eval_steps"] == [0, 2, 3] for r in runs.values())
+    # Same seed, same initial model and validation set: identical loss before training.
+    assert len({r["val_losses"][0] for r in runs.values()}) == 1
+    with open(out / "history.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 4 * 3 and {r["optimizer"] for r in rows} == set(runs)
+    assert (out / "val_loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "summary.md").read_text().startswith("| optimizer |")
+
+
+def test_compare_rejects_bad_options(tmp_path, capsys):
+    assert compare.main(["--optimizers", "sgd", "--out", str(tmp_path)]) == 2
+    assert "unknown optimizer 'sgd'" in capsys.readouterr().err
+    assert compare.main(["--data", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare.main(["--steps", "0"])
