@@ -12,7 +12,7 @@ import torch
 CASES = textwrap.dedent(
     """
     import json, sys, torch
-    from dion3.kernels.momentum import accumulate_momentum_triton
+    from dion3.kernels.momentum import accumulate_momentum_triton, snapshot_rows_triton
     device = sys.argv[1]
     results = []
     gen = torch.Generator().manual_seed(0)
@@ -38,6 +38,21 @@ CASES = textwrap.dedent(
         again = accumulate_momentum_triton(momentum.clone(), grads, decay, False)
         results.append(dict(case=f"{rows}x{cols}x{batches}/{dtype}", value_ulps=value_err,
                             score_rel=score_err, no_scores=again is None))
+    # snapshot: U = M[rows], M[rows] *= mu, other rows untouched (k up to all rows, odd cols)
+    for n, rows, cols, k, dtype in [(3, 9, 37, 2, torch.float32), (2, 5, 700, 5, torch.bfloat16)]:
+        m0 = torch.randn(n, rows, cols, generator=gen, dtype=torch.float64).to(dtype)
+        picks = torch.stack([torch.randperm(rows, generator=gen)[:k].sort().values for _ in range(n)])
+        momentum = m0.clone().to(device)  # .to(cpu) alone would alias m0
+        update = snapshot_rows_triton(momentum, picks.to(device), 0.9)
+        expected_u = torch.stack([m0[i, picks[i]] for i in range(n)]).double()
+        expected_m = m0.double().clone()
+        for i in range(n):
+            expected_m[i, picks[i]] = (0.9 * m0[i, picks[i]].double()).to(dtype).double()
+        ulp = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}[dtype]
+        scaled_err = ((momentum.double().cpu() - expected_m).abs() / expected_m.abs().clamp_min(1e-30)).max().item()
+        results.append(dict(case=f"snapshot {n}x{rows}x{cols} k={k}/{dtype}",
+                            snapshot_exact=bool(torch.equal(update.double().cpu(), expected_u)),
+                            value_ulps=scaled_err / ulp, score_rel=0.0, no_scores=True))
     print(json.dumps(results))
     """
 )
@@ -50,13 +65,14 @@ def _run(device, env):
 
 
 def _check(results):
-    assert len(results) == 4
+    assert len(results) == 6
     for r in results:
         # fp32 scale and add (decay itself rounded to fp32), then one rounding to the dtype;
         # the interpreter's bf16 conversion truncates: at most ~2 ulps of the terms' magnitude
         assert r["value_ulps"] <= 2.0, r
         assert r["score_rel"] <= 1e-5, r
         assert r["no_scores"], r
+        assert r.get("snapshot_exact", True), r  # U is a copy of the selected rows
 
 
 def test_interpreted_kernel_matches_float64():

@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .kernels import accumulate_momentum, post_update
+from .kernels import accumulate_momentum, post_update, snapshot_rows
 
 Grads = Union[Tensor, Sequence[Tensor]]
 ADJUST_LR = ("spectral_norm", "rms_norm", None)
@@ -89,9 +89,7 @@ def pre_step(
     scores = accumulate_momentum(momentum, grads, 1.0, scores=rows is None)
     if rows is None:
         rows = top_rows(scores, selected_row_count(momentum.shape[-2], cfg.fraction))
-    update = gather_rows(momentum, rows)
-    scatter_rows(momentum, rows, update * cfg.mu)
-    return update, rows
+    return snapshot_rows(momentum, rows, cfg.mu), rows
 
 
 def normalize_rows(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float) -> tuple[Tensor, Tensor]:

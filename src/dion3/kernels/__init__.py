@@ -13,7 +13,12 @@ import os
 
 import torch
 
-from .reference import accumulate_momentum_reference, post_update_reference, symmetric_matmul_reference
+from .reference import (
+    accumulate_momentum_reference,
+    post_update_reference,
+    snapshot_rows_reference,
+    symmetric_matmul_reference,
+)
 
 try:  # Triton is optional: CPU-only and non-Linux installs use the reference path.
     from . import post_update as _post_update_kernel
@@ -92,8 +97,17 @@ def accumulate_momentum(momentum, grads, decay: float, scores: bool):
     return accumulate_momentum_reference(momentum, grads, decay, scores)
 
 
+def snapshot_rows(momentum, rows, mu: float):
+    """Dion3's snapshot with error feedback: return U = momentum[rows] and scale those rows of
+    momentum by mu (one pass over the selected rows on CUDA). rows: [N, k] int64."""
+    if _triton_ready(momentum.device) and _momentum_kernel is not None and _momentum_kernel.fused_accumulate_supported(momentum, []):
+        return _momentum_kernel.snapshot_rows_triton(momentum, rows, mu)
+    return snapshot_rows_reference(momentum, rows, mu)
+
+
 __all__ = [
     "accumulate_momentum",
+    "snapshot_rows",
     "symmetric_matmul",
     "post_update",
     "symmetric_kernels_available",

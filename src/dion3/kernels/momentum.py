@@ -72,3 +72,30 @@ def accumulate_momentum_triton(
         )
         offset += count
     return out
+
+
+@triton.jit
+def _snapshot_kernel(
+    momentum_ptr, rows_ptr, out_ptr, mu, R, C, k,
+    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    matrix = tl.program_id(0).to(tl.int64)
+    slots = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    slot_inside = slots < k
+    rows = tl.load(rows_ptr + matrix * k + slots, mask=slot_inside, other=0)
+    inside = slot_inside[:, None] & (cols[None, :] < C)
+    source = (matrix * R + rows[:, None]) * C + cols[None, :]
+    value = tl.load(momentum_ptr + source, mask=inside, other=0.0)
+    tl.store(out_ptr + (matrix * k + slots[:, None]) * C + cols[None, :], value, mask=inside)
+    tl.store(momentum_ptr + source, (value.to(tl.float32) * mu).to(value.dtype), mask=inside)
+
+
+def snapshot_rows_triton(momentum: Tensor, rows: Tensor, mu: float) -> Tensor:
+    """U = momentum[rows] and momentum[rows] ← mu·momentum[rows], in one pass over the rows."""
+    n, r, c = momentum.shape
+    k = rows.shape[-1]
+    out = torch.empty((n, k, c), dtype=momentum.dtype, device=momentum.device)
+    grid = (n, triton.cdiv(k, BLOCK_ROWS), triton.cdiv(c, BLOCK_COLS))
+    _snapshot_kernel[grid](momentum, rows.contiguous(), out, float(mu), r, c, k, BLOCK_K=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
+    return out

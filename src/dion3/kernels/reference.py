@@ -63,3 +63,11 @@ def accumulate_momentum_reference(
         return None
     # float32 or wider: float64 momentum keeps float64 scores
     return torch.linalg.vector_norm(momentum, ord=1, dim=-1, dtype=torch.promote_types(momentum.dtype, torch.float32))
+
+
+def snapshot_rows_reference(momentum: Tensor, rows: Tensor, mu: float) -> Tensor:
+    """U = momentum[rows] (a copy) and momentum[rows] ← mu·momentum[rows]; rows: [N, k]."""
+    index = rows.unsqueeze(-1).expand(*rows.shape, momentum.shape[-1])
+    update = momentum.gather(-2, index)
+    momentum.scatter_(-2, index, update * mu)
+    return update
