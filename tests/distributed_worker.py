@@ -8,7 +8,6 @@ assert on. Not a test module itself (no test_ prefix).
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 

@@ -29,6 +29,7 @@ class ShardedBucket:
     views: list[Tensor] = field(default_factory=list)  # local shard of each param as [1, local_rows, cols]
     momentum: Optional[Tensor] = None  # [N, chunk, cols], rows ≥ local_rows are zero padding
     variance: Optional[Tensor] = None  # [N, chunk, 1] float32 (NorMuon / Dion3)
+    slot_cache: dict = field(default_factory=dict)  # owner slots of plans with static split sizes
 
     @property
     def chunk(self) -> int:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import rules
+from .exchange import owner_slots
 from .plan import ShardedBucket, owned_matrices
 
 
@@ -22,11 +23,11 @@ from .plan import ShardedBucket, owned_matrices
 class RowPlan:
     counts: list[list[int]]  # counts[s][i]: rows of matrix i that rank s contributes
     rows: Optional[Tensor]  # this rank's contributed rows, flat in [N·chunk]; None = all real rows
+    slots: Tensor  # owner side: where each received row goes in [n·K] (exchange.owner_slots)
 
     def per_matrix(self) -> int:
         """K: rows each matrix has on its owner (the same for every matrix of the bucket)."""
-        column = [self.counts[s][0] for s in range(len(self.counts))] if self.counts and self.counts[0] else [0]
-        return sum(column)
+        return sum(row[0] for row in self.counts)
 
     def send_counts(self, rank: int) -> list[int]:
         """Rows this rank sends to each owner (its matrices are grouped by owner already)."""
@@ -38,15 +39,22 @@ class RowPlan:
         mine = owned_matrices(count, world, rank)
         return [sum(self.counts[s][i] for i in mine) for s in range(world)]
 
-    def owned_counts(self, rank: int, device) -> Tensor:
-        """counts[:, matrices this rank owns] as a device tensor (for exchange.owner_slots)."""
-        world = len(self.counts)
-        mine = owned_matrices(len(self.counts[rank]), world, rank)
-        return torch.tensor([[self.counts[s][i] for i in mine] for s in range(world)], dtype=torch.long, device=device)
+
+
+def _static_slots(bucket: ShardedBucket, key, counts: list[list[int]]) -> Tensor:
+    """Owner slots for split sizes fixed by the bucket's shape: built once, kept on the bucket
+    (a host-to-device copy every step would stall the host on GPU)."""
+    if key not in bucket.slot_cache:
+        mine = owned_matrices(bucket.count, bucket.world_size, bucket.rank)
+        owned = torch.tensor([[row[i] for i in mine] for row in counts], dtype=torch.long)
+        per_matrix = sum(row[0] for row in counts)
+        bucket.slot_cache[key] = owner_slots(owned, per_matrix).to(bucket.momentum.device)
+    return bucket.slot_cache[key]
 
 
 def all_rows_plan(bucket: ShardedBucket) -> RowPlan:
-    return RowPlan([[bucket.rows_of(s)] * bucket.count for s in range(bucket.world_size)], None)
+    counts = [[bucket.rows_of(s)] * bucket.count for s in range(bucket.world_size)]
+    return RowPlan(counts, None, _static_slots(bucket, "all", counts))
 
 
 def local_select_count(bucket: ShardedBucket, fraction: float, rank: int) -> int:
@@ -57,11 +65,12 @@ def local_select_count(bucket: ShardedBucket, fraction: float, rank: int) -> int
 def local_plan(bucket: ShardedBucket, real_momentum: Tensor, fraction: float) -> RowPlan:
     """Each rank's own top rows by L1 norm; counts are static, so no host sync is needed."""
     counts = [[local_select_count(bucket, fraction, s)] * bucket.count for s in range(bucket.world_size)]
-    k = counts[bucket.rank][0] if bucket.count else 0
+    slots = _static_slots(bucket, ("local", fraction), counts)
+    k = counts[bucket.rank][0]
     if k == 0:
-        return RowPlan(counts, real_momentum.new_empty((0,), dtype=torch.long))
+        return RowPlan(counts, real_momentum.new_empty((0,), dtype=torch.long), slots)
     rows = rules.top_rows(rules.row_scores(real_momentum), k)
-    return RowPlan(counts, _flatten_rows(rows, bucket.chunk))
+    return RowPlan(counts, _flatten_rows(rows, bucket.chunk), slots)
 
 
 def padded_scores(bucket: ShardedBucket, real_momentum: Tensor) -> Tensor:
@@ -80,9 +89,11 @@ def global_plan(bucket: ShardedBucket, gathered_scores: Tensor, fraction: float)
     owner = torch.div(selected, chunk, rounding_mode="floor")
     counts = torch.zeros((world, bucket.count), dtype=torch.long, device=selected.device)
     counts.scatter_add_(0, owner.mT, torch.ones_like(owner.mT))
+    owned = owned_matrices(bucket.count, world, bucket.rank)
+    slots = owner_slots(counts[:, owned.start : owned.stop], selected.shape[1])
     mine = owner == bucket.rank
     local = selected - bucket.rank * chunk + torch.arange(bucket.count, device=selected.device)[:, None] * chunk
-    return RowPlan(counts.tolist(), local[mine])
+    return RowPlan(counts.tolist(), local[mine], slots)
 
 
 def _flatten_rows(rows: Tensor, chunk: int) -> Tensor:

@@ -22,10 +22,10 @@ from torch import Tensor
 
 from .. import rules
 from ..ortho import orthogonalize
-from .exchange import Traffic, exchange_rows, gather_chunks, owner_slots
+from .exchange import Traffic, exchange_rows, gather_chunks
 from .mesh import MeshInfo, local_tensor
 from .plan import ShardedBucket, owned_matrices
-from .selection import RowPlan, all_rows_plan, global_plan, local_plan, padded_scores
+from .selection import all_rows_plan, global_plan, local_plan, padded_scores
 
 PIPELINE_DEPTH = 4  # buckets in flight at once: enough overlap, bounded extra memory
 
@@ -103,8 +103,7 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
 
     # Owner: whole matrices (or their selected rows), in ascending global row order.
     owned = len(owned_matrices(count, mesh.world_size, mesh.rank))
-    per_matrix = plan.per_matrix()
-    slots = owner_slots(plan.owned_counts(mesh.rank, bucket.momentum.device), per_matrix)
+    per_matrix, slots = plan.per_matrix(), plan.slots
     matrices = _place(sent_rows.wait(), slots, (owned, per_matrix, cols))
     ortho = _orthogonalize(matrices, group)
     if sent_variance:
