@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device call = one or more stages; results under $OUT (the device tool's output folder).
+#   bash benchmarks/run_h200.sh check step cold      # GPU tests, step-time tables, cold first step
+#   bash benchmarks/run_h200.sh train dist            # gpu-small comparison, NCCL distributed script
+set -uo pipefail
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+FINAL=${OUT:-/tmp/dion3-out}; OUT=$(mktemp -d)  # everything lands in $FINAL/results.tgz (the tool returns few files)
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
+run() { echo "== $*"; local t=$SECONDS; "$@"; echo "== rc=$? in $((SECONDS - t)) s"; }
+dion3() { python3 -m dion3.cli "$@"; }
+for stage in "$@"; do
+  case "$stage" in
+    check) run python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu-tests.txt" ;;
+    step)
+      run dion3 bench --preset llama-1b --steps 20 --json "$OUT/step-llama-1b.json" 2>&1 | tee "$OUT/step-llama-1b.txt"
+      run dion3 bench --preset llama-8b --skip adamw --steps 10 --warmup 4 --json "$OUT/step-llama-8b.json" 2>&1 | tee "$OUT/step-llama-8b.txt" ;;
+    cold)
+      TRITON_CACHE_DIR=$(mktemp -d) run dion3 bench --preset llama-8b --optimizers dion3-1/4 --steps 10 --warmup 4 \
+        --json "$OUT/step-llama-8b-cold.json" 2>&1 | tee "$OUT/step-llama-8b-cold.txt" ;;
+    train) run dion3 compare --preset gpu-small --out "$OUT/compare-gpu-small" 2>&1 | tail -40 | tee "$OUT/compare-gpu-small.txt" ;;
+    dist) run torchrun --nproc_per_node="${NPROC:-1}" benchmarks/distributed_step.py --out "$OUT/dist" 2>&1 | tail -60 | tee "$OUT/dist.txt" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
+tar czf "$FINAL/results.tgz" -C "$OUT" . && ls -la "$OUT"
