@@ -139,6 +139,23 @@ def fsdp_backward_error(mesh, optimizer_mesh=None) -> float:
     return max_relative_error([full(p) for p in model.parameters()], [p.detach() for p in ref.parameters()])
 
 
+def nonfinite_raised(mesh, world, rank) -> list[bool]:
+    """A NaN in rank 0's rows only: check_finite must raise on every rank (none may hang)."""
+    run = Run("fsdp", MIXED, mesh, world, rank)
+    opt = make_optimizer("dion3", run.params, mesh, check_finite=True)
+    grads = full_grads(MIXED, 0)
+    grads[0][0, 0] = float("nan")
+    run.set_grads(grads)
+    try:
+        opt.step()
+        raised = False
+    except FloatingPointError:
+        raised = True
+    out = [None] * world
+    dist.all_gather_object(out, raised)
+    return out
+
+
 def resume_error(mesh, world, rank) -> float:
     """Step 3 after state_dict() → load_state_dict() into a new optimizer vs an unbroken run."""
     options = dict(selection_scope="global", fraction=0.25)
@@ -230,6 +247,7 @@ def scenarios(world: int, rank: int) -> dict:
             results["bytes"][f"{layout}/{name}"] = sent
             results["errors"][f"traffic/{layout}/{name}"] = error
     results["rejected"] = rejected_layouts(mesh, world)
+    results["nonfinite_raised"] = nonfinite_raised(mesh, world, rank)
     results["errors"]["fsdp_backward/dion3_global"] = fsdp_backward_error(mesh)
     if world == 4:
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))

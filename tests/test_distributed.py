@@ -132,6 +132,10 @@ def test_unsupported_layouts_raise_clear_errors(results):
     assert "shard sub-mesh" in rejected["two_dim_mesh"]
 
 
+def test_check_finite_raises_on_every_rank(results):
+    assert results["nonfinite_raised"] == [True] * results["world"]
+
+
 @pytest.mark.parametrize("mesh", ["cuda", 2, object()])
 def test_bad_distributed_mesh_is_rejected(mesh):
     for optimizer in (Muon, Dion3):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
+import torch
 from torch import Tensor
 
 try:  # DTensor moved out of the private namespace in torch 2.4
@@ -101,3 +102,10 @@ def local_row_span(rows: int, world_size: int, rank: int) -> tuple[int, int]:
     chunk = -(-rows // world_size)
     start = min(rank * chunk, rows)
     return start, min(start + chunk, rows)
+
+
+def all_ranks_true(flags: Tensor, mesh: MeshInfo) -> Tensor:
+    """Elementwise AND of a bool tensor over the group (e.g. "this gradient is finite")."""
+    agreed = flags.to(torch.int32)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=mesh.group)
+    return agreed.bool()

@@ -299,7 +299,10 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         checked = [(g, i, p) for g in self.param_groups for i, p in enumerate(g["params"]) if p.grad is not None]
         if not checked:
             return
-        finite = torch.stack([torch.isfinite(p.grad).all().cpu() for _, _, p in checked]).tolist()
+        finite = torch.stack([torch.isfinite(distributed.local_tensor(p.grad)).all() for _, _, p in checked])
+        if self._mesh is not None:  # all ranks must agree, or the others would hang in the step
+            finite = distributed.all_ranks_true(finite, self._mesh)
+        finite = finite.cpu().tolist()
         for ok, (group, index, _) in zip(finite, checked):
             if not ok:
                 raise FloatingPointError(f"non-finite gradient in parameter {self._param_label(group, index)}")
