@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import dion3.optim.base as optim_base
+import dion3.rules as rules_module
 from reference import exact_polar
 
 
@@ -22,6 +22,6 @@ def exact_orthogonalizer(monkeypatch):
         calls["count"] += 1
         return exact_polar(x).to(x.dtype)
 
-    monkeypatch.setattr(optim_base, "orthogonalize", polar)
+    monkeypatch.setattr(rules_module, "orthogonalize", polar)
     yield calls
     assert calls["count"] > 0, "the optimizer never called the patched orthogonalizer"

@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 
 from .kernels import accumulate_momentum, post_update, snapshot_rows
+from .ortho import orthogonalize
+from .ortho.newton_schulz import default_compute_dtype, resolve_method
 
 Grads = Union[Tensor, Sequence[Tensor]]
 ADJUST_LR = ("spectral_norm", "rms_norm", None)
@@ -92,11 +94,19 @@ def pre_step(
     return snapshot_rows(momentum, rows, cfg.mu), rows
 
 
+def orthogonalize_rows(update: Tensor, method: str, coefficients) -> Tensor:
+    """O = Orth(U) [N, k, C], left in the orthogonalizer's compute dtype (half on GPU): the
+    normalization and the fused update read it directly, with no float32 copy of O."""
+    method = resolve_method(update, method)
+    out_dtype = default_compute_dtype(update.device, method, update.dtype)
+    return orthogonalize(update, method, coefficients, out_dtype=out_dtype)
+
+
 def normalize_rows(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float) -> tuple[Tensor, Tensor]:
     """NorMuon normalization (fp32) of O [N, k, C] with its rows' second moments V [N, k, 1].
 
     n_i = mean_j O_ij²; V ← β₂V + (1−β₂)n; Ô = O / (√V + ε); Ô ← Ô·‖O‖_F / max(‖Ô‖_F, ε).
-    Returns (Ô, new V) without touching the inputs.
+    Returns (Ô in O's dtype, new V in V's dtype) without touching the inputs.
     """
     # Everything reduces to per-row factors computed from the row norms, so O is read once
     # for the norms and once for the final scaling (no full-size temporaries).
@@ -107,7 +117,9 @@ def normalize_rows(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float
     frob = row_sq.sum(dim=-2, keepdim=True).sqrt()  # ‖O‖_F, [N, 1, 1]
     scaled_frob = (row_sq * inverse_rms.square()).sum(dim=-2, keepdim=True).sqrt()  # ‖Ô‖_F before rescale
     row_scale = inverse_rms * (frob / scaled_frob.clamp_min(epsilon))
-    return ortho * row_scale, new_variance.to(variance.dtype)
+    # fp32 math, written straight into O's dtype (no float32 temporary for half O)
+    scaled = torch.mul(ortho, row_scale, out=torch.empty_like(ortho, memory_format=torch.contiguous_format))
+    return scaled, new_variance.to(variance.dtype)
 
 
 def apply_update(

@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from .. import rules
-from ..ortho import orthogonalize
 from .exchange import Traffic, exchange_rows, gather_chunks
 from .mesh import MeshInfo, local_tensor
 from .plan import ShardedBucket, owned_matrices
@@ -63,7 +62,7 @@ def interleave(steps: list[Iterator], depth: int) -> None:
 
 
 def _orthogonalize(update: Tensor, group: dict) -> Tensor:
-    return orthogonalize(update, group["orthogonalizer"], group["ns_coefficients"])
+    return rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"])
 
 
 def _apply(bucket, update: Tensor, rows, group: dict) -> None:

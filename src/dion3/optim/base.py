@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import distributed, rules
-from ..ortho import get_schedule, orthogonalize
+from ..ortho import get_schedule
 from ..ortho.newton_schulz import METHODS
 from . import scalar
 
@@ -362,7 +362,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         self, update: Tensor, variance: Optional[Tensor], cfg: rules.RuleConfig, group: dict
     ) -> tuple[Tensor, Optional[Tensor]]:
         """Orthogonalize U [N, k, cols] and, for NorMuon/Dion3, normalize its rows."""
-        ortho = orthogonalize(update, group["orthogonalizer"], group["ns_coefficients"])
+        ortho = rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"])
         if variance is None:
             return ortho, None
         return rules.normalize_rows(ortho, variance, cfg.beta2, cfg.epsilon)

@@ -26,6 +26,14 @@ def choose_method(rows: int, cols: int, symmetric_kernels: bool) -> str:
     return "gram" if m > threshold * n else "newton_schulz"
 
 
+def resolve_method(x: Tensor, method: str) -> str:
+    """The concrete method "auto" stands for on this input (see choose_method)."""
+    if method != "auto":
+        return method
+    rows, cols = x.shape[-2], x.shape[-1]
+    return choose_method(rows, cols, symmetric_kernels_available(x.device, min(rows, cols)))
+
+
 def default_compute_dtype(device: torch.device, method: str, input_dtype: torch.dtype = torch.float32) -> torch.dtype:
     """bf16 for standard NS and fp16 for Gram NS on GPU (fp16 has more mantissa and R ≤ 1);
     on CPU, where half-precision matmuls are slow and gain nothing, float32 (float64 inputs
@@ -111,8 +119,7 @@ def orthogonalize(
         raise ValueError(f"orthogonalize needs a real floating-point tensor, got dtype {x.dtype}")
     schedule = get_schedule(coefficients)
     rows, cols = x.shape[-2], x.shape[-1]
-    if method == "auto":
-        method = choose_method(rows, cols, symmetric_kernels_available(x.device, min(rows, cols)))
+    method = resolve_method(x, method)
     dtype = dtype or default_compute_dtype(x.device, method, x.dtype)
     lead = x.shape[:-2]
     batch = x.reshape(-1, rows, cols)
@@ -127,4 +134,5 @@ def orthogonalize(
         out = newton_schulz(wide, schedule)
     if transposed:
         out = out.mT
-    return out.to(out_dtype or x.dtype).reshape(*lead, rows, cols)
+    # contiguous: the fused update kernel reads rows directly (tall inputs come back transposed)
+    return out.to(out_dtype or x.dtype, memory_format=torch.contiguous_format).reshape(*lead, rows, cols)
