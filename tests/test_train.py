@@ -259,7 +259,7 @@ def test_compare_command_writes_table_logs_and_plot(tmp_path, monkeypatch, capsy
 
     code = cli_main([
         "compare", "--preset", "test-micro", "--steps", "3", "--data", str(corpus), "--out", str(out),
-        "--optimizers", "adamw,muon,dion3-f0.25,dion3-f0.5", "--lr", "muon=0.03",
+        "--optimizers", "adamw,muon,dion3-f0.25,dion3-f0.5", "--lr", "muon=0.03", "--mu", "dion3-f0.25=0.6",
     ])
     assert code == 0
     printed = capsys.readouterr()
@@ -268,7 +268,7 @@ def test_compare_command_writes_table_logs_and_plot(tmp_path, monkeypatch, capsy
     assert "[muon] step     3/3" in printed.err  # plain progress lines when not a terminal
     summary = json.loads((out / "results.json").read_text())
     runs = {r["label"]: r for r in summary["runs"]}
-    assert runs["muon"]["lr"] == 0.03
+    assert runs["muon"]["lr"] == 0.03 and runs["dion3-f0.25"]["mu"] == 0.6 and runs["muon"]["mu"] is None
     assert runs["dion3-f0.5"]["lr"] == pytest.approx(0.04 * math.sqrt(0.5))  # 1/√f rule from f=¼
     assert all(r["eval_steps"] == [0, 2, 3] for r in runs.values())
     # Same seed, same initial model and validation set: identical loss before training.
@@ -285,5 +285,7 @@ def test_compare_rejects_bad_options(tmp_path, capsys):
     assert "unknown optimizer 'sgd'" in capsys.readouterr().err
     assert compare.main(["--data", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert compare.main(["--optimizers", "muon", "--lr", "adamw=0.1", "--out", str(tmp_path)]) == 2
+    assert "not among the optimizers being run" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         compare.main(["--steps", "0"])

@@ -33,6 +33,7 @@ class Preset:
     model: GPTConfig
     schedule: Schedule
     lrs: dict  # matrix learning rate per optimizer name (docs/training.md explains the values)
+    mus: dict = dataclasses.field(default_factory=dict)  # momentum per optimizer name, if not the default
     device: str = "auto"
     bf16: bool = False
     threads: Optional[int] = None  # CPU threads for torch; None keeps torch's default
@@ -60,12 +61,12 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def run_spec(name: str, lrs: dict, overrides: dict) -> RunSpec:
+def run_spec(name: str, preset: Preset, lr_overrides: dict, mu_overrides: dict) -> RunSpec:
     """"adamw", "muon", "normuon" or "dion3-f<fraction>"; a Dion3 fraction without a preset lr
-    gets the f=¼ lr scaled by the 1/√f rule of thumb."""
+    gets the f=¼ lr scaled by the 1/√f rule of thumb (and the f=¼ momentum)."""
+    lrs, mus = {**preset.lrs, **lr_overrides}, {**preset.mus, **mu_overrides}
     if name in ("adamw", "muon", "normuon"):
-        lr = overrides.get(name, lrs[name])
-        return RunSpec(name, name, lr)
+        return RunSpec(name, name, lrs[name], mu=mus.get(name))
     if name.startswith("dion3-f"):
         try:
             fraction = float(name[len("dion3-f"):])
@@ -73,8 +74,8 @@ def run_spec(name: str, lrs: dict, overrides: dict) -> RunSpec:
             fraction = math.nan
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"--optimizers: {name!r} needs a fraction in (0, 1], e.g. dion3-f0.25")
-        default = lrs.get(name, lrs["dion3-f0.25"] * math.sqrt(0.25 / fraction))
-        return RunSpec(name, "dion3", overrides.get(name, default), fraction)
+        lr = lrs.get(name, preset.lrs["dion3-f0.25"] * math.sqrt(0.25 / fraction))
+        return RunSpec(name, "dion3", lr, fraction, mus.get(name, preset.mus.get("dion3-f0.25")))
     raise ValueError(f"--optimizers: unknown optimizer {name!r}; use adamw, muon, normuon or dion3-f<fraction>")
 
 
@@ -86,6 +87,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, help="sequences per step")
     parser.add_argument("--eval-every", type=int, help="steps between validation evaluations")
     parser.add_argument("--lr", action="append", default=[], metavar="NAME=LR", help="override one optimizer's matrix lr, e.g. --lr muon=0.03")
+    parser.add_argument("--mu", action="append", default=[], metavar="NAME=MU", help="override one optimizer's momentum, e.g. --mu dion3-f0.25=0.8")
     parser.add_argument("--data", nargs="+", metavar="PATH", help="text files/directories or .bin token shards (default: the Python standard library)")
     parser.add_argument("--out", type=Path, help="output directory (default: compare-<preset>)")
     parser.add_argument("--device", help="auto, cpu or cuda[:N] (preset default otherwise)")
@@ -99,14 +101,17 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return args
 
 
-def _lr_overrides(items: Sequence[str]) -> dict[str, float]:
+def _overrides(flag: str, items: Sequence[str], names: Sequence[str]) -> dict[str, float]:
+    """NAME=VALUE pairs of a repeatable option, for optimizers that are being run."""
     overrides = {}
     for item in items:
         name, _, value = item.partition("=")
         try:
             overrides[name] = float(value)
         except ValueError:
-            raise ValueError(f"--lr: expected NAME=LR (e.g. muon=0.02), got {item!r}") from None
+            raise ValueError(f"{flag}: expected NAME=VALUE (e.g. muon=0.02), got {item!r}") from None
+        if name not in names:
+            raise ValueError(f"{flag}: {name!r} is not among the optimizers being run ({', '.join(names)})")
     return overrides
 
 
@@ -138,12 +143,12 @@ class Progress:
 
 def summary_table(results: Sequence[RunResult]) -> str:
     lines = [
-        "| optimizer | matrix lr | final val loss | optimizer ms/step | total ms/step | tokens/s |",
-        "|---|---|---|---|---|---|",
+        "| optimizer | matrix lr | momentum | final val loss | optimizer ms/step | total ms/step | tokens/s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r.label} | {r.lr:g} | {r.final_val_loss:.4f} | {r.optimizer_ms:.2f} | {r.total_ms:.1f} | {r.tokens_per_second:,.0f} |"
+            f"| {r.label} | {r.lr:g} | {'—' if r.mu is None else f'{r.mu:g}'} | {r.final_val_loss:.4f} | {r.optimizer_ms:.2f} | {r.total_ms:.1f} | {r.tokens_per_second:,.0f} |"
         )
     return "\n".join(lines)
 
@@ -174,12 +179,9 @@ def _compare(args: argparse.Namespace) -> int:
     threads = args.threads or preset.threads
     if threads:
         torch.set_num_threads(threads)
-    overrides = _lr_overrides(args.lr)
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
-    specs = [run_spec(name, preset.lrs, overrides) for name in names]
-    unknown = set(overrides) - set(names)
-    if unknown:
-        raise ValueError(f"--lr names optimizers that are not being run: {sorted(unknown)}")
+    lrs, mus = _overrides("--lr", args.lr, names), _overrides("--mu", args.mu, names)
+    specs = [run_spec(name, preset, lrs, mus) for name in names]
     changes = {k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("eval_every", args.eval_every)) if v}
     schedule = dataclasses.replace(preset.schedule, **changes)
     device = resolve_device(args.device or preset.device)

@@ -33,6 +33,7 @@ class RunSpec:
     algorithm: str  # "adamw", "muon", "normuon", "dion3"
     lr: float  # matrix learning rate
     fraction: Optional[float] = None  # Dion3 only
+    mu: Optional[float] = None  # momentum of the matrix group; None keeps the optimizer default
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class RunResult:
     algorithm: str
     lr: float
     fraction: Optional[float]
+    mu: Optional[float]
     eval_steps: list[int] = field(default_factory=list)
     eval_seconds: list[float] = field(default_factory=list)  # training time so far, evals excluded
     val_losses: list[float] = field(default_factory=list)
@@ -116,7 +118,7 @@ def resolve_device(requested: str = "auto") -> torch.device:
 def build_optimizer(model: GPT, spec: RunSpec) -> Dion3:
     # Dion3, Muon and NorMuon share one front-end; each group names its algorithm, so the class
     # only supplies defaults that every group here overrides or does not read.
-    options = {} if spec.fraction is None else {"fraction": spec.fraction}
+    options = {key: value for key, value in (("fraction", spec.fraction), ("mu", spec.mu)) if value is not None}
     return Dion3(param_groups(model, lm_head="lm_head", algorithm=spec.algorithm, lr=spec.lr, **options))
 
 
@@ -157,7 +159,7 @@ def train(
 
     batches = train_batches(data.train, schedule.batch_size, config.seq_len, seed)
     validation = val_batches(data.val, schedule.batch_size, config.seq_len, schedule.eval_batches)
-    result = RunResult(spec.label, spec.algorithm, spec.lr, spec.fraction, tokens_per_step=schedule.batch_size * config.seq_len)
+    result = RunResult(spec.label, spec.algorithm, spec.lr, spec.fraction, spec.mu, tokens_per_step=schedule.batch_size * config.seq_len)
     clock = _StepClock(device)
     elapsed = 0.0  # seconds of training so far, evaluations excluded
 
