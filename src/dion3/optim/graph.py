@@ -27,9 +27,12 @@ from .base import OrthogonalOptimizer
 
 
 def to_device_scalars(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Turn every group's lr and weight_decay into 0-d float32 tensors on `device`, in place."""
+    """Turn every group's lr (and, for dion3's optimizers, weight_decay) into 0-d float32
+    tensors on `device`, in place. torch's own optimizers accept a tensor lr when capturable,
+    but not a tensor weight decay."""
+    keys = ("lr", "weight_decay") if isinstance(optimizer, OrthogonalOptimizer) else ("lr",)
     for group in optimizer.param_groups:
-        for key in ("lr", "weight_decay"):
+        for key in keys:
             value = group[key]
             if isinstance(value, Tensor):
                 if value.device != device or value.dtype != torch.float32:
@@ -102,6 +105,10 @@ class CapturedStep:
                 self.optimizer.step()  # eager warm-up: compiles kernels, allocates workspaces
             else:
                 self._static_grads = grads
+                # Blocks cached by the eager steps cannot serve the graph's private pool:
+                # hand them back so capture does not need twice the step's workspace.
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
                 self.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.graph, stream=stream):
                     self.optimizer.step()
