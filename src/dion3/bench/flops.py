@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 from ..kernels import SYMMETRIC_MIN_N
+from ..kernels import SYMMETRIC_SPEEDUP
 from ..ortho import choose_method, default_restarts, get_schedule
 from ..rules import selected_row_count
 from .presets import PRESETS, MatrixShape, Preset
@@ -107,7 +108,7 @@ def orthogonalize_flops(
     n, m = min(rows, cols), max(rows, cols)
     symmetric = symmetric(n) if callable(symmetric) else bool(symmetric)
     if method == "auto":
-        method = choose_method(rows, cols, symmetric)
+        method = choose_method(rows, cols, SYMMETRIC_SPEEDUP if symmetric else 1.0)
     schedule = get_schedule(schedule)
     if method == "gram":
         restarts = default_restarts(schedule) if restarts is None else restarts

@@ -60,6 +60,17 @@ def symmetric_kernels_available(device, n: int | None = None) -> bool:
     return _half_dot_ready(device) and (n is None or n >= SYMMETRIC_MIN_N)
 
 
+# Measured speed of the symmetric kernel over a dense cuBLAS product of the same shape, on the
+# sizes that matter (H200, benchmarks/results/kernels-h200-*.md: 1.4× for X·Xᵀ, 1.2× for R·R).
+# It sets where Gram NS starts to beat standard NS (ortho.choose_method).
+SYMMETRIC_SPEEDUP = 1.25
+
+
+def symmetric_speedup(device, n: int | None = None) -> float:
+    """Expected speedup of symmetric products (n×n outputs) on this device: 1 without the kernel."""
+    return SYMMETRIC_SPEEDUP if symmetric_kernels_available(device, n) else 1.0
+
+
 def _symmetric_worth_it(a) -> bool:
     return (
         _half_dot_ready(a.device)
@@ -111,6 +122,7 @@ __all__ = [
     "symmetric_matmul",
     "post_update",
     "symmetric_kernels_available",
+    "symmetric_speedup",
     "set_kernels_enabled",
     "kernels_enabled",
     "SYMMETRIC_MIN_N",
