@@ -11,6 +11,16 @@ def seeded():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tests use small tensors: on a 2-core CI machine extra OpenMP threads only wait for
+    each other and make them many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def exact_orthogonalizer(monkeypatch):
     """Make the optimizers use the float64 SVD polar factor, so that an optimizer step can be

@@ -12,15 +12,6 @@ from dion3.bench import flops, step
 from dion3.bench.presets import PRESETS, MatrixShape, parse_shapes
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The CI box has 2 cores; tiny matmuls on several threads only add contention.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ------------------------------------------------------------------------ presets
 def test_llama_presets_match_the_published_matrix_counts():
     # DESIGN §8: Llama-1B 16 layers of q,o 2048², k,v 512×2048, gate/up 8192×2048, down 2048×8192.

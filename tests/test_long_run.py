@@ -16,15 +16,6 @@ from torch import nn
 from dion3 import Dion3, Muon, NorMuon
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny tensors: extra threads only add contention on a shared CI machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def student_teacher(seed=0, width=16, hidden=32, out=4, samples=512):
     gen = torch.Generator().manual_seed(seed)
     teacher = [torch.randn(hidden, width, generator=gen) / width**0.5, torch.randn(out, hidden, generator=gen) / hidden**0.5]

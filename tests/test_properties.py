@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,15 +25,6 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # relative precision used to tell μ·A from A and to compare scores that rounding may reorder
 RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 MU = 0.8  # far enough from 1 that μ·A and A differ clearly even in bfloat16
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Small matrices: extra threads only add contention on a shared 2-core CI machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @st.composite

@@ -4,7 +4,6 @@ Two levels: the pure functions of dion3.rules on stacked tensors, and whole opti
 (several steps, several shapes) where both sides use the exact float64 polar factor, so any
 difference is a rule difference and the tolerance can be tight.
 """
-import math
 
 import pytest
 import torch
