@@ -35,7 +35,7 @@ def _results_of(results, kind):
 
 def test_interpreted_symmetric_matmul_matches_float64(interpreted_results):
     cases = _results_of(interpreted_results, "symmetric")
-    assert len(cases) == 18  # 9 shapes × fp16, bf16
+    assert len(cases) == 22  # 11 shapes × fp16, bf16
     for r in cases:
         assert r["shape_ok"] and r["dtype_ok"] and r["finite"], r
         assert r["symmetric"], f"output not exactly symmetric: {r}"

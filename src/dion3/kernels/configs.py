@@ -13,6 +13,15 @@ Each row reads: for outputs with n ≥ min_n, use this config (the last matching
   num_stages         software-pipelining depth of the reduction loop
   descriptors        load operands through TMA tensor descriptors (Hopper+, needs a
                      16-byte-aligned contiguous operand); pointer loads otherwise
+  tma_store          with descriptors: store tiles strictly below the diagonal and their
+                     mirrors through TMA descriptors of D (unmasked); diagonal tiles and
+                     unaligned outputs keep masked pointer stores
+  persistent         launch one program per SM, each looping over a static schedule of
+                     (batch, tile) pairs, instead of one program per tile
+  flatten            persistent only: let Triton flatten the tile and reduction loops into one
+                     software pipeline (the next tile's loads overlap this tile's epilogue)
+  warp_specialize    persistent only: Triton's producer/consumer warp specialization of the
+                     tile loop
 """
 from __future__ import annotations
 
@@ -27,6 +36,10 @@ class TileConfig:
     num_warps: int
     num_stages: int
     descriptors: bool = False
+    tma_store: bool = False
+    persistent: bool = False
+    flatten: bool = False
+    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n % self.block_m:

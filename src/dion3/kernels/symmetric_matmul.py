@@ -8,6 +8,7 @@ fp16/bf16 operands, fp32 accumulation, output in the operands' dtype.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -44,20 +45,32 @@ def _accumulate(a, b, acc, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
-def _symmetric_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, d_ptr, a_desc, b_desc,
+def _masked_store(d_base, out, rows, cols, n, stride_dm, stride_dn):
+    """Lower part (diagonal included) in place; strictly-lower part mirrored into the upper
+    triangle. Masks cover tiles that cross the diagonal or the edge of D."""
+    inside = (rows[:, None] < n) & (cols[None, :] < n)
+    tl.store(d_base + rows[:, None] * stride_dm + cols[None, :] * stride_dn, out,
+             mask=inside & (rows[:, None] >= cols[None, :]))
+    inside_t = (cols[:, None] < n) & (rows[None, :] < n)
+    tl.store(d_base + cols[:, None] * stride_dm + rows[None, :] * stride_dn, tl.trans(out),
+             mask=inside_t & (cols[:, None] < rows[None, :]))
+
+
+@triton.jit
+def _one_tile(
+    tile, batch, a_ptr, b_ptr, c_ptr, d_ptr, a_desc, b_desc, d_desc, dt_desc,
     n, K,
     stride_ab, stride_am, stride_ak,
     stride_bb, stride_bk, stride_bn,
     stride_cb, stride_cm, stride_cn,
     stride_db, stride_dm, stride_dn,
     alpha, beta,
-    HAS_C: tl.constexpr, USE_DESCRIPTORS: tl.constexpr, B_TRANSPOSED: tl.constexpr,
+    HAS_C: tl.constexpr, USE_DESCRIPTORS: tl.constexpr, B_TRANSPOSED: tl.constexpr, TMA_STORE: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RATIO: tl.constexpr,
 ):
-    i, j = _tile_coordinates(tl.program_id(0), RATIO)
-    batch = tl.program_id(1).to(tl.int64)  # int64: batch × stride overflows int32 for big stacks
+    i, j = _tile_coordinates(tile, RATIO)
+    batch = batch.to(tl.int64)  # int64: batch × stride overflows int32 for big stacks
     row0 = i * BLOCK_M
     col0 = j * BLOCK_N
     local_m = tl.arange(0, BLOCK_M)
@@ -97,19 +110,58 @@ def _symmetric_matmul_kernel(
 
     rows = row0 + local_m
     cols = col0 + local_n
-    inside = (rows[:, None] < n) & (cols[None, :] < n)
     acc = acc * alpha
     if HAS_C:
+        inside = (rows[:, None] < n) & (cols[None, :] < n)
         c_ptrs = c_ptr + batch * stride_cb + rows[:, None] * stride_cm + cols[None, :] * stride_cn
         acc += beta * tl.load(c_ptrs, mask=inside, other=0.0).to(tl.float32)
     out = acc.to(d_ptr.dtype.element_ty)
     d_base = d_ptr + batch * stride_db
-    # Lower part (diagonal included) in place; strictly-lower part mirrored into the upper triangle.
-    tl.store(d_base + rows[:, None] * stride_dm + cols[None, :] * stride_dn, out,
-             mask=inside & (rows[:, None] >= cols[None, :]))
-    inside_t = (cols[:, None] < n) & (rows[None, :] < n)
-    tl.store(d_base + cols[:, None] * stride_dm + rows[None, :] * stride_dn, tl.trans(out),
-             mask=inside_t & (cols[:, None] < rows[None, :]))
+    if TMA_STORE:
+        if col0 + BLOCK_N <= row0:
+            # Strictly below the diagonal: the whole tile and its transpose, unmasked (TMA clips
+            # rows/columns past n itself).
+            d_desc.store([batch.to(tl.int32), row0, col0], out.reshape(1, BLOCK_M, BLOCK_N))
+            dt_desc.store([batch.to(tl.int32), col0, row0], tl.trans(out).reshape(1, BLOCK_N, BLOCK_M))
+        else:
+            _masked_store(d_base, out, rows, cols, n, stride_dm, stride_dn)
+    else:
+        _masked_store(d_base, out, rows, cols, n, stride_dm, stride_dn)
+
+
+# The tile counts change with every shape; specializing on them would recompile per shape.
+@triton.jit(do_not_specialize=["tiles_per_batch", "total_tiles"])
+def _symmetric_matmul_kernel(
+    a_ptr, b_ptr, c_ptr, d_ptr, a_desc, b_desc, d_desc, dt_desc,
+    n, K, tiles_per_batch, total_tiles,
+    stride_ab, stride_am, stride_ak,
+    stride_bb, stride_bk, stride_bn,
+    stride_cb, stride_cm, stride_cn,
+    stride_db, stride_dm, stride_dn,
+    alpha, beta,
+    HAS_C: tl.constexpr, USE_DESCRIPTORS: tl.constexpr, B_TRANSPOSED: tl.constexpr, TMA_STORE: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RATIO: tl.constexpr,
+):
+    if PERSISTENT:
+        # One program per SM walks a static round-robin schedule of (batch, tile) pairs, batch
+        # major, so programs running together share operand panels in L2.
+        for t in tl.range(tl.program_id(0), total_tiles, tl.num_programs(0),
+                          flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+            _one_tile(t % tiles_per_batch, t // tiles_per_batch,
+                      a_ptr, b_ptr, c_ptr, d_ptr, a_desc, b_desc, d_desc, dt_desc, n, K,
+                      stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
+                      stride_cb, stride_cm, stride_cn, stride_db, stride_dm, stride_dn, alpha, beta,
+                      HAS_C, USE_DESCRIPTORS, B_TRANSPOSED, TMA_STORE, EVEN_K, UPCAST_DOT,
+                      BLOCK_M, BLOCK_N, BLOCK_K, RATIO)
+    else:
+        _one_tile(tl.program_id(0), tl.program_id(1),
+                  a_ptr, b_ptr, c_ptr, d_ptr, a_desc, b_desc, d_desc, dt_desc, n, K,
+                  stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
+                  stride_cb, stride_cm, stride_cn, stride_db, stride_dm, stride_dn, alpha, beta,
+                  HAS_C, USE_DESCRIPTORS, B_TRANSPOSED, TMA_STORE, EVEN_K, UPCAST_DOT,
+                  BLOCK_M, BLOCK_N, BLOCK_K, RATIO)
 
 
 def lower_tile_count(n: int, block_m: int, block_n: int) -> int:
@@ -120,6 +172,18 @@ def lower_tile_count(n: int, block_m: int, block_n: int) -> int:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """Programs of a persistent launch: one per SM (a fixed small count off CUDA)."""
+    if device.type != "cuda":
+        return 4
+    return _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _descriptor_ready(t: Tensor) -> bool:
@@ -186,15 +250,26 @@ def symmetric_matmul_triton(
     if use_descriptors:
         a_desc = _descriptor(a3, bm, bk)
         b_desc = _descriptor(b_view, bn, bk) if b_transposed else _descriptor(b_view, bk, bn)
+    use_tma_store = config.tma_store and use_descriptors and _descriptor_ready(out)
+    d_desc = dt_desc = None
+    if use_tma_store:
+        d_desc = _descriptor(out, bm, bn)
+        dt_desc = d_desc if bm == bn else _descriptor(out, bn, bm)
     c_arg = c3 if has_c else out
-    grid = (lower_tile_count(n, bm, bn), batch)
+    tiles_per_batch = lower_tile_count(n, bm, bn)
+    total_tiles = tiles_per_batch * batch
+    if config.persistent:
+        grid = (min(total_tiles, _multiprocessors(a3.device)),)
+    else:
+        grid = (tiles_per_batch, batch)
     _symmetric_matmul_kernel[grid](
-        a3, b3, c_arg, out, a_desc, b_desc,
-        n, k,
+        a3, b3, c_arg, out, a_desc, b_desc, d_desc, dt_desc,
+        n, k, tiles_per_batch, total_tiles,
         *a3.stride(), *b3.stride(), *c_arg.stride(), *out.stride(),
         float(alpha), float(beta),
-        HAS_C=has_c, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=b_transposed,
+        HAS_C=has_c, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=b_transposed, TMA_STORE=use_tma_store,
         EVEN_K=(k % bk == 0), UPCAST_DOT=(_interpreting() and a3.dtype == torch.bfloat16),
+        PERSISTENT=config.persistent, FLATTEN=config.flatten, WARP_SPECIALIZE=config.warp_specialize,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RATIO=bn // bm,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
