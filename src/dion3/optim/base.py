@@ -7,7 +7,6 @@ has an entry per parameter while the step runs batched over the whole bucket.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -15,14 +14,17 @@ import torch
 from torch import Tensor
 
 from .. import distributed, rules
-from ..ortho import get_schedule
-from ..ortho.newton_schulz import METHODS
 from . import scalar
+from .validation import (
+    ALIASES,
+    MATRIX_ALGORITHMS,
+    SCALAR_ALGORITHMS,
+    check_state_dict,
+    param_label,
+    validate_group,
+    variance_shape,
+)
 
-MATRIX_ALGORITHMS = ("dion3", "muon", "normuon")
-SCALAR_ALGORITHMS = ("adamw", "lion")
-ALIASES = {"nordion2": "dion3"}
-SCOPES = ("local", "global")
 
 
 @dataclass
@@ -78,87 +80,23 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(params):
             if id(p) in seen:
                 raise ValueError(
-                    f"parameter {self._label(names, index, i, p)} already belongs to parameter group "
+                    f"parameter {param_label(names, index, i, p)} already belongs to parameter group "
                     f"{seen[id(p)]}; a parameter may appear in one group only"
                 )
         super().add_param_group(group)
         group = self.param_groups[-1]
         try:
-            self._validate_group(group, index)
+            validate_group(group, index)
         except ValueError:
             self.param_groups.pop()  # a rejected group must leave the optimizer as it was
             raise
         if self._ready:
             self._build_buckets()
 
-    @staticmethod
-    def _label(names, group_index: int, index: int, param: Tensor) -> str:
-        if names is not None:
-            return repr(names[index])
-        return f"{index} of group {group_index} (shape {tuple(param.shape)})"
-
     def _param_label(self, group: dict, index: int) -> str:
         # by identity: list.index would compare group dicts, and with them their tensors
         group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
-        return self._label(group.get("param_names"), group_index, index, group["params"][index])
-
-    def _validate_group(self, group: dict, index: int) -> None:
-        where = f"parameter group {index}"
-        algorithm = group["algorithm"]
-        if algorithm not in MATRIX_ALGORITHMS + SCALAR_ALGORITHMS:
-            raise ValueError(
-                f"{where}: unknown algorithm {algorithm!r}; expected one of "
-                f"{MATRIX_ALGORITHMS + SCALAR_ALGORITHMS} (or the alias 'nordion2')"
-            )
-        lr = group["lr"]
-        lr_value = float(lr) if isinstance(lr, Tensor) and lr.numel() == 1 else lr
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError(f"{where}: lr tensor must hold one value, got shape {tuple(lr.shape)}")
-        if not isinstance(lr_value, (int, float)) or not math.isfinite(lr_value) or lr_value < 0:
-            raise ValueError(f"{where}: lr must be a finite number ≥ 0, got {lr!r}")
-        _check_range(where, "weight_decay", group["weight_decay"], 0.0, math.inf)
-        _check_range(where, "epsilon", group["epsilon"], 0.0, math.inf, low_open=True)
-        betas = group["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
-        for name, value in zip(("betas[0]", "betas[1]"), betas):
-            _check_range(where, name, value, 0.0, 1.0, high_open=True)
-        if algorithm in SCALAR_ALGORITHMS:
-            return
-        _check_range(where, "mu", group["mu"], 0.0, 1.0, high_open=True)
-        _check_range(where, "muon_beta2", group["muon_beta2"], 0.0, 1.0, high_open=True)
-        _check_range(where, "fraction", group["fraction"], 0.0, 1.0, low_open=True)
-        if group["adjust_lr"] not in rules.ADJUST_LR:
-            raise ValueError(f"{where}: unknown adjust_lr {group['adjust_lr']!r}; expected one of {rules.ADJUST_LR}")
-        if group["orthogonalizer"] not in METHODS:
-            raise ValueError(f"{where}: unknown orthogonalizer {group['orthogonalizer']!r}; expected one of {METHODS}")
-        if group["selection_scope"] not in SCOPES:
-            raise ValueError(f"{where}: unknown selection_scope {group['selection_scope']!r}; expected one of {SCOPES}")
-        if algorithm == "dion3" and group["nesterov"]:
-            raise ValueError(f"{where}: Dion3 has no Nesterov variant; use nesterov=False")
-        get_schedule(group["ns_coefficients"])  # raises on unknown names
-        for i, p in enumerate(group["params"]):
-            label = self._label(group.get("param_names"), index, i, p)
-            if not p.is_floating_point():
-                raise ValueError(
-                    f"{where}: parameter {label} has dtype {p.dtype}, but algorithm {algorithm!r} "
-                    "needs real floating-point matrices (float32, bfloat16, float16, float64)"
-                )
-            if p.dim() >= 2 and 0 in p.shape:  # topk and the NS normalization need ≥ 1 row and column
-                raise ValueError(f"{where}: parameter {label} is empty (a dimension is 0); leave it out")
-            if group["flatten"] and p.dim() >= 2:
-                continue
-            if p.dim() not in (2, 3):
-                hint = (
-                    "put 1-D parameters (biases, norms) in an 'adamw' or 'lion' group"
-                    if p.dim() < 2
-                    else "pass flatten=True to treat it as a matrix (e.g. conv weights)"
-                )
-                raise ValueError(
-                    f"{where}: parameter {label} is "
-                    f"{p.dim()}-D, but algorithm {algorithm!r} needs 2-D matrices or 3-D batches of "
-                    f"matrices; {hint}"
-                )
+        return param_label(group.get("param_names"), group_index, index, group["params"][index])
 
     def _build_buckets(self) -> None:
         """(Re)create the stacked state buffers, keeping any per-parameter state already present
@@ -218,7 +156,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                     del state[key]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._check_state_dict(state_dict)  # before torch mutates anything
+        check_state_dict(state_dict, self.param_groups)  # before torch mutates anything
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype; restore full-precision variance.
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
@@ -228,41 +166,6 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             if "variance" in saved:
                 self.state[p]["variance"] = saved["variance"].to(device=p.device, dtype=torch.float32)
         self._build_buckets()
-
-    def _check_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Raise ValueError unless state_dict has, for every parameter, each state entry its
-        (saved) algorithm needs with the parameter's shape."""
-        saved_groups = state_dict.get("param_groups")
-        if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
-            raise ValueError("state dict must have 'state' and 'param_groups' entries (from optimizer.state_dict())")
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"state dict has {len(saved_groups)} parameter groups but this optimizer has "
-                f"{len(self.param_groups)}; the state dict does not match these parameters"
-            )
-        for index, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"parameter group {index} of the state dict has {len(saved['params'])} parameters but "
-                    f"this optimizer's has {len(group['params'])}; the state dict does not match these parameters"
-                )
-            algorithm = ALIASES.get(saved.get("algorithm"), saved.get("algorithm", group["algorithm"]))
-            flatten = saved.get("flatten", group.get("flatten", False))
-            for i, (pid, p) in enumerate(zip(saved["params"], group["params"])):
-                entry = state_dict["state"].get(pid, {})
-                for key, shape in expected_state_shapes(algorithm, p, flatten).items():
-                    if key not in entry:
-                        raise ValueError(
-                            f"state dict has no {key!r} for parameter {self._label(group.get('param_names'), index, i, p)} "
-                            f"of group {index} ({algorithm}); the state dict does not match these parameters"
-                        )
-                    found = tuple(entry[key].shape) if isinstance(entry[key], Tensor) else ()
-                    if math.prod(found) != math.prod(shape) or (len(shape) > 0 and found != shape):
-                        raise ValueError(
-                            f"state {key!r} of parameter {self._label(group.get('param_names'), index, i, p)} "
-                            f"has shape {found} in the state dict, expected {shape}; the state dict does not "
-                            "match these parameters"
-                        )
 
     # ----------------------------------------------------------------- step
     @torch.no_grad()
@@ -393,30 +296,3 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             if bucket.variance is not None:
                 bucket.variance[span].copy_(sub.variance[start:stop])
             start = stop
-
-
-def variance_shape(param: Tensor, flatten: bool) -> tuple[int, ...]:
-    """Shape of a parameter's per-row second moment: one value per matrix row."""
-    return (param.shape[0], 1) if flatten else (*param.shape[:-1], 1)
-
-
-def expected_state_shapes(algorithm: str, param: Tensor, flatten: bool) -> dict[str, tuple[int, ...]]:
-    """The state entries (and their shapes) the optimizer keeps for param under algorithm."""
-    shape = tuple(param.shape)
-    if algorithm == "adamw":
-        return {"step": (), "exp_avg": shape, "exp_avg_sq": shape}
-    if algorithm == "lion":
-        return {"exp_avg": shape}
-    if algorithm == "muon":
-        return {"momentum": shape}
-    return {"momentum": shape, "variance": variance_shape(param, flatten)}
-
-
-def _check_range(where, name, value, low, high, low_open=False, high_open=False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-    if ok:
-        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    if not ok:
-        lo = "(" if low_open else "["
-        hi = ")" if high_open else "]"
-        raise ValueError(f"{where}: {name} must lie in {lo}{low}, {high}{hi}, got {value!r}")

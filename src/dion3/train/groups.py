@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 from torch import nn
 
-from ..optim.base import ALIASES, MATRIX_ALGORITHMS, SCALAR_ALGORITHMS
+from ..optim.validation import ALIASES, MATRIX_ALGORITHMS, SCALAR_ALGORITHMS
 
 # AdamW learning rates for the non-matrix groups, tuned on the `cpu-tiny` preset of
 # `dion3 compare` (docs/training.md). The head gets a lower lr than the embedding: its gradient is

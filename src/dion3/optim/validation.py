@@ -1,0 +1,147 @@
+"""Validation of parameter groups, hyperparameters and state dicts: every rejection is a
+ValueError that names the group, the argument or the parameter (docs/errors.md)."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import Tensor
+
+from .. import rules
+from ..ortho import get_schedule
+from ..ortho.newton_schulz import METHODS
+
+MATRIX_ALGORITHMS = ("dion3", "muon", "normuon")
+SCALAR_ALGORITHMS = ("adamw", "lion")
+ALIASES = {"nordion2": "dion3"}
+SCOPES = ("local", "global")
+
+
+def param_label(names, group_index: int, index: int, param: Tensor) -> str:
+    """How errors name a parameter: its name when named parameters were given."""
+    if names is not None:
+        return repr(names[index])
+    return f"{index} of group {group_index} (shape {tuple(param.shape)})"
+
+
+def validate_group(group: dict, index: int) -> None:
+    """Raise ValueError naming the group, argument or parameter that is not acceptable."""
+    where = f"parameter group {index}"
+    algorithm = group["algorithm"]
+    if algorithm not in MATRIX_ALGORITHMS + SCALAR_ALGORITHMS:
+        raise ValueError(
+            f"{where}: unknown algorithm {algorithm!r}; expected one of "
+            f"{MATRIX_ALGORITHMS + SCALAR_ALGORITHMS} (or the alias 'nordion2')"
+        )
+    lr = group["lr"]
+    lr_value = float(lr) if isinstance(lr, Tensor) and lr.numel() == 1 else lr
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(f"{where}: lr tensor must hold one value, got shape {tuple(lr.shape)}")
+    if not isinstance(lr_value, (int, float)) or not math.isfinite(lr_value) or lr_value < 0:
+        raise ValueError(f"{where}: lr must be a finite number ≥ 0, got {lr!r}")
+    check_range(where, "weight_decay", group["weight_decay"], 0.0, math.inf)
+    check_range(where, "epsilon", group["epsilon"], 0.0, math.inf, low_open=True)
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
+    for name, value in zip(("betas[0]", "betas[1]"), betas):
+        check_range(where, name, value, 0.0, 1.0, high_open=True)
+    if algorithm in SCALAR_ALGORITHMS:
+        return
+    check_range(where, "mu", group["mu"], 0.0, 1.0, high_open=True)
+    check_range(where, "muon_beta2", group["muon_beta2"], 0.0, 1.0, high_open=True)
+    check_range(where, "fraction", group["fraction"], 0.0, 1.0, low_open=True)
+    if group["adjust_lr"] not in rules.ADJUST_LR:
+        raise ValueError(f"{where}: unknown adjust_lr {group['adjust_lr']!r}; expected one of {rules.ADJUST_LR}")
+    if group["orthogonalizer"] not in METHODS:
+        raise ValueError(f"{where}: unknown orthogonalizer {group['orthogonalizer']!r}; expected one of {METHODS}")
+    if group["selection_scope"] not in SCOPES:
+        raise ValueError(f"{where}: unknown selection_scope {group['selection_scope']!r}; expected one of {SCOPES}")
+    if algorithm == "dion3" and group["nesterov"]:
+        raise ValueError(f"{where}: Dion3 has no Nesterov variant; use nesterov=False")
+    get_schedule(group["ns_coefficients"])  # raises on unknown names
+    for i, p in enumerate(group["params"]):
+        label = param_label(group.get("param_names"), index, i, p)
+        if not p.is_floating_point():
+            raise ValueError(
+                f"{where}: parameter {label} has dtype {p.dtype}, but algorithm {algorithm!r} "
+                "needs real floating-point matrices (float32, bfloat16, float16, float64)"
+            )
+        if p.dim() >= 2 and 0 in p.shape:  # topk and the NS normalization need ≥ 1 row and column
+            raise ValueError(f"{where}: parameter {label} is empty (a dimension is 0); leave it out")
+        if group["flatten"] and p.dim() >= 2:
+            continue
+        if p.dim() not in (2, 3):
+            hint = (
+                "put 1-D parameters (biases, norms) in an 'adamw' or 'lion' group"
+                if p.dim() < 2
+                else "pass flatten=True to treat it as a matrix (e.g. conv weights)"
+            )
+            raise ValueError(
+                f"{where}: parameter {label} is "
+                f"{p.dim()}-D, but algorithm {algorithm!r} needs 2-D matrices or 3-D batches of "
+                f"matrices; {hint}"
+            )
+
+
+def check_state_dict(state_dict: dict[str, Any], param_groups: list[dict]) -> None:
+    """Raise ValueError unless state_dict has, for every parameter, each state entry its
+    (saved) algorithm needs with the parameter's shape."""
+    saved_groups = state_dict.get("param_groups")
+    if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
+        raise ValueError("state dict must have 'state' and 'param_groups' entries (from optimizer.state_dict())")
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(
+            f"state dict has {len(saved_groups)} parameter groups but this optimizer has "
+            f"{len(param_groups)}; the state dict does not match these parameters"
+        )
+    for index, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"parameter group {index} of the state dict has {len(saved['params'])} parameters but "
+                f"this optimizer's has {len(group['params'])}; the state dict does not match these parameters"
+            )
+        algorithm = ALIASES.get(saved.get("algorithm"), saved.get("algorithm", group["algorithm"]))
+        flatten = saved.get("flatten", group.get("flatten", False))
+        for i, (pid, p) in enumerate(zip(saved["params"], group["params"])):
+            entry = state_dict["state"].get(pid, {})
+            for key, shape in expected_state_shapes(algorithm, p, flatten).items():
+                if key not in entry:
+                    raise ValueError(
+                        f"state dict has no {key!r} for parameter {param_label(group.get('param_names'), index, i, p)} "
+                        f"of group {index} ({algorithm}); the state dict does not match these parameters"
+                    )
+                found = tuple(entry[key].shape) if isinstance(entry[key], Tensor) else ()
+                if math.prod(found) != math.prod(shape) or (len(shape) > 0 and found != shape):
+                    raise ValueError(
+                        f"state {key!r} of parameter {param_label(group.get('param_names'), index, i, p)} "
+                        f"has shape {found} in the state dict, expected {shape}; the state dict does not "
+                        "match these parameters"
+                    )
+
+
+def variance_shape(param: Tensor, flatten: bool) -> tuple[int, ...]:
+    """Shape of a parameter's per-row second moment: one value per matrix row."""
+    return (param.shape[0], 1) if flatten else (*param.shape[:-1], 1)
+
+
+def expected_state_shapes(algorithm: str, param: Tensor, flatten: bool) -> dict[str, tuple[int, ...]]:
+    """The state entries (and their shapes) the optimizer keeps for param under algorithm."""
+    shape = tuple(param.shape)
+    if algorithm == "adamw":
+        return {"step": (), "exp_avg": shape, "exp_avg_sq": shape}
+    if algorithm == "lion":
+        return {"exp_avg": shape}
+    if algorithm == "muon":
+        return {"momentum": shape}
+    return {"momentum": shape, "variance": variance_shape(param, flatten)}
+
+
+def check_range(where, name, value, low, high, low_open=False, high_open=False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        raise ValueError(f"{where}: {name} must lie in {lo}{low}, {high}{hi}, got {value!r}")
