@@ -44,7 +44,8 @@ PRESETS: dict[str, Preset] = {
     "cpu-tiny": Preset(
         model=GPTConfig(seq_len=128, n_layer=4, n_head=4, d_model=128),
         schedule=Schedule(steps=250, batch_size=16, eval_every=25, eval_batches=8, warmup_steps=10),
-        lrs={"adamw": 0.003, "muon": 0.02, "normuon": 0.02, "dion3-f0.5": 0.03, "dion3-f0.25": 0.04},
+        lrs={"adamw": 0.004, "muon": 0.02, "normuon": 0.02, "dion3-f0.5": 0.042, "dion3-f0.25": 0.06},
+        mus={"muon": 0.6, "normuon": 0.6, "dion3-f0.5": 0.3, "dion3-f0.25": 0.3},
         device="cpu",
         # One thread: 128-wide matrices gain little from a second one, and on a busy machine
         # (CI runners, shared hosts) OpenMP threads waiting on each other cost several times more.
@@ -54,7 +55,9 @@ PRESETS: dict[str, Preset] = {
     "gpu-small": Preset(
         model=GPTConfig(seq_len=1024, n_layer=8, n_head=8, d_model=512),
         schedule=Schedule(steps=1500, batch_size=16, eval_every=100, eval_batches=16, warmup_steps=50),
-        lrs={"adamw": 0.002, "muon": 0.02, "normuon": 0.02, "dion3-f0.5": 0.03, "dion3-f0.25": 0.04},
+        # Not tuned on a GPU yet: cpu-tiny's values, with a lower AdamW lr for the wider model.
+        lrs={"adamw": 0.003, "muon": 0.02, "normuon": 0.02, "dion3-f0.5": 0.042, "dion3-f0.25": 0.06},
+        mus={"muon": 0.6, "normuon": 0.6, "dion3-f0.5": 0.3, "dion3-f0.25": 0.3},
         device="cuda",
         bf16=True,
     ),
