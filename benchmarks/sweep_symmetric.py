@@ -39,18 +39,14 @@ def _cfg(bm, bn, stages=3, **flags):
     return TileConfig(bm, bn, 64, num_warps=8, num_stages=stages, descriptors=True, **flags)
 
 
+# The first run (2026-11-29, commit 3f8ebe1) also swept persistent launches (one program per SM
+# looping over the tiles; with flatten and warp_specialize): no gain, flatten failed to compile on
+# Triton 3.6, so that code was removed. Results: benchmarks/results/kernels-h200-2026-11-29.md.
 VARIANTS = {
-    "base": _cfg(128, 128),  # the table's config before this sweep
-    "store": _cfg(128, 128, tma_store=True),
-    "pers": _cfg(128, 128, tma_store=True, persistent=True),
-    "pers_fl": _cfg(128, 128, tma_store=True, persistent=True, flatten=True),
-    "pers_fl4": _cfg(128, 128, 4, tma_store=True, persistent=True, flatten=True),
-    "pers_ws": _cfg(128, 128, tma_store=True, persistent=True, warp_specialize=True),
+    "base": _cfg(128, 128),  # the table's config before kernel-perf
+    "store": _cfg(128, 128, tma_store=True),  # the table's config after
     "wide": _cfg(128, 256),
     "wide_st": _cfg(128, 256, tma_store=True),
-    "wide_pfl": _cfg(128, 256, persistent=True, flatten=True),
-    "wide_pst": _cfg(128, 256, tma_store=True, persistent=True, flatten=True),
-    "wide_ws": _cfg(128, 256, tma_store=True, persistent=True, warp_specialize=True),
 }
 # (label, batch, n, k, product, dtype): "gram" is A·Aᵀ (b = a.mT); "square" is 0.9·R·R − 1.7·R.
 TIMED_SHAPES = (
@@ -190,8 +186,7 @@ def time_shapes(usable, device, dry):
 def table(checks, rows):
     names = list(VARIANTS)
     lines = ["variants: " + "; ".join(f"{n}={VARIANTS[n].block_m}x{VARIANTS[n].block_n} s{VARIANTS[n].num_stages}"
-                                      f"{' st' if VARIANTS[n].tma_store else ''}{' P' if VARIANTS[n].persistent else ''}"
-                                      f"{' fl' if VARIANTS[n].flatten else ''}{' ws' if VARIANTS[n].warp_specialize else ''}"
+                                      f"{' st' if VARIANTS[n].tma_store else ''}"
                                       for n in names)]
     lines.append("checks: " + "  ".join(f"{c['variant']}={'ok' if c['ok'] else 'FAIL'}" for c in checks))
     for c in checks:

@@ -26,11 +26,10 @@ SMALL = TileConfig(16, 16, 16, num_warps=4, num_stages=2)
 WIDE = TileConfig(16, 32, 16, num_warps=4, num_stages=2)
 WIDER = TileConfig(16, 64, 32, num_warps=4, num_stages=2)
 TMA = TileConfig(16, 32, 16, num_warps=4, num_stages=2, descriptors=True)
-# Persistent launches (a few programs loop over every batch's tiles) with TMA stores of the
-# tiles below the diagonal; 72 is not a multiple of the tile, so TMA clips the edge tiles.
-PERSISTENT = TileConfig(16, 16, 16, num_warps=4, num_stages=2, descriptors=True, tma_store=True, persistent=True)
-PERSISTENT_WIDE = TileConfig(16, 32, 16, num_warps=4, num_stages=2, descriptors=True, tma_store=True,
-                             persistent=True, flatten=True)
+# TMA stores of the tiles below the diagonal (and their mirrors); 72 is not a multiple of the
+# tile, so TMA clips the edge tiles.
+TMA_STORE = TileConfig(16, 16, 16, num_warps=4, num_stages=2, descriptors=True, tma_store=True)
+TMA_STORE_WIDE = TileConfig(16, 32, 16, num_warps=4, num_stages=2, descriptors=True, tma_store=True)
 
 # (name, batch (None: 2-D), n, k, operand, config): operand "view" is b = a.mT, "contig" is
 # b = a.mT.contiguous(), "square" is 0.7·R·R − 1.3·R with R symmetric, "gram_c" is
@@ -45,8 +44,8 @@ SYMMETRIC_CASES = (
     ("wider_tiles", 2, 70, 64, "square", WIDER),
     ("descriptors_view", 2, 40, 56, "view", TMA),
     ("descriptors_square", 2, 48, 48, "square", TMA),
-    ("persistent_batched", 3, 72, 40, "view", PERSISTENT),
-    ("persistent_wide_gram_c", 2, 72, 56, "gram_c", PERSISTENT_WIDE),
+    ("tma_store_batched", 3, 72, 40, "view", TMA_STORE),
+    ("tma_store_wide_gram_c", 2, 72, 56, "gram_c", TMA_STORE_WIDE),
 )
 
 

@@ -16,12 +16,6 @@ Each row reads: for outputs with n ≥ min_n, use this config (the last matching
   tma_store          with descriptors: store tiles strictly below the diagonal and their
                      mirrors through TMA descriptors of D (unmasked); diagonal tiles and
                      unaligned outputs keep masked pointer stores
-  persistent         launch one program per SM, each looping over a static schedule of
-                     (batch, tile) pairs, instead of one program per tile
-  flatten            persistent only: let Triton flatten the tile and reduction loops into one
-                     software pipeline (the next tile's loads overlap this tile's epilogue)
-  warp_specialize    persistent only: Triton's producer/consumer warp specialization of the
-                     tile loop
 """
 from __future__ import annotations
 
@@ -37,9 +31,6 @@ class TileConfig:
     num_stages: int
     descriptors: bool = False
     tma_store: bool = False
-    persistent: bool = False
-    flatten: bool = False
-    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n % self.block_m:
@@ -49,9 +40,13 @@ class TileConfig:
 # (min_n, config) rows, ascending in min_n.
 # H200 sweep 2026-11-29 (Triton 3.6): 128×128×64, 8 warps, 3 stages, TMA loads was best or
 # within 3% of best at every n ≥ 1024 (128×256 tiles lost 5–30%); 64×64 only helps at n ≤ 256.
+# kernel-perf sweep (benchmarks/sweep_symmetric.py): TMA stores of the off-diagonal tiles make it
+# 1.07–1.23× faster at every measured shape; 128×256 with TMA stores gains another 3–6% on
+# large C-free products but loses 13% at 1×4096×16384 and on R·R + C, persistent launches
+# lost or tied (kernels-h200-2026-11-29.md, "after kernel-perf").
 HOPPER = (
     (0, TileConfig(64, 64, 64, num_warps=4, num_stages=4)),
-    (512, TileConfig(128, 128, 64, num_warps=8, num_stages=3, descriptors=True)),
+    (512, TileConfig(128, 128, 64, num_warps=8, num_stages=3, descriptors=True, tma_store=True)),
 )
 AMPERE = (
     (0, TileConfig(64, 64, 32, num_warps=4, num_stages=3)),
