@@ -61,9 +61,9 @@ def symmetric_kernels_available(device, n: int | None = None) -> bool:
 
 
 # Measured speed of the symmetric kernel over a dense cuBLAS product of the same shape, on the
-# sizes that matter (H200, benchmarks/results/kernels-h200-*.md: 1.4× for X·Xᵀ, 1.2× for R·R).
-# It sets where Gram NS starts to beat standard NS (ortho.choose_method).
-SYMMETRIC_SPEEDUP = 1.25
+# optimizer's sizes (H200, benchmarks/results/kernels-h200-*.md, "after kernel-perf": 1.4–1.7×,
+# ~1.6× at n ≥ 2048). It sets where Gram NS starts to beat standard NS (ortho.choose_method).
+SYMMETRIC_SPEEDUP = 1.6
 
 
 def symmetric_speedup(device, n: int | None = None) -> float:
