@@ -40,25 +40,26 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
-def report(request, tmp_path_factory):
+def reports(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"props{world}") / "report"
     counts = dict(EXAMPLES, steps_follow_the_rules=PER_PAIR)
     mp.spawn(worker.worker, args=(world, _free_port(), str(out), counts), nprocs=world)
-    reports = [json.loads(out.with_name(f"report.rank{r}.json").read_text()) for r in range(world)]
-    assert all(r == reports[0] for r in reports), "ranks disagree on the outcome"
-    return {"world": world, **reports[0]}
+    return [json.loads(out.with_name(f"report.rank{r}.json").read_text()) for r in range(world)]
 
 
-def _passed(report, name: str) -> dict:
-    result = report[name]
-    assert result["failure"] is None, result["failure"]
+def _passed(reports: list[dict], name: str) -> dict:
+    """The property's coverage counts, once every rank passed it on the same examples."""
+    for rank, report in enumerate(reports):
+        assert report[name]["failure"] is None, f"rank {rank}:\n{report[name]['failure']}"
+    result = reports[0][name]
+    assert all(report[name] == result for report in reports), "ranks disagree on the examples"
     assert result["examples"] >= EXAMPLES[name], result  # hypothesis really ran them all
     return result["seen"]
 
 
-def test_steps_follow_the_rules(report):
-    seen = _passed(report, "steps_follow_the_rules")
+def test_steps_follow_the_rules(reports):
+    seen = _passed(reports, "steps_follow_the_rules")
     # the examples covered what the property is about, so a degenerate draw cannot pass quietly
     for case in ("layout=fsdp", "layout=ddp", "algorithm=dion3_global", "algorithm=dion3_local",
                  "zero-row rank", "uneven shards", "bucket of several", "sharded-local"):
@@ -66,11 +67,11 @@ def test_steps_follow_the_rules(report):
     assert sum(v for k, v in seen.items() if k.startswith("algorithm=")) == seen["exact"] + seen["sharded-local"]
 
 
-def test_local_equals_global_at_fraction_one(report):
-    _passed(report, "local_equals_global_at_fraction_one")
+def test_local_equals_global_at_fraction_one(reports):
+    _passed(reports, "local_equals_global_at_fraction_one")
 
 
-def test_dion3_sends_less_than_muon(report):
-    seen = _passed(report, "dion3_sends_less_than_muon")
-    assert seen.get("strictly below", 0) >= 3, seen
-    assert seen.get("regime=large", 0) > 0 and seen.get("layout=fsdp", 0) > 0, seen
+def test_dion3_sends_less_than_muon(reports):
+    seen = _passed(reports, "dion3_sends_less_than_muon")
+    for layout in ("fsdp", "ddp"):
+        assert seen.get(f"{layout}/strictly below", 0) >= 2, seen
