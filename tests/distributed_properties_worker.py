@@ -1,9 +1,11 @@
 """Spawned-worker side of tests/test_distributed_properties.py: hypothesis inside gloo ranks.
 
 One process group per world size runs every property. Examples are drawn by hypothesis with a
-fixed seed and no database (so every rank draws the same ones) and no shrinking; each example first checks that all ranks drew it (a mismatch would hang the
-collectives). Every verdict is computed from full tensors (all-gathered) and per-rank byte
-counts gathered to all ranks, so all ranks pass or fail the same example together.
+fixed seed, no database and no shrinking, so every rank draws the same ones; each example first
+checks that all ranks drew it (a mismatch would hang the collectives). Every verdict is computed
+from full tensors (all-gathered) and per-rank byte counts gathered to all ranks, so all ranks
+pass or fail the same example together. A rank that crashes alone leaves the others waiting
+until the gloo timeout (60 s); the test then shows every rank's traceback.
 Each rank writes {property: {"examples", "failure", "seen"}} to OUT.rank<r>.json.
 """
 from __future__ import annotations
@@ -20,7 +22,6 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from distributed_worker import Matrices, Run, full, make_optimizer, max_relative_error
 from dion3.distributed import local_row_span
