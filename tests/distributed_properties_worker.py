@@ -311,10 +311,11 @@ def dion3_sends_less_than_muon(stats: Counter, max_examples: int) -> None:
 PROPERTIES = [steps_follow_the_rules, local_equals_global_at_fraction_one, dion3_sends_less_than_muon]
 
 
-def worker(rank: int, world: int, port: int, out_path: str, counts: dict) -> None:
+def worker(rank: int, world: int, out_path: str, counts: dict) -> None:
     torch.set_num_threads(1)
+    # A file store next to the report: no free-port race with other process groups on the machine.
     # A rank that crashes alone leaves the others in a collective: time out instead of hanging.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=f"file://{out_path}.store", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
         CLUSTER.update(rank=rank, world=world, mesh=init_device_mesh("cpu", (world,)))

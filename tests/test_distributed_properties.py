@@ -18,7 +18,6 @@ shards, ranks holding no rows) and DDP (replicated), 1–40 rows. Checked per st
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch.multiprocessing as mp
@@ -33,18 +32,12 @@ EXAMPLES = {  # per world size; each example runs a few optimizer steps on sever
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def reports(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"props{world}") / "report"
     counts = dict(EXAMPLES, steps_follow_the_rules=PER_PAIR)
-    mp.spawn(worker.worker, args=(world, _free_port(), str(out), counts), nprocs=world)
+    mp.spawn(worker.worker, args=(world, str(out), counts), nprocs=world)
     return [json.loads(out.with_name(f"report.rank{r}.json").read_text()) for r in range(world)]
 
 
