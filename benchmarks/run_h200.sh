@@ -14,6 +14,10 @@ for stage in "$@"; do
     step)
       run dion3 bench --preset llama-1b --steps 20 --json "$OUT/step-llama-1b.json" 2>&1 | tee "$OUT/step-llama-1b.txt"
       run dion3 bench --preset llama-8b --skip adamw --steps 10 --warmup 4 --json "$OUT/step-llama-8b.json" 2>&1 | tee "$OUT/step-llama-8b.txt" ;;
+    quick)  # the headline rows only: baseline and Dion3, both presets
+      run python3 -m pytest -q -m gpu tests/test_elementwise_kernels.py tests/test_graph.py 2>&1 | tee "$OUT/gpu-tests-quick.txt"
+      run dion3 bench --preset llama-8b --optimizers muon,dion3-1/4,dion3-1/8 --steps 10 --warmup 4 --json "$OUT/step-llama-8b-quick.json" 2>&1 | tee "$OUT/step-llama-8b-quick.txt"
+      run dion3 bench --preset llama-1b --optimizers muon,dion3-1/4,dion3-1/8 --steps 20 --json "$OUT/step-llama-1b-quick.json" 2>&1 | tee "$OUT/step-llama-1b-quick.txt" ;;
     cold)
       TRITON_CACHE_DIR=$(mktemp -d) run dion3 bench --preset llama-8b --optimizers dion3-1/4 --steps 10 --warmup 4 \
         --json "$OUT/step-llama-8b-cold.json" 2>&1 | tee "$OUT/step-llama-8b-cold.txt" ;;

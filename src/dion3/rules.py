@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .kernels import accumulate_momentum, post_update, snapshot_rows
+from .kernels import accumulate_momentum, post_update, scale_cast, snapshot_rows
 from .ortho import orthogonalize
 from .ortho.newton_schulz import default_compute_dtype, resolve_method
 
@@ -118,8 +118,7 @@ def normalize_rows(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float
     scaled_frob = (row_sq * inverse_rms.square()).sum(dim=-2, keepdim=True).sqrt()  # ‖Ô‖_F before rescale
     row_scale = inverse_rms * (frob / scaled_frob.clamp_min(epsilon))
     # fp32 math, written straight into O's dtype (no float32 temporary for half O)
-    scaled = torch.mul(ortho, row_scale, out=torch.empty_like(ortho, memory_format=torch.contiguous_format))
-    return scaled, new_variance.to(variance.dtype)
+    return scale_cast(ortho, row_scale, ortho.dtype), new_variance.to(variance.dtype)
 
 
 def apply_update(

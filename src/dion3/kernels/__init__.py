@@ -16,6 +16,7 @@ import torch
 from .reference import (
     accumulate_momentum_reference,
     post_update_reference,
+    scale_cast_reference,
     snapshot_rows_reference,
     symmetric_matmul_reference,
 )
@@ -27,8 +28,9 @@ except ImportError:  # pragma: no cover - depends on the install
     _post_update_kernel = _symmetric_kernel = None
 try:
     from . import momentum as _momentum_kernel
+    from . import scale as _scale_kernel
 except ImportError:  # pragma: no cover - depends on the install
-    _momentum_kernel = None
+    _momentum_kernel = _scale_kernel = None
 
 SYMMETRIC_MIN_N = 1024
 _enabled = os.environ.get("DION3_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
@@ -116,8 +118,17 @@ def snapshot_rows(momentum, rows, mu: float):
     return snapshot_rows_reference(momentum, rows, mu)
 
 
+def scale_cast(x, scale, out_dtype):
+    """x · scale written in out_dtype (scale: [N, 1, 1] per matrix or [N, R, 1] per row), one
+    pass on CUDA. A new tensor: the caller's x is never modified."""
+    if _triton_ready(x.device) and _scale_kernel is not None and _scale_kernel.scale_cast_supported(x, scale, out_dtype):
+        return _scale_kernel.scale_cast_triton(x, scale, out_dtype)
+    return scale_cast_reference(x, scale, out_dtype)
+
+
 __all__ = [
     "accumulate_momentum",
+    "scale_cast",
     "snapshot_rows",
     "symmetric_matmul",
     "post_update",

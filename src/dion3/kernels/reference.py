@@ -71,3 +71,9 @@ def snapshot_rows_reference(momentum: Tensor, rows: Tensor, mu: float) -> Tensor
     update = momentum.gather(-2, index)
     momentum.scatter_(-2, index, update * mu)
     return update
+
+
+def scale_cast_reference(x: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """(x · scale) written in out_dtype, computed in the wider of the two dtypes; scale [N, 1|R, 1]."""
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    return torch.mul(x, scale, out=out)

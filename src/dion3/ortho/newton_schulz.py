@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..kernels import symmetric_matmul, symmetric_speedup
+from ..kernels import scale_cast, symmetric_matmul, symmetric_speedup
 from .coefficients import CoefficientSpec, Schedule, get_schedule
 from .restarts import default_restarts
 
@@ -56,9 +56,7 @@ def _normalized_wide(x: Tensor, schedule: Schedule, dtype: torch.dtype) -> tuple
     inverse = 1.0 / (norm * schedule.norm_scale + _NORM_EPS)
     # Out of place (never the caller's tensor), computed in x's precision and written straight
     # into the compute dtype: no float32 copy of the batch, no fp16 overflow before scaling.
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    torch.mul(x, inverse, out=out)
-    return out, transposed
+    return scale_cast(x, inverse, dtype), transposed
 
 
 def newton_schulz(x: Tensor, schedule: Schedule) -> Tensor:

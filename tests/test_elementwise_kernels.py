@@ -1,5 +1,5 @@
-"""The fused momentum-accumulation kernel against float64 math: on CPU under TRITON_INTERPRET=1
-(in a subprocess, since the variable must be set before Triton is imported), on GPU directly."""
+"""The fused elementwise kernels (momentum accumulation, snapshot, scale-and-cast) against
+float64 math: on CPU under TRITON_INTERPRET=1 (in a subprocess, since the variable must be set before Triton is imported), on GPU directly."""
 import json
 import os
 import subprocess
@@ -13,6 +13,7 @@ CASES = textwrap.dedent(
     """
     import json, sys, torch
     from dion3.kernels.momentum import accumulate_momentum_triton, snapshot_rows_triton
+    from dion3.kernels.scale import scale_cast_triton
     device = sys.argv[1]
     results = []
     gen = torch.Generator().manual_seed(0)
@@ -53,6 +54,20 @@ CASES = textwrap.dedent(
         results.append(dict(case=f"snapshot {n}x{rows}x{cols} k={k}/{dtype}",
                             snapshot_exact=bool(torch.equal(update.double().cpu(), expected_u)),
                             value_ulps=scaled_err / ulp, score_rel=0.0, no_scores=True))
+    # scale-and-cast: per-matrix and per-row float32 scales, one rounding to the output dtype
+    for n, rows, cols, per_row, src, dst in [(3, 5, 1100, False, torch.float32, torch.float16),
+                                             (2, 7, 33, True, torch.float16, torch.float16),
+                                             (2, 1, 40, True, torch.float32, torch.bfloat16)]:
+        x64 = torch.randn(n, rows, cols, generator=gen, dtype=torch.float64) * 50
+        s64 = torch.rand(n, rows if per_row else 1, 1, generator=gen, dtype=torch.float64) + 0.01
+        x, s = x64.to(src), s64.float()
+        out = scale_cast_triton(x.to(device), s.to(device), dst)
+        expected = x.double() * s.double()
+        ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dst]
+        err = ((out.double().cpu() - expected).abs() / expected.abs().clamp_min(1e-30)).max().item() / ulp
+        results.append(dict(case=f"scale {n}x{rows}x{cols} per_row={per_row} {src}->{dst}",
+                            value_ulps=err, score_rel=0.0, no_scores=out.dtype == dst,
+                            unchanged=bool(torch.equal(x.cpu(), x64.to(src)))))
     print(json.dumps(results))
     """
 )
@@ -65,7 +80,7 @@ def _run(device, env):
 
 
 def _check(results):
-    assert len(results) == 6
+    assert len(results) == 9
     for r in results:
         # fp32 scale and add (decay itself rounded to fp32), then one rounding to the dtype;
         # the interpreter's bf16 conversion truncates: at most ~2 ulps of the terms' magnitude
@@ -73,6 +88,7 @@ def _check(results):
         assert r["score_rel"] <= 1e-5, r
         assert r["no_scores"], r
         assert r.get("snapshot_exact", True), r  # U is a copy of the selected rows
+        assert r.get("unchanged", True), r  # scale-and-cast never writes its input
 
 
 def test_interpreted_kernel_matches_float64():

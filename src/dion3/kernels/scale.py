@@ -1,0 +1,57 @@
+"""Triton scale-and-cast: out = (x · s) in the output dtype, with s one float32 per matrix or per
+row. Used to normalize the input of Newton–Schulz (s per matrix, fp32 → bf16/fp16) and for
+NorMuon's per-row scaling (s per row). One read and one write: PyTorch's mixed-dtype broadcast
+multiply takes a generic, unvectorized path that ran at about a third of the copy bandwidth
+(benchmarks/results/profile-llama-8b-h200-2026-11-29.txt).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BLOCK_ROWS = 4
+BLOCK_COLS = 1024
+
+
+@triton.jit
+def _scale_cast_kernel(
+    x_ptr, scale_ptr, out_ptr, n_rows, R, C,
+    PER_ROW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_inside = rows < n_rows
+    inside = row_inside[:, None] & (cols[None, :] < C)
+    scale = tl.load(scale_ptr + (rows if PER_ROW else rows // R), mask=row_inside, other=0.0)
+    offsets = rows[:, None] * C + cols[None, :]
+    value = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32) * scale[:, None]
+    tl.store(out_ptr + offsets, value.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def scale_cast_supported(x: Tensor, scale: Tensor, out_dtype: torch.dtype) -> bool:
+    return (
+        x.is_cuda
+        and x.dim() == 3
+        and x.is_contiguous()
+        and x.dtype in SUPPORTED_DTYPES
+        and out_dtype in SUPPORTED_DTYPES
+        and scale.shape in ((x.shape[0], 1, 1), (x.shape[0], x.shape[1], 1))
+    )
+
+
+def scale_cast_triton(x: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """x [N, R, C] (contiguous) times scale [N, 1, 1] or [N, R, 1], computed in float32."""
+    n, rows, cols = x.shape
+    out = torch.empty((n, rows, cols), dtype=out_dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    per_row = scale.shape[1] == rows and rows != 1
+    grid = (triton.cdiv(n * rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
+    _scale_cast_kernel[grid](
+        x, scale.float().contiguous(), out, n * rows, rows, cols,
+        PER_ROW=per_row, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
+    )
+    return out
