@@ -42,16 +42,19 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     # ~0.8 M parameters, byte-level; sized for ≤ 10 minutes of all five runs on 2 CPU cores.
     "cpu-tiny": Preset(
-        model=GPTConfig(seq_len=128, n_layer=4, n_head=4, d_model=128),
-        schedule=Schedule(steps=250, batch_size=16, eval_every=25, eval_batches=8, warmup_steps=10),
-        lrs={"adamw": 0.004, "muon": 0.02, "normuon": 0.02, "dion3-f0.5": 0.042, "dion3-f0.25": 0.06},
+        # 256-wide matrices: at 128 wide, f=¼ selects only 32 rows a step and Dion3 trailed
+        # NorMuon by 0.03 (benchmarks/results/compare-cpu-tiny-2026-11-29.md); 2 layers keep the
+        # five runs inside 10 minutes on 2 cores.
+        model=GPTConfig(seq_len=128, n_layer=2, n_head=4, d_model=256),
+        schedule=Schedule(steps=200, batch_size=16, eval_every=25, eval_batches=8, warmup_steps=10),
+        lrs={"adamw": 0.004, "muon": 0.02, "normuon": 0.02, "dion3-f0.5": 0.042, "dion3-f0.25": 0.08},
         mus={"muon": 0.6, "normuon": 0.6, "dion3-f0.5": 0.3, "dion3-f0.25": 0.3},
         device="cpu",
-        # One thread: 128-wide matrices gain little from a second one, and on a busy machine
+        # One thread: these small matrices gain little from a second one, and on a busy machine
         # (CI runners, shared hosts) OpenMP threads waiting on each other cost several times more.
         threads=1,
     ),
-    # ~25 M parameters in the blocks (d=512, 8 layers); ~5 minutes for all five runs on one H200.
+    # ~25 M parameters in the blocks (d=512, 8 layers); 6.2 minutes for all five runs on one H200.
     "gpu-small": Preset(
         model=GPTConfig(seq_len=1024, n_layer=8, n_head=8, d_model=512),
         schedule=Schedule(steps=1500, batch_size=16, eval_every=100, eval_batches=16, warmup_steps=50),
