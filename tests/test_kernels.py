@@ -15,7 +15,12 @@ import dion3.kernels as kernels
 
 HERE = Path(__file__).resolve().parent
 triton = pytest.importorskip("triton", reason="Triton is not installed: the kernels cannot run here")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU-only check)")
+_skip_without_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU-only check)")
+
+
+def needs_cuda(test):
+    """GPU-only test: marked `gpu` (so `pytest -m gpu` selects it) and skipped without CUDA."""
+    return pytest.mark.gpu(_skip_without_cuda(test))
 
 
 @pytest.fixture(scope="module")
