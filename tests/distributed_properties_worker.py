@@ -10,7 +10,6 @@ Each rank writes {property: {"examples", "failure", "seen"}} to OUT.rank<r>.json
 """
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import traceback
@@ -23,6 +22,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 
+import gloo
 from distributed_worker import Matrices, Run, full, make_optimizer, max_relative_error
 from dion3.distributed import local_row_span
 from test_properties import fractions, reference_k
@@ -312,11 +312,7 @@ PROPERTIES = [steps_follow_the_rules, local_equals_global_at_fraction_one, dion3
 
 
 def worker(rank: int, world: int, out_path: str, counts: dict) -> None:
-    torch.set_num_threads(1)
-    # A file store next to the report: no free-port race with other process groups on the machine.
-    # A rank that crashes alone leaves the others in a collective: time out instead of hanging.
-    dist.init_process_group("gloo", init_method=f"file://{out_path}.store", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    gloo.start(rank, world, f"{out_path}.store")
     try:
         CLUSTER.update(rank=rank, world=world, mesh=init_device_mesh("cpu", (world,)))
         report = {}
@@ -333,4 +329,4 @@ def worker(rank: int, world: int, out_path: str, counts: dict) -> None:
         with open(f"{out_path}.rank{rank}.json", "w") as f:
             json.dump(report, f, indent=1)
     finally:
-        dist.destroy_process_group()
+        gloo.stop()

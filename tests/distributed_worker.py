@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+import gloo
 from dion3 import Dion3, Muon, NorMuon
 from dion3.distributed import local_row_span
 
@@ -257,24 +258,19 @@ def scenarios(world: int, rank: int) -> dict:
     return results
 
 
-def worker(rank: int, world: int, port: int, out_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def worker(rank: int, world: int, out_path: str) -> None:
+    gloo.start(rank, world, f"{out_path}.store")
     try:
         results = scenarios(world, rank)
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(results, f, indent=1)
     finally:
-        dist.destroy_process_group()
+        gloo.stop()
 
 
 if __name__ == "__main__":  # manual run: python tests/distributed_worker.py WORLD OUT.json
-    import socket
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free_port = s.getsockname()[1]
-    mp.spawn(worker, args=(int(sys.argv[1]), free_port, sys.argv[2]), nprocs=int(sys.argv[1]))
+    mp.spawn(worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=int(sys.argv[1]))
     print(open(sys.argv[2]).read())

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 
 import pytest
 import torch
@@ -38,17 +37,11 @@ def test_hsdp_shard_submesh_matches_single_process(results):
     assert errors.get("hsdp_backward/dion3_global", 0.0) <= TOLERANCE
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def results(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"dist{world}") / "results.json"
-    mp.spawn(worker.worker, args=(world, _free_port(), str(out)), nprocs=world)
+    mp.spawn(worker.worker, args=(world, str(out)), nprocs=world)
     data = json.loads(out.read_text())
     data["world"] = world
     return data

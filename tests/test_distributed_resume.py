@@ -8,11 +8,9 @@ and the reloaded optimizer state must match the single-process state too.
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch import nn
@@ -21,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+import gloo
 from dion3 import Dion3, Muon, NorMuon
 from dion3.distributed import local_row_span
 
@@ -83,11 +82,10 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-12))
 
 
-def phase(rank: int, world: int, port: int, load_from: str, save_to: str, out: str) -> None:
+def phase(rank: int, world: int, store: str, load_from: str, save_to: str, out: str) -> None:
     """On `world` ranks: optionally resume from `load_from`, run N/2 steps and compare with the
     straight single-process run (errors to `out`); optionally save N/2 fresh steps to `save_to`."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    gloo.start(rank, world, store)
     try:
         mesh = init_device_mesh("cpu", (world,))
         errors = {}
@@ -105,7 +103,7 @@ def phase(rank: int, world: int, port: int, load_from: str, save_to: str, out: s
             with open(out, "w") as f:
                 json.dump(errors, f)
     finally:
-        dist.destroy_process_group()
+        gloo.stop()
 
 
 def resumed_error(kind: str, mesh, world: int, rank: int, checkpoint: str) -> float:
@@ -128,14 +126,8 @@ def resumed_error(kind: str, mesh, world: int, rank: int, checkpoint: str) -> fl
     return worst
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(world: int, load_from="", save_to="", out="") -> None:
-    mp.spawn(phase, args=(world, _free_port(), str(load_from), str(save_to), str(out)), nprocs=world)
+def spawn(world: int, store, load_from="", save_to="", out="") -> None:
+    mp.spawn(phase, args=(world, str(store), str(load_from), str(save_to), str(out)), nprocs=world)
 
 
 @pytest.fixture(scope="module")
@@ -143,10 +135,10 @@ def errors(tmp_path_factory):
     """Four process launches: save on 2 → load on 4 (and save on 4) → load on 2; load on 1."""
     root = tmp_path_factory.mktemp("dcp")
     on2, on4 = root / "saved_on_2", root / "saved_on_4"
-    spawn(2, save_to=on2)
-    spawn(4, load_from=on2, save_to=on4, out=root / "2to4.json")
-    spawn(2, load_from=on4, out=root / "4to2.json")
-    spawn(1, load_from=on2, out=root / "2to1.json")
+    spawn(2, root / "store0", save_to=on2)
+    spawn(4, root / "store1", load_from=on2, save_to=on4, out=root / "2to4.json")
+    spawn(2, root / "store2", load_from=on4, out=root / "4to2.json")
+    spawn(1, root / "store3", load_from=on2, out=root / "2to1.json")
     return {name: json.loads((root / f"{name}.json").read_text()) for name in ("2to4", "4to2", "2to1")}
 
 
