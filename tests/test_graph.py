@@ -105,3 +105,17 @@ def test_captured_equals_eager_over_20_steps(fresh_grad_tensors):
     assert step.graph is not None
     for a, b in zip(w_eager + [b_eager], w_graph + [b_graph]):
         torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+
+
+def test_refuses_distributed_global_selection(tmp_path):
+    """Global selection syncs split sizes through the host: capture must be refused up front."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        weights, bias = _model_and_groups()
+        opt = Dion3(_groups(weights, bias), distributed_mesh=dist.group.WORLD, selection_scope="global")
+        with pytest.raises(ValueError, match="selection_scope='global'"):
+            CapturedStep(opt)
+    finally:
+        dist.destroy_process_group()

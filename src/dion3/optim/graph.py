@@ -73,6 +73,13 @@ class CapturedStep:
             raise ValueError(f"warmup_steps must be ≥ 1 (kernels are compiled before capture), got {warmup_steps}")
         if getattr(optimizer, "check_finite", False):
             raise ValueError("check_finite=True syncs with the host each step and cannot be captured; disable it")
+        if getattr(optimizer, "_mesh", None) is not None and any(
+            g.get("algorithm") == "dion3" and g.get("selection_scope") == "global" for g in optimizer.param_groups
+        ):
+            raise ValueError(
+                "selection_scope='global' exchanges split sizes through the host each step and cannot "
+                "be captured in a CUDA graph; use selection_scope='local' for a captured distributed step"
+            )
         params = stepped_params(optimizer)
         devices = {p.device for p in params}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
