@@ -8,6 +8,7 @@ from typing import Any
 from torch import Tensor
 
 from .. import rules
+from ..distributed.mesh import local_tensor
 from ..ortho import get_schedule
 from ..ortho.newton_schulz import METHODS
 
@@ -70,6 +71,12 @@ def validate_group(group: dict, index: int) -> None:
         if p.dim() >= 2 and 0 in p.shape:  # topk and the NS normalization need ≥ 1 row and column
             raise ValueError(f"{where}: parameter {label} is empty (a dimension is 0); leave it out")
         if group["flatten"] and p.dim() >= 2:
+            if not _rows_view_in_place(p):  # else the step would update a reshaped copy
+                raise ValueError(
+                    f"{where}: parameter {label} cannot be flattened to [rows, -1] in place with "
+                    "flatten=True (its memory layout, e.g. channels_last, is not row-major); make it "
+                    "contiguous (memory_format=torch.contiguous_format)"
+                )
             continue
         if p.dim() not in (2, 3):
             hint = (
@@ -82,6 +89,17 @@ def validate_group(group: dict, index: int) -> None:
                 f"{p.dim()}-D, but algorithm {algorithm!r} needs 2-D matrices or 3-D batches of "
                 f"matrices; {hint}"
             )
+
+
+def _rows_view_in_place(param: Tensor) -> bool:
+    """Whether the parameter (its local shard, for a DTensor) can be viewed as [rows, -1]
+    without a copy, as the flatten=True step needs."""
+    local = local_tensor(param.detach())
+    try:
+        local.view(local.shape[0], math.prod(local.shape[1:]))
+    except RuntimeError:
+        return False
+    return True
 
 
 def check_state_dict(state_dict: dict[str, Any], param_groups: list[dict]) -> None:

@@ -1,0 +1,25 @@
+"""Regression tests for defects found in the final code review (one test per fix)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dion3 import Muon
+
+
+def test_flatten_refuses_a_parameter_whose_rows_cannot_be_viewed_in_place():
+    # A channels_last conv weight cannot be reshaped to [out, -1] without a copy: the optimizer
+    # would update the copy and leave the parameter untouched. It must refuse it up front.
+    conv = torch.nn.Conv2d(4, 8, 3, bias=False).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="flatten=True"):
+        Muon([conv.weight], flatten=True)
+
+
+def test_flatten_still_updates_a_contiguous_conv_weight_in_place():
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(8, 4, 3, 3))
+    before = weight.detach().clone()
+    optimizer = Muon([weight], flatten=True, lr=0.1, weight_decay=0.0)
+    weight.grad = torch.randn_like(weight)
+    optimizer.step()
+    assert (weight - before).abs().max() > 1e-3
