@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dion3 import Muon
+from dion3 import Muon, NorMuon
 
 
 def test_flatten_refuses_a_parameter_whose_rows_cannot_be_viewed_in_place():
@@ -23,3 +23,13 @@ def test_flatten_still_updates_a_contiguous_conv_weight_in_place():
     weight.grad = torch.randn_like(weight)
     optimizer.step()
     assert (weight - before).abs().max() > 1e-3
+
+
+def test_muon_rejects_a_misspelled_keyword_instead_of_ignoring_it():
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(TypeError, match="nesterv"):
+        Muon([weight], nesterv=True)
+    with pytest.raises(TypeError, match="weight_decy"):
+        NorMuon([weight], weight_decy=0.0)
+    # settings of the other algorithms stay accepted (groups may switch algorithm)
+    Muon([weight], fraction=0.5, muon_beta2=0.9, selection_scope="global")

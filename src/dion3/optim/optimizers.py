@@ -14,6 +14,10 @@ from .base import OrthogonalOptimizer
 Coefficients = Union[str, Sequence[Sequence[float]]]
 
 
+# Settings of other algorithms that Muon/NorMuon accept as defaults for groups that switch to them.
+SHARED_KEYS = frozenset({"fraction", "muon_beta2", "selection_scope"})
+
+
 def _defaults(algorithm: str, **values) -> dict:
     # Keys every algorithm may read, so a group can switch algorithm and still find its settings.
     base = dict(fraction=0.25, muon_beta2=0.95, nesterov=False, selection_scope="local")
@@ -74,6 +78,9 @@ class Muon(OrthogonalOptimizer):
         check_finite: bool = False,
         **extra,
     ):
+        unknown = sorted(set(extra) - SHARED_KEYS)  # a misspelled setting must not be dropped silently
+        if unknown:
+            raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments {unknown}")
         defaults = _defaults(
             self._algorithm, lr=lr, mu=mu, betas=betas, weight_decay=weight_decay, epsilon=epsilon,
             nesterov=nesterov, adjust_lr=adjust_lr, flatten=flatten, orthogonalizer=orthogonalizer,
