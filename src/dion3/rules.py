@@ -133,6 +133,10 @@ def apply_update(
 
     params: [B_i, R, C] views whose batches concatenate to update's N.
     """
+    if isinstance(lr, Tensor) and lr.device != update.device:  # e.g. a CPU lr tensor, CUDA params
+        lr = lr.to(update.device)
+    if isinstance(weight_decay, Tensor) and weight_decay.device != update.device:
+        weight_decay = weight_decay.to(update.device)
     decay = 1.0 - lr * weight_decay
     step = lr * scale
     post_update(params, update, rows, decay, step)

@@ -160,14 +160,13 @@ def measure(variant: Variant, graph: bool, preset: Preset, args, device: torch.d
         step()
     synchronize(device)
     ready = time.perf_counter() - start
-    sent_before = getattr(optimizer, "bytes_sent", None)
     device_ms, host_ms = timed_calls(step, args.steps, device, lambda i: progress(f"step {i}/{args.steps}"))
-    sent_after = getattr(optimizer, "bytes_sent", None)
+    sent = getattr(optimizer, "communication_bytes", None)  # this rank, last step (dion3 optimizers)
     result = dict(
         device_ms=statistics.median(device_ms), host_ms=statistics.median(host_ms),
         device_ms_all=device_ms, first_step_s=first, ready_s=ready,
-        bytes_sent=(sent_after - sent_before) / args.steps if sent_before is not None else 0.0,
-        bytes_sent_source="optimizer.bytes_sent" if sent_before is not None else "none (single device)",
+        bytes_sent=float(sent or 0),
+        bytes_sent_source="optimizer.communication_bytes" if sent is not None else "none (not a dion3 optimizer)",
     )
     if device.type == "cuda":
         result["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
