@@ -63,6 +63,8 @@ def shared_param():
 CASES = [
     ("one-d-in-matrix-group", lambda: Dion3([param(8)]), ValueError, "is 1-D"),
     ("four-d-without-flatten", lambda: Muon([param(2, 3, 4, 5)]), ValueError, "pass flatten=True"),
+    ("flatten-channels-last", lambda: Muon([torch.nn.Parameter(torch.randn(8, 4, 3, 3).to(memory_format=torch.channels_last))], flatten=True),
+     ValueError, "cannot be flattened to [rows, -1] in place"),
     ("integer-matrix", lambda: Dion3([torch.zeros(4, 4, dtype=torch.int64)]), ValueError, "has dtype torch.int64"),
     ("complex-matrix", lambda: Muon([param(4, 4, dtype=torch.complex64)]), ValueError, "has dtype torch.complex64"),
     ("empty-matrix", lambda: NorMuon([param(0, 4)]), ValueError, "is empty (a dimension is 0)"),
