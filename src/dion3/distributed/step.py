@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterator
 
-import torch
 from torch import Tensor
 
 from .. import rules
+from ..kernels import accumulate_momentum
 from .exchange import Traffic, exchange_rows, gather_chunks
 from .mesh import MeshInfo, local_tensor
 from .plan import ShardedBucket, owned_matrices
@@ -79,7 +79,7 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
         plan = all_rows_plan(bucket)
         send = update.reshape(-1, cols)
     else:  # Dion3: M ← M + G, select, snapshot the selected rows, decay them (error feedback)
-        torch._foreach_add_(list(real.split(1)), grads)
+        accumulate_momentum(real, grads, 1.0, scores=False)  # scores come from the plan
         if group["selection_scope"] == "local":
             plan = local_plan(bucket, real, cfg.fraction)
         else:
