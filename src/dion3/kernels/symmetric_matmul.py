@@ -25,16 +25,44 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _tile_coordinates(t, RATIO: tl.constexpr):
+def _triangle_row(t):
+    """Row p holding linear index t when a lower triangle is walked row by row:
+    p(p+1)/2 ≤ t < (p+1)(p+2)/2. A float square root, then a fix for its rounding."""
+    p = ((tl.sqrt(8.0 * t.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
+    p = tl.where(p * (p + 1) // 2 > t, p - 1, p)
+    return tl.where((p + 1) * (p + 2) // 2 <= t, p + 1, p)
+
+
+@triton.jit
+def _tile_coordinates(t, row_blocks, RATIO: tl.constexpr, GROUP: tl.constexpr):
     """Map a linear tile index to (row block i, column block j) over the tiles that touch the
-    lower triangle, in row-block order. With block_n = RATIO·block_m, row block i holds
+    lower triangle.
+
+    GROUP == 1: row-block order. With block_n = RATIO·block_m, row block i holds
     i // RATIO + 1 tiles, so groups of RATIO row blocks hold RATIO·(p+1) tiles and the first p
-    groups RATIO·p·(p+1)/2; invert that with a square root, then fix float rounding."""
-    p = ((tl.sqrt(8.0 * t.to(tl.float32) / RATIO + 1.0) - 1.0) * 0.5).to(tl.int32)
-    p = tl.where(RATIO * p * (p + 1) // 2 > t, p - 1, p)
-    p = tl.where(RATIO * (p + 1) * (p + 2) // 2 <= t, p + 1, p)
-    rem = t - RATIO * p * (p + 1) // 2
-    return RATIO * p + rem // (p + 1), rem % (p + 1)
+    groups RATIO·p·(p+1)/2; invert that with a square root, then fix float rounding.
+    GROUP > 1 (RATIO == 1 only): bands of GROUP row blocks, each walked column by column, so
+    the tiles running at the same time share a few column panels of B and row panels of A in
+    L2 instead of streaming every column panel once per row block.
+    """
+    if GROUP == 1:
+        p = ((tl.sqrt(8.0 * t.to(tl.float32) / RATIO + 1.0) - 1.0) * 0.5).to(tl.int32)
+        p = tl.where(RATIO * p * (p + 1) // 2 > t, p - 1, p)
+        p = tl.where(RATIO * (p + 1) * (p + 2) // 2 <= t, p + 1, p)
+        rem = t - RATIO * p * (p + 1) // 2
+        return RATIO * p + rem // (p + 1), rem % (p + 1)
+    # A band holds the same tiles in both orders, so the band of t follows from its plain row.
+    first = (_triangle_row(t) // GROUP) * GROUP  # first row block of the band
+    height = tl.minimum(GROUP, row_blocks - first)
+    rem = t - first * (first + 1) // 2
+    # The band's rectangle left of its diagonal block: first columns of `height` tiles each.
+    in_rectangle = rem < first * height
+    # Then the band's own small triangle, row by row.
+    tri = tl.maximum(rem - first * height, 0)
+    q = _triangle_row(tri)
+    i = tl.where(in_rectangle, first + rem % height, first + q)
+    j = tl.where(in_rectangle, rem // height, first + tri - q * (q + 1) // 2)
+    return i, j
 
 
 @triton.jit
@@ -59,9 +87,9 @@ def _masked_store(d_base, out, rows, cols, n, stride_dm, stride_dn):
 
 
 @triton.jit
-def _one_tile(
-    tile, batch, a_ptr, b_ptr, c_ptr, d_ptr, a_desc, b_desc, d_desc, dt_desc,
-    n, K,
+def _symmetric_matmul_kernel(
+    a_ptr, b_ptr, c_ptr, d_ptr, a_desc, b_desc, d_desc, dt_desc,
+    n, K, panels,
     stride_ab, stride_am, stride_ak,
     stride_bb, stride_bk, stride_bn,
     stride_cb, stride_cm, stride_cn,
@@ -70,9 +98,13 @@ def _one_tile(
     HAS_C: tl.constexpr, USE_DESCRIPTORS: tl.constexpr, B_TRANSPOSED: tl.constexpr, TMA_STORE: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RATIO: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
-    i, j = _tile_coordinates(tile, RATIO)
-    batch = batch.to(tl.int64)  # int64: batch × stride overflows int32 for big stacks
+    # One program per lower-triangle tile (axis 0) of one n×n diagonal block (axis 1: matrix of
+    # the batch × block on its diagonal; panels == 1: the block is the whole output).
+    i, j = _tile_coordinates(tl.program_id(0), tl.cdiv(n, BLOCK_M), RATIO, GROUP)
+    batch = (tl.program_id(1) // panels).to(tl.int64)  # int64: batch × stride overflows int32
+    offset = (tl.program_id(1) % panels) * n  # the block's first row and column in D
     row0 = i * BLOCK_M
     col0 = j * BLOCK_N
     local_m = tl.arange(0, BLOCK_M)
@@ -83,18 +115,18 @@ def _one_tile(
     if USE_DESCRIPTORS:
         for step in range(0, tl.cdiv(K, BLOCK_K)):
             k0 = step * BLOCK_K
-            a = a_desc.load([batch.to(tl.int32), row0, k0]).reshape(BLOCK_M, BLOCK_K)
+            a = a_desc.load([batch.to(tl.int32), offset + row0, k0]).reshape(BLOCK_M, BLOCK_K)
             if B_TRANSPOSED:  # b_desc describes B.mT ([B, n, K], K contiguous)
-                b = b_desc.load([batch.to(tl.int32), col0, k0]).reshape(BLOCK_N, BLOCK_K).trans()
+                b = b_desc.load([batch.to(tl.int32), offset + col0, k0]).reshape(BLOCK_N, BLOCK_K).trans()
             else:
-                b = b_desc.load([batch.to(tl.int32), k0, col0]).reshape(BLOCK_K, BLOCK_N)
+                b = b_desc.load([batch.to(tl.int32), k0, offset + col0]).reshape(BLOCK_K, BLOCK_N)
             acc = _accumulate(a, b, acc, UPCAST_DOT)
     else:
         # Masks (not index clamping) for rows/columns past n: clamped indices would hide the
         # operand's contiguity from the compiler and cost vectorized loads (10× on H200).
-        a_ptrs = (a_ptr + batch * stride_ab + row0.to(tl.int64) * stride_am
+        a_ptrs = (a_ptr + batch * stride_ab + (offset + row0).to(tl.int64) * stride_am
                   + local_m[:, None] * stride_am + local_k[None, :] * stride_ak)
-        b_ptrs = (b_ptr + batch * stride_bb + col0.to(tl.int64) * stride_bn
+        b_ptrs = (b_ptr + batch * stride_bb + (offset + col0).to(tl.int64) * stride_bn
                   + local_k[:, None] * stride_bk + local_n[None, :] * stride_bn)
         a_rows = (row0 + local_m)[:, None] < n
         b_cols = (col0 + local_n)[None, :] < n
@@ -110,47 +142,27 @@ def _one_tile(
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
 
-    rows = row0 + local_m
+    rows = row0 + local_m  # within the block
     cols = col0 + local_n
     acc = acc * alpha
     if HAS_C:
         inside = (rows[:, None] < n) & (cols[None, :] < n)
-        c_ptrs = c_ptr + batch * stride_cb + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+        c_ptrs = (c_ptr + batch * stride_cb + offset.to(tl.int64) * (stride_cm + stride_cn)
+                  + rows[:, None] * stride_cm + cols[None, :] * stride_cn)
         acc += beta * tl.load(c_ptrs, mask=inside, other=0.0).to(tl.float32)
     out = acc.to(d_ptr.dtype.element_ty)
-    d_base = d_ptr + batch * stride_db
+    d_base = d_ptr + batch * stride_db + offset.to(tl.int64) * (stride_dm + stride_dn)
     if TMA_STORE:
         if col0 + BLOCK_N <= row0:
             # Strictly below the diagonal: the whole tile and its transpose, unmasked (TMA clips
-            # rows/columns past n itself).
-            d_desc.store([batch.to(tl.int32), row0, col0], out.reshape(1, BLOCK_M, BLOCK_N))
-            dt_desc.store([batch.to(tl.int32), col0, row0], tl.trans(out).reshape(1, BLOCK_N, BLOCK_M))
+            # rows/columns past D's edge itself; blocks of a split D are whole tiles).
+            d_desc.store([batch.to(tl.int32), offset + row0, offset + col0], out.reshape(1, BLOCK_M, BLOCK_N))
+            dt_desc.store([batch.to(tl.int32), offset + col0, offset + row0],
+                          tl.trans(out).reshape(1, BLOCK_N, BLOCK_M))
         else:
             _masked_store(d_base, out, rows, cols, n, stride_dm, stride_dn)
     else:
         _masked_store(d_base, out, rows, cols, n, stride_dm, stride_dn)
-
-
-@triton.jit
-def _symmetric_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, d_ptr, a_desc, b_desc, d_desc, dt_desc,
-    n, K,
-    stride_ab, stride_am, stride_ak,
-    stride_bb, stride_bk, stride_bn,
-    stride_cb, stride_cm, stride_cn,
-    stride_db, stride_dm, stride_dn,
-    alpha, beta,
-    HAS_C: tl.constexpr, USE_DESCRIPTORS: tl.constexpr, B_TRANSPOSED: tl.constexpr, TMA_STORE: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RATIO: tl.constexpr,
-):
-    # One program per lower-triangle tile (axis 0) and matrix of the batch (axis 1).
-    _one_tile(tl.program_id(0), tl.program_id(1),
-              a_ptr, b_ptr, c_ptr, d_ptr, a_desc, b_desc, d_desc, dt_desc, n, K,
-              stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
-              stride_cb, stride_cm, stride_cn, stride_db, stride_dm, stride_dn, alpha, beta,
-              HAS_C, USE_DESCRIPTORS, B_TRANSPOSED, TMA_STORE, EVEN_K, UPCAST_DOT,
-              BLOCK_M, BLOCK_N, BLOCK_K, RATIO)
 
 
 def lower_tile_count(n: int, block_m: int, block_n: int) -> int:
@@ -192,11 +204,15 @@ def symmetric_matmul_triton(
     alpha: float = 1.0,
     beta: float = 0.0,
     config: Optional[TileConfig] = None,
+    panels: int = 1,
+    out: Optional[Tensor] = None,
 ) -> Tensor:
     """D = alpha·a·b + beta·c with only the lower-triangle tiles computed (D must be symmetric).
 
     a: [B, n, k] or [n, k]; b: [B, k, n] or [k, n] (any strides); c: [B, n, n] or [n, n], or None.
     config: tile config; None picks one from configs.py for this device and n.
+    panels > 1: compute only the panels diagonal blocks of size n/panels (each symmetric) into
+    out, leaving the rest of out untouched (kernels/split.py fills it with dense products).
     """
     squeeze = a.dim() == 2
     a3, b3 = _as_batched("a", a), _as_batched("b", b)
@@ -209,15 +225,24 @@ def symmetric_matmul_triton(
     c3 = _as_batched("c", c) if has_c else None
     if has_c and c3.shape != (batch, n, n):
         raise ValueError(f"c must have shape {(batch, n, n)}, got {tuple(c3.shape)}")
-    out = torch.empty((batch, n, n), dtype=a3.dtype, device=a3.device)
+    if panels < 1 or n % panels:
+        raise ValueError(f"panels must divide n = {n}, got {panels}")
+    if panels > 1 and out is None:
+        raise ValueError("panels > 1 fills only the diagonal blocks: pass the output tensor as out")
+    if out is None:
+        out = torch.empty((n, n) if squeeze else (batch, n, n), dtype=a3.dtype, device=a3.device)
+    elif _as_batched("out", out).shape != (batch, n, n) or out.dtype != a3.dtype:
+        raise ValueError(f"out must be a {a3.dtype} tensor of shape {(batch, n, n)}, got {out.dtype} {tuple(out.shape)}")
+    out3 = _as_batched("out", out)
+    block = n // panels
     if batch == 0 or n == 0:
-        return out[0] if squeeze else out
+        return out
     if k == 0:
-        out.zero_() if not has_c else out.copy_(c3 * beta)
-        return out[0] if squeeze else out
+        out3.zero_() if not has_c else out3.copy_(c3 * beta)
+        return out
     if config is None:
         major = None if a3.device.type != "cuda" else torch.cuda.get_device_capability(a3.device)[0]
-        config = pick_config(n, major)
+        config = pick_config(block, major)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     # TMA only where the operands allow it; the pointer path handles everything else.
     b_transposed = b3.stride(-2) == 1 and b3.stride(-1) != 1
@@ -227,21 +252,24 @@ def symmetric_matmul_triton(
     if use_descriptors:
         a_desc = _descriptor(a3, bm, bk)
         b_desc = _descriptor(b_view, bn, bk) if b_transposed else _descriptor(b_view, bk, bn)
-    use_tma_store = config.tma_store and use_descriptors and _descriptor_ready(out)
+    # Unmasked TMA stores need whole tiles inside each block (TMA clips only at D's edge).
+    use_tma_store = (config.tma_store and use_descriptors and _descriptor_ready(out3)
+                     and (panels == 1 or block % bn == 0))
     d_desc = dt_desc = None
     if use_tma_store:
-        d_desc = _descriptor(out, bm, bn)
-        dt_desc = d_desc if bm == bn else _descriptor(out, bn, bm)
-    c_arg = c3 if has_c else out
-    grid = (lower_tile_count(n, bm, bn), batch)
+        d_desc = _descriptor(out3, bm, bn)
+        dt_desc = d_desc if bm == bn else _descriptor(out3, bn, bm)
+    c_arg = c3 if has_c else out3
+    group = config.group_rows if bm == bn else 1
+    grid = (lower_tile_count(block, bm, bn), batch * panels)
     _symmetric_matmul_kernel[grid](
-        a3, b3, c_arg, out, a_desc, b_desc, d_desc, dt_desc,
-        n, k,
-        *a3.stride(), *b3.stride(), *c_arg.stride(), *out.stride(),
+        a3, b3, c_arg, out3, a_desc, b_desc, d_desc, dt_desc,
+        block, k, panels,
+        *a3.stride(), *b3.stride(), *c_arg.stride(), *out3.stride(),
         float(alpha), float(beta),
         HAS_C=has_c, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=b_transposed, TMA_STORE=use_tma_store,
         EVEN_K=(k % bk == 0), UPCAST_DOT=(_interpreting() and a3.dtype == torch.bfloat16),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RATIO=bn // bm,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RATIO=bn // bm, GROUP=group,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return out[0] if squeeze else out
+    return out
