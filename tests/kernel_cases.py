@@ -79,16 +79,19 @@ def check_symmetric(name, batch, n, k, operand, config, dtype, device="cpu", see
                 finite=bool(torch.isfinite(out).all()), symmetric=bool(torch.equal(out, out.mT)))
 
 
-# (name, param dtype, select rows, decay/step as 0-d tensors)
+# (name, param dtype, select rows, decay/step as 0-d tensors, per-row factors: None, "flat"
+# [N, k] or "column" [N, k, 1])
 POST_UPDATE_CASES = tuple(
-    (f"{str(dtype).split('.')[-1]}_{'rows' if rows else 'all'}_{'tensor' if tensor else 'float'}", dtype, rows, tensor)
+    (f"{str(dtype).split('.')[-1]}_{'rows' if rows else 'all'}_{'tensor' if tensor else 'float'}"
+     f"{'' if scale is None else '_scale_' + scale}", dtype, rows, tensor, scale)
     for dtype in (torch.float32, torch.bfloat16, torch.float16)
     for rows in (True, False)
     for tensor in (False, True)
+    for scale in (None, "flat", "column")
 )
 
 
-def check_post_update(name, dtype, select_rows, scalar_tensors, device="cpu", seed=0, R=13, C=600):
+def check_post_update(name, dtype, select_rows, scalar_tensors, scale_layout=None, device="cpu", seed=0, R=13, C=600):
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -104,20 +107,28 @@ def check_post_update(name, dtype, select_rows, scalar_tensors, device="cpu", se
     rows = torch.stack([torch.randperm(R, generator=generator)[:k] for _ in range(total)]).to(device) if select_rows else None
     decay, step = 0.9, 0.05
     as_arg = (lambda v: torch.tensor(v, device=device)) if scalar_tensors else (lambda v: v)
-    post_update_triton(params, update, rows, as_arg(decay), as_arg(step))
+    # positive factors spread over [0.1, 4), like NorMuon's; exact in float32 and float64
+    factors = (0.1 + 3.9 * torch.rand(total, k, generator=generator)).float()
+    row_scale = {None: None, "flat": factors, "column": factors.unsqueeze(-1)}[scale_layout]
+    post_update_triton(params, update, rows, as_arg(decay), as_arg(step),
+                       None if row_scale is None else row_scale.to(device))
     # float64 expectation, matrix by matrix
     expected = torch.cat(before).mul(decay)
     magnitude = expected.abs()  # size of the terms, for the fp32 arithmetic's own error
     upd = update.double().cpu()
+    row_factor = factors.double() if row_scale is not None else torch.ones(total, k, dtype=torch.float64)
     for m in range(total):
         selected = range(R) if rows is None else rows[m].tolist()
         for position, row in enumerate(selected):
-            expected[m, row] -= step * upd[m, position]
-            magnitude[m, row] += step * upd[m, position].abs()
+            change = step * row_factor[m, position].item() * upd[m, position]
+            expected[m, row] -= change
+            magnitude[m, row] += change.abs()
     got = torch.cat([p.double().cpu() for p in params])
     # One rounding to the dtype (within one ulp: the interpreter truncates bf16) on top of a
-    # few fp32 roundings of the terms (decay and step are fp32 in the kernel).
-    bound = expected.abs() * ULP[dtype] + magnitude * 4 * 2.0 ** -24 + 1e-30
+    # few fp32 roundings of the terms (decay and step are fp32 in the kernel; the factor adds
+    # one product).
+    roundings = 4 if row_scale is None else 5
+    bound = expected.abs() * ULP[dtype] + magnitude * roundings * 2.0 ** -24 + 1e-30
     worst = float(((got - expected).abs() / bound).max())
     return dict(kind="post_update", case=name, dtype=str(dtype), ulps=worst, ok=worst <= 1.0)
 

@@ -49,7 +49,7 @@ def test_interpreted_symmetric_matmul_matches_float64(interpreted_results):
 
 def test_interpreted_post_update_rounds_once(interpreted_results):
     cases = _results_of(interpreted_results, "post_update")
-    assert len(cases) == 12
+    assert len(cases) == 36  # 3 dtypes × rows/all × float/tensor scalars × no/[N,k]/[N,k,1] row factors
     for r in cases:
         # within one ulp of the float64 result (the interpreter truncates to bf16)
         assert r["ok"], r
@@ -69,16 +69,28 @@ def test_cpu_dispatch_uses_reference():
     assert not kernels.symmetric_kernels_available("cpu", 4096)
 
 
-def test_cpu_dispatch_post_update_float64_math():
+@pytest.mark.parametrize("scaled", [False, True])
+def test_cpu_dispatch_post_update_float64_math(scaled):
     p = torch.randn(2, 6, 5)
     before = p.double().clone()
     update = torch.randn(2, 3, 5)
     rows = torch.tensor([[0, 2, 5], [1, 3, 4]])
-    kernels.post_update([p], update, rows, 0.5, 0.25)
+    factors = torch.rand(2, 3) + 0.5
+    kernels.post_update([p], update, rows, 0.5, 0.25, row_scale=factors.unsqueeze(-1) if scaled else None)
     expected = before * 0.5
     for m in range(2):
-        expected[m, rows[m]] -= 0.25 * update[m].double()
+        for position, row in enumerate(rows[m].tolist()):
+            factor = factors[m, position].item() if scaled else 1.0
+            expected[m, row] -= 0.25 * factor * update[m, position].double()
     assert torch.allclose(p.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_post_update_rejects_misshapen_row_scale():
+    p = torch.randn(2, 6, 5)
+    before = p.clone()
+    with pytest.raises(ValueError, match="row_scale must have shape"):
+        kernels.post_update([p], torch.randn(2, 6, 5), None, 0.5, 0.25, row_scale=torch.ones(2, 5))
+    assert torch.equal(p, before)
 
 
 def test_switch_toggles_and_env_variable_disables():

@@ -106,6 +106,22 @@ def test_normalize_rows_against_reference():
     assert torch.equal(ortho, before[0]) and torch.equal(variance, before[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_row_normalization_factors_reproduce_reference(dtype):
+    ortho = (exact_polar(torch.randn(3, 6, 10, dtype=torch.float64)) * torch.rand(3, 6, 1, dtype=torch.float64)).to(dtype)
+    variance = torch.rand(3, 6, 1, dtype=torch.float32) * 0.1
+    before = (ortho.clone(), variance.clone())
+    row_scale, new_v = rules.row_normalization(ortho, variance, beta2=0.9, epsilon=1e-8)
+    assert row_scale.shape == (3, 6, 1) and row_scale.dtype == torch.promote_types(dtype, torch.float32)
+    assert new_v.dtype == variance.dtype
+    for b in range(3):
+        # the reference sees the same (rounded) O, in float64
+        exp, exp_v = normuon_normalize(ortho[b].double(), variance[b].double(), 0.9, 1e-8)
+        torch.testing.assert_close(row_scale[b].double() * ortho[b].double(), exp, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(new_v[b].double(), exp_v, rtol=1e-5, atol=1e-9)
+    assert torch.equal(ortho, before[0]) and torch.equal(variance, before[1])
+
+
 def test_normalize_rows_of_zero_is_zero():
     got, new_v = rules.normalize_rows(torch.zeros(2, 3, 4), torch.zeros(2, 3, 1), 0.95, 1e-8)
     assert torch.equal(got, torch.zeros(2, 3, 4)) and torch.equal(new_v, torch.zeros(2, 3, 1))
@@ -113,21 +129,45 @@ def test_normalize_rows_of_zero_is_zero():
 
 @pytest.mark.parametrize("with_rows", [False, True])
 @pytest.mark.parametrize("lr_as_tensor", [False, True])
-def test_apply_update_decays_every_entry(with_rows, lr_as_tensor):
+@pytest.mark.parametrize("with_row_scale", [False, True])
+def test_apply_update_decays_every_entry(with_rows, lr_as_tensor, with_row_scale):
     lr, wd, scale = 0.1, 0.5, 2.0
     params = [torch.randn(1, 6, 4, dtype=torch.float64), torch.randn(2, 6, 4, dtype=torch.float64)]
     before = torch.cat([p.clone() for p in params])
     rows = torch.tensor([[1, 4], [0, 2], [3, 5]]) if with_rows else None
-    update = torch.randn(3, 2 if with_rows else 6, 4, dtype=torch.float64)
-    rules.apply_update(params, update, rows, torch.tensor(lr, dtype=torch.float64) if lr_as_tensor else lr, wd, scale)
+    k = 2 if with_rows else 6
+    update = torch.randn(3, k, 4, dtype=torch.float64)
+    factors = torch.rand(3, k, 1, dtype=torch.float64) + 0.5 if with_row_scale else None
+    lr_arg = torch.tensor(lr, dtype=torch.float64) if lr_as_tensor else lr
+    rules.apply_update(params, update, rows, lr_arg, wd, scale, row_scale=factors)
     expected = before * (1 - lr * wd)
     for b in range(3):
         chosen = rows[b] if with_rows else torch.arange(6)
-        expected[b][chosen] -= lr * scale * update[b]
+        expected[b][chosen] -= lr * scale * update[b] * (factors[b] if with_row_scale else 1.0)
     torch.testing.assert_close(torch.cat(params), expected, rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------- whole optimizer steps
+
+
+@pytest.mark.parametrize("cls", [NorMuon, Dion3])
+def test_single_device_step_writes_no_normalized_copy(exact_orthogonalizer, monkeypatch, cls):
+    """The normalization reaches the parameters as per-row factors of the fused update: the
+    single-device step never materializes the scaled O (one memory pass fewer)."""
+    def no_scaled_copy(*args, **kwargs):
+        raise AssertionError("the single-device step wrote a normalized copy of O")
+
+    monkeypatch.setattr(rules, "scale_cast", no_scaled_copy)
+    p = torch.randn(12, 8, dtype=torch.float64, requires_grad=True)
+    hyper = dict(lr=0.05, mu=0.9, weight_decay=0.1, muon_beta2=0.8, adjust_lr="spectral_norm")
+    opt = cls([p], **hyper)
+    ref = ReferenceOptimizer([p], "normuon" if cls is NorMuon else "dion3", **hyper)
+    grad = torch.randn(12, 8, dtype=torch.float64)
+    p.grad = grad.clone()
+    opt.step()
+    ref.step([grad])
+    torch.testing.assert_close(p.detach(), ref.params[0], rtol=2e-6, atol=2e-7)
+
 
 SHAPES = [(8, 24), (24, 8), (16, 16), (3, 6, 12)]  # wide, tall, square, 3-D batch of matrices
 CASES = [

@@ -8,6 +8,8 @@ One rule serves Muon, NorMuon and Dion3; they differ only in its parameters:
 
 The step is split where the distributed layer exchanges data:
     pre_step (momentum, selection, snapshot)  →  orthogonalize  →  normalize_rows  →  apply_update
+On a single device row_normalization replaces normalize_rows: apply_update takes its per-row
+factors, so the normalized copy of O is never written.
 """
 from __future__ import annotations
 
@@ -102,14 +104,14 @@ def orthogonalize_rows(update: Tensor, method: str, coefficients) -> Tensor:
     return orthogonalize(update, method, coefficients, out_dtype=out_dtype)
 
 
-def normalize_rows(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float) -> tuple[Tensor, Tensor]:
-    """NorMuon normalization (fp32) of O [N, k, C] with its rows' second moments V [N, k, 1].
+def row_normalization(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float) -> tuple[Tensor, Tensor]:
+    """NorMuon normalization (fp32) of O [N, k, C] with its rows' second moments V [N, k, 1],
+    as per-row factors s [N, k, 1] with Ô = s·O:
 
     n_i = mean_j O_ij²; V ← β₂V + (1−β₂)n; Ô = O / (√V + ε); Ô ← Ô·‖O‖_F / max(‖Ô‖_F, ε).
-    Returns (Ô in O's dtype, new V in V's dtype) without touching the inputs.
+    Returns (s in float32 or wider, new V in V's dtype) without touching the inputs; O is read
+    once (for its row norms). apply_update takes s directly, so Ô is never materialized.
     """
-    # Everything reduces to per-row factors computed from the row norms, so O is read once
-    # for the norms and once for the final scaling (no full-size temporaries).
     math_dtype = torch.promote_types(ortho.dtype, torch.float32)  # half inputs: no float copy
     row_sq = torch.linalg.vector_norm(ortho, dim=-1, keepdim=True, dtype=math_dtype).square()  # [N, k, 1]
     new_variance = torch.lerp(variance.to(math_dtype), row_sq / ortho.shape[-1], 1.0 - beta2)
@@ -117,8 +119,15 @@ def normalize_rows(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float
     frob = row_sq.sum(dim=-2, keepdim=True).sqrt()  # ‖O‖_F, [N, 1, 1]
     scaled_frob = (row_sq * inverse_rms.square()).sum(dim=-2, keepdim=True).sqrt()  # ‖Ô‖_F before rescale
     row_scale = inverse_rms * (frob / scaled_frob.clamp_min(epsilon))
+    return row_scale, new_variance.to(variance.dtype)
+
+
+def normalize_rows(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float) -> tuple[Tensor, Tensor]:
+    """row_normalization applied: (Ô in O's dtype, new V in V's dtype), for callers that need
+    the scaled rows themselves (the distributed step sends them between ranks)."""
+    row_scale, new_variance = row_normalization(ortho, variance, beta2, epsilon)
     # fp32 math, written straight into O's dtype (no float32 temporary for half O)
-    return scale_cast(ortho, row_scale, ortho.dtype), new_variance.to(variance.dtype)
+    return scale_cast(ortho, row_scale, ortho.dtype), new_variance
 
 
 def apply_update(
@@ -128,10 +137,12 @@ def apply_update(
     lr: Union[float, Tensor],
     weight_decay: float,
     scale: float,
+    row_scale: Optional[Tensor] = None,
 ) -> None:
     """X ← (1 − lr·λ)·X everywhere, then X[rows] ← X[rows] − lr·scale·update, rounded once.
 
-    params: [B_i, R, C] views whose batches concatenate to update's N.
+    params: [B_i, R, C] views whose batches concatenate to update's N. row_scale [N, k, 1]
+    (from row_normalization) multiplies each row of update inside the same pass.
     """
     if isinstance(lr, Tensor) and lr.device != update.device:  # e.g. a CPU lr tensor, CUDA params
         lr = lr.to(update.device)
@@ -139,4 +150,4 @@ def apply_update(
         weight_decay = weight_decay.to(update.device)
     decay = 1.0 - lr * weight_decay
     step = lr * scale
-    post_update(params, update, rows, decay, step)
+    post_update(params, update, rows, decay, step, row_scale)

@@ -89,12 +89,14 @@ def symmetric_matmul(a, b, c=None, alpha: float = 1.0, beta: float = 0.0):
     return symmetric_matmul_reference(a, b, c, alpha, beta)
 
 
-def post_update(params, update, rows, decay, step) -> None:
-    """For each [B_i, R, C] param: param ← decay·param; param[rows] −= step·update (one rounding)."""
-    if _triton_ready(update.device) and _post_update_kernel.fused_update_supported(params, update):
-        _post_update_kernel.post_update_triton(params, update, rows, decay, step)
+def post_update(params, update, rows, decay, step, row_scale=None) -> None:
+    """For each [B_i, R, C] param: param ← decay·param; param[rows] −= step·update (one rounding).
+    row_scale ([N, k] or [N, k, 1], float32): a factor per row of update, so row i changes by
+    step·row_scale[i]·update[i] without a scaled copy of update (NorMuon's normalization)."""
+    if _triton_ready(update.device) and _post_update_kernel.fused_update_supported(params, update, row_scale):
+        _post_update_kernel.post_update_triton(params, update, rows, decay, step, row_scale)
     else:
-        post_update_reference(params, update, rows, decay, step)
+        post_update_reference(params, update, rows, decay, step, row_scale)
 
 
 def accumulate_momentum(momentum, grads, decay: float, scores: bool):

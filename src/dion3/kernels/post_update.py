@@ -1,4 +1,5 @@
-"""Triton fused post-update: param ← decay·param; param[rows] ← decay·param[rows] − step·update.
+"""Triton fused post-update: param ← decay·param; param[rows] ← decay·param[rows] − step·s·update,
+with s an optional per-row factor of update (NorMuon's normalization folded in: O is read once).
 
 One launch covers every matrix of a bucket: a table of data pointers (one int64 per matrix,
 cached per set of parameters) replaces a Python loop over parameters. Each element is read
@@ -13,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from .reference import row_scale_column
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_ROWS = 4
@@ -32,9 +35,10 @@ def _scalar(value, IS_POINTER: tl.constexpr):
 
 @triton.jit
 def _post_update_kernel(
-    pointer_table, dtype_probe, update_ptr, position_ptr, decay, step,
+    pointer_table, dtype_probe, update_ptr, position_ptr, scale_ptr, decay, step,
     R, C, k,
-    HAS_ROWS: tl.constexpr, DECAY_IS_POINTER: tl.constexpr, STEP_IS_POINTER: tl.constexpr,
+    HAS_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    DECAY_IS_POINTER: tl.constexpr, STEP_IS_POINTER: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     matrix = tl.program_id(0).to(tl.int64)
@@ -47,13 +51,19 @@ def _post_update_kernel(
     value = value * _scalar(decay, DECAY_IS_POINTER)
     if HAS_ROWS:  # position of each row in update, −1 for rows not selected
         position = tl.load(position_ptr + matrix * R + rows, mask=rows < R, other=-1)
-        selected = inside & (position[:, None] >= 0)
-        update_offsets = (matrix * k + position[:, None]) * C + cols[None, :]
+        row_selected = position >= 0
+        update_row = matrix * k + position
     else:
-        selected = inside
-        update_offsets = (matrix * R + rows[:, None]) * C + cols[None, :]
-    change = tl.load(update_ptr + update_offsets, mask=selected, other=0.0).to(tl.float32)
-    value = value - _scalar(step, STEP_IS_POINTER) * change
+        row_selected = rows < R
+        update_row = matrix * R + rows
+    selected = inside & row_selected[:, None]
+    change = tl.load(update_ptr + update_row[:, None] * C + cols[None, :], mask=selected, other=0.0).to(tl.float32)
+    step_value = _scalar(step, STEP_IS_POINTER)
+    if HAS_SCALE:  # one factor per row, loaded once per row and folded into the step
+        factor = tl.load(scale_ptr + update_row, mask=row_selected, other=0.0).to(tl.float32)
+        value = value - (step_value * factor)[:, None] * change
+    else:
+        value = value - step_value * change
     tl.store(param + offsets, value.to(dtype_probe.dtype.element_ty), mask=inside)
 
 
@@ -70,9 +80,12 @@ def _pointer_table(params: Sequence[Tensor], device: torch.device) -> Tensor:
     return table
 
 
-def fused_update_supported(params: Sequence[Tensor], update: Tensor) -> bool:
-    """Whether the kernel handles these inputs: one dtype, same [R, C], each matrix contiguous."""
+def fused_update_supported(params: Sequence[Tensor], update: Tensor, row_scale: Optional[Tensor] = None) -> bool:
+    """Whether the kernel handles these inputs: one dtype, same [R, C], each matrix contiguous,
+    float32 row factors (if any) on update's device."""
     if not params:
+        return False
+    if row_scale is not None and (row_scale.dtype != torch.float32 or row_scale.device != update.device):
         return False
     first = params[0]
     if first.dtype not in SUPPORTED_DTYPES or first.dim() != 3:
@@ -91,15 +104,21 @@ def post_update_triton(
     rows: Optional[Tensor],
     decay: Union[Tensor, float],
     step: Union[Tensor, float],
+    row_scale: Optional[Tensor] = None,
 ) -> None:
     """In place, as post_update_reference, in one launch (see fused_update_supported)."""
-    if not fused_update_supported(params, update):
-        raise ValueError("post_update_triton needs same-dtype, same-shape params with contiguous matrices")
+    if not fused_update_supported(params, update, row_scale):
+        raise ValueError(
+            "post_update_triton needs same-dtype, same-shape params with contiguous matrices "
+            "and float32 row_scale on update's device"
+        )
     _, R, C = params[0].shape
     total = sum(p.shape[0] for p in params)
     k = R if rows is None else rows.shape[1]
     if update.shape != (total, k, C):
         raise ValueError(f"update must have shape {(total, k, C)}, got {tuple(update.shape)}")
+    # [N·k] factors in update's row order (a view when row_scale is contiguous); placeholder if None
+    scale = update if row_scale is None else row_scale_column(row_scale, update).reshape(-1).contiguous()
     if total == 0 or R == 0 or C == 0:
         return
     position = update  # placeholder pointer when rows is None
@@ -114,9 +133,10 @@ def post_update_triton(
     step_is_pointer = isinstance(step, Tensor)
     grid = (total, triton.cdiv(R, BLOCK_ROWS), triton.cdiv(C, BLOCK_COLS))
     _post_update_kernel[grid](
-        _pointer_table(params, update.device), params[0], update, position,
+        _pointer_table(params, update.device), params[0], update, position, scale,
         decay if decay_is_pointer else float(decay), step if step_is_pointer else float(step),
         R, C, k,
-        HAS_ROWS=rows is not None, DECAY_IS_POINTER=decay_is_pointer, STEP_IS_POINTER=step_is_pointer,
+        HAS_ROWS=rows is not None, HAS_SCALE=row_scale is not None,
+        DECAY_IS_POINTER=decay_is_pointer, STEP_IS_POINTER=step_is_pointer,
         BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4,
     )

@@ -20,28 +20,47 @@ def symmetric_matmul_reference(
     )
 
 
+def row_scale_column(row_scale: Optional[Tensor], update: Tensor) -> Optional[Tensor]:
+    """row_scale ([N, k] or [N, k, 1]) as an [N, k, 1] column matching update [N, k, C]."""
+    if row_scale is None:
+        return None
+    if tuple(row_scale.shape) not in (tuple(update.shape[:2]), tuple(update.shape[:2]) + (1,)):
+        raise ValueError(
+            f"row_scale must have shape {tuple(update.shape[:2])} or {tuple(update.shape[:2]) + (1,)} "
+            f"(one factor per row of update), got {tuple(row_scale.shape)}"
+        )
+    if not row_scale.is_floating_point():
+        raise ValueError(f"row_scale must be a floating-point tensor, got {row_scale.dtype}")
+    return row_scale.reshape(*update.shape[:2], 1)
+
+
 def post_update_reference(
     params: Sequence[Tensor],
     update: Tensor,
     rows: Optional[Tensor],
     decay: Union[Tensor, float],
     step: Union[Tensor, float],
+    row_scale: Optional[Tensor] = None,
 ) -> None:
     """In place, for each param [B_i, R, C] and its slice of update [N, k, C] / rows [N, k]:
     param ← decay·param, then param[rows] ← param[rows] − step·update (k = R when rows is None).
+    With row_scale ([N, k] or [N, k, 1], one factor per row of update) the change of row i is
+    step·row_scale[i]·update[i] (NorMuon's normalization, without a scaled copy of update).
     Computed in float32 and rounded once to the param's dtype.
     """
+    row_scale = row_scale_column(row_scale, update)
     offset = 0
     for param in params:
         count = param.shape[0]
         compute = torch.promote_types(param.dtype, torch.float32)  # float64 params stay float64
         piece = update[offset : offset + count].to(compute)
         work = param.to(compute).mul_(decay)  # a copy for low-precision params; in place otherwise
+        coefficient = step if row_scale is None else row_scale[offset : offset + count].to(compute) * step
         if rows is None:
-            work.sub_(piece * step)
+            work.sub_(piece * coefficient)
         else:
             index = rows[offset : offset + count].unsqueeze(-1).expand(-1, -1, param.shape[-1])
-            work.scatter_(1, index, work.gather(1, index) - piece * step)
+            work.scatter_(1, index, work.gather(1, index) - piece * coefficient)
         if work.data_ptr() != param.data_ptr():
             param.copy_(work)
         offset += count

@@ -252,23 +252,26 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         variance = None
         if cfg.normalize:
             variance = bucket.variance if rows is None else rules.gather_rows(bucket.variance, rows)
-        ortho, variance = self._orthogonalize(update, variance, cfg, group)
+        ortho, row_scale, variance = self._orthogonalize(update, variance, cfg, group)
         if variance is not None:
             if rows is None:
                 bucket.variance.copy_(variance)
             else:
                 rules.scatter_rows(bucket.variance, rows, variance)
         scale = rules.lr_scale(group["adjust_lr"], *bucket.shape)
-        rules.apply_update(bucket.views, ortho, rows, group["lr"], group["weight_decay"], scale)
+        rules.apply_update(bucket.views, ortho, rows, group["lr"], group["weight_decay"], scale, row_scale)
 
     def _orthogonalize(
         self, update: Tensor, variance: Optional[Tensor], cfg: rules.RuleConfig, group: dict
-    ) -> tuple[Tensor, Optional[Tensor]]:
-        """Orthogonalize U [N, k, cols] and, for NorMuon/Dion3, normalize its rows."""
+    ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """O = Orth(U) for U [N, k, cols] and, for NorMuon/Dion3, its per-row normalization
+        factors and new variance: (O, row_scale or None, variance or None). The factors are
+        applied inside the fused post-update, so no normalized copy of O is written."""
         ortho = rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"])
         if variance is None:
-            return ortho, None
-        return rules.normalize_rows(ortho, variance, cfg.beta2, cfg.epsilon)
+            return ortho, None, None
+        row_scale, variance = rules.row_normalization(ortho, variance, cfg.beta2, cfg.epsilon)
+        return ortho, row_scale, variance
 
     @staticmethod
     def _offsets(bucket: Bucket) -> list[int]:
