@@ -25,8 +25,10 @@ from dataclasses import asdict
 
 import torch
 
-from dion3.kernels.configs import TileConfig
+from dion3.kernels.configs import TileConfig, with_overrides
+from dion3.kernels.split import split_symmetric_matmul
 from dion3.kernels.symmetric_matmul import symmetric_matmul_triton
+from dion3.kernels.transpose import transpose_into_triton
 
 STARTED = time.time()
 BUDGET_S = 290
@@ -42,11 +44,17 @@ def _cfg(bm, bn, stages=3, **flags):
 # The first run (2026-11-29, commit 3f8ebe1) also swept persistent launches (one program per SM
 # looping over the tiles; with flatten and warp_specialize): no gain, flatten failed to compile on
 # Triton 3.6, so that code was removed. Results: benchmarks/results/kernels-h200-2026-11-29.md.
-VARIANTS = {
-    "base": _cfg(128, 128),  # the table's config before kernel-perf
-    "store": _cfg(128, 128, tma_store=True),  # the table's config after
-    "wide": _cfg(128, 256),
-    "wide_st": _cfg(128, 256, tma_store=True),
+# Second run: banded tile order (group_rows) and split products (kernels/split.py: dense
+# off-diagonal block on cuBLAS, the two diagonal blocks on the kernel with this config).
+STORE = _cfg(128, 128, tma_store=True)
+VARIANTS = {  # name: (diagonal/whole-product config, split)
+    "store": (STORE, False),  # the table's config before this run
+    "band4": (with_overrides(STORE, group_rows=4), False),
+    "band8": (with_overrides(STORE, group_rows=8), False),
+    "band16": (with_overrides(STORE, group_rows=16), False),
+    "wide_st": (_cfg(128, 256, tma_store=True), False),
+    "split": (STORE, True),
+    "split_b8": (with_overrides(STORE, group_rows=8), True),
 }
 # (label, batch, n, k, product, dtype): "gram" is A·Aᵀ (b = a.mT); "square" is 0.9·R·R − 1.7·R.
 TIMED_SHAPES = (
@@ -58,6 +66,8 @@ TIMED_SHAPES = (
     ("AAt 64x3584x4096", 64, 3584, 4096, "gram", torch.bfloat16),
     ("RR+R 64x3584 f16", 64, 3584, 3584, "square", torch.float16),
     ("AAt 32x4096x14336", 32, 4096, 14336, "gram", torch.bfloat16),
+    ("AAt 32x1024x14336", 32, 1024, 14336, "gram", torch.bfloat16),
+    ("RR+R 64x4096 f16", 64, 4096, 4096, "square", torch.float16),
 )
 # (batch, n, k, product): odd sizes (777: no TMA; 1000: TMA with clipped edge tiles), batches
 # that make persistent programs cross matrices, contiguous B, alpha/beta·C.
@@ -97,13 +107,25 @@ def reference_product(a, b, c, alpha, beta, index):
     return exact if c is None else exact + beta * c[index].double()
 
 
-def run_ours(config, a, b, c, alpha, beta):
+def variant_product(name, a, b, c, alpha, beta):
+    """Variant `name`'s D = alpha·a·b + beta·c (split variants need an even n; odd n runs whole)."""
+    config, split = VARIANTS[name]
+    if not split or a.shape[1] % 2:
+        return symmetric_matmul_triton(a, b, c, alpha, beta, config=config)
+
+    def diagonal(a, b, c, alpha, beta, out, panels):
+        symmetric_matmul_triton(a, b, c, alpha, beta, config=config, panels=panels, out=out)
+
+    return split_symmetric_matmul(a, b, c, alpha, beta, diagonal, transpose_into_triton)
+
+
+def run_ours(name, a, b, c, alpha, beta):
     """Poison the allocator's next block of the output's size with NaN first, so that an element
     the kernel fails to write shows up as NaN."""
     batch, n = a.shape[0], a.shape[1]
     poison = torch.full((batch, n, n), float("nan"), dtype=a.dtype, device=a.device)
     del poison
-    return symmetric_matmul_triton(a, b, c, alpha, beta, config=config)
+    return variant_product(name, a, b, c, alpha, beta)
 
 
 def compare(out, a, b, c, alpha, beta, index):
@@ -118,7 +140,6 @@ def compare(out, a, b, c, alpha, beta, index):
 def check_variant(name, device, dry):
     """Phase 1 (one worker process per variant): correctness on CHECK_SHAPES, compile warm-up
     on small-batch versions of the timed shapes."""
-    config = VARIANTS[name]
     results, failures = [], []
     try:
         seed = 1
@@ -126,7 +147,7 @@ def check_variant(name, device, dry):
             for dtype in (torch.float16, torch.bfloat16):
                 seed += 1
                 a, b, c, alpha, beta = operands(batch, n, k, product, dtype, device, seed)
-                out = run_ours(config, a, b, c, alpha, beta)
+                out = run_ours(name, a, b, c, alpha, beta)
                 ok, err, blas_err = compare(out, a, b, c, alpha, beta, slice(None))
                 results.append(dict(shape=[batch, n, k, product, str(dtype)], ok=ok, err=err, cublas_err=blas_err))
                 if not ok:
@@ -134,7 +155,7 @@ def check_variant(name, device, dry):
         for _, batch, n, k, product, dtype in (DRY_TIMED if dry else TIMED_SHAPES):
             seed += 1
             a, b, c, alpha, beta = operands(min(batch, 2), n, k, product, dtype, device, seed)
-            ok, err, blas_err = compare(run_ours(config, a, b, c, alpha, beta), a, b, c, alpha, beta, slice(None))
+            ok, err, blas_err = compare(run_ours(name, a, b, c, alpha, beta), a, b, c, alpha, beta, slice(None))
             if not ok:
                 failures.append(dict(shape=[min(batch, 2), n, k, product, str(dtype)], err=err, cublas_err=blas_err))
         return dict(variant=name, checks=len(results), failures=failures, ok=not failures)
@@ -167,10 +188,10 @@ def time_shapes(usable, device, dry):
         ends = [0, batch - 1]
         for name in usable:
             try:
-                out = run_ours(VARIANTS[name], a, b, c, alpha, beta)
+                out = run_ours(name, a, b, c, alpha, beta)
                 ok, err, blas_err = compare(out, a, b, c, alpha, beta, ends)
                 del out
-                ms = median_ms(lambda: symmetric_matmul_triton(a, b, c, alpha, beta, config=VARIANTS[name]), dry)
+                ms = median_ms(lambda: variant_product(name, a, b, c, alpha, beta), dry)
                 row["variants"][name] = dict(ms=ms, ok=ok, err=err, cublas_err=blas_err,
                                              speedup=row["cublas_ms"] / ms, eff_tflops=flops / ms / 1e9)
             except Exception as error:
@@ -185,9 +206,9 @@ def time_shapes(usable, device, dry):
 
 def table(checks, rows):
     names = list(VARIANTS)
-    lines = ["variants: " + "; ".join(f"{n}={VARIANTS[n].block_m}x{VARIANTS[n].block_n} s{VARIANTS[n].num_stages}"
-                                      f"{' st' if VARIANTS[n].tma_store else ''}"
-                                      for n in names)]
+    lines = ["variants: " + "; ".join(f"{n}={cfg.block_m}x{cfg.block_n} s{cfg.num_stages} g{cfg.group_rows}"
+                                      f"{' st' if cfg.tma_store else ''}{' split' if split else ''}"
+                                      for n, (cfg, split) in VARIANTS.items())]
     lines.append("checks: " + "  ".join(f"{c['variant']}={'ok' if c['ok'] else 'FAIL'}" for c in checks))
     for c in checks:
         if not c["ok"]:
@@ -257,7 +278,7 @@ def main():
     rows = time_shapes(usable, device, args.dry)
     with open(os.path.join(out_dir, "sweep.json"), "w") as f:
         json.dump(dict(env=env, checks=checks, rows=rows, pytest=pytest_tail,
-                       variants={n: asdict(VARIANTS[n]) for n in names}), f, indent=1)
+                       variants={n: dict(asdict(VARIANTS[n][0]), split=VARIANTS[n][1]) for n in names}), f, indent=1)
     print(json.dumps(env))
     print(f"pytest tests/test_kernels.py: {pytest_tail}")
     print(table(checks, rows))

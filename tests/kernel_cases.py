@@ -15,7 +15,9 @@ import torch
 
 from dion3.kernels.configs import TileConfig
 from dion3.kernels.post_update import post_update_triton
+from dion3.kernels.split import split_symmetric_matmul
 from dion3.kernels.symmetric_matmul import lower_tile_count, symmetric_matmul_triton
+from dion3.kernels.transpose import transpose_into_triton
 
 # Relative error bound for a fp32-accumulated product rounded to the dtype (one ulp of the
 # largest entry, generous for the accumulation).
@@ -30,6 +32,10 @@ TMA = TileConfig(16, 32, 16, num_warps=4, num_stages=2, descriptors=True)
 # tile, so TMA clips the edge tiles.
 TMA_STORE = TileConfig(16, 16, 16, num_warps=4, num_stages=2, descriptors=True, tma_store=True)
 TMA_STORE_WIDE = TileConfig(16, 32, 16, num_warps=4, num_stages=2, descriptors=True, tma_store=True)
+# Banded launch order: 150/16 → 10 row blocks, bands of 3 leave a band of 1; bands of 4 with
+# TMA stores on 72 → 5 row blocks (bands 4 + 1).
+BANDED = TileConfig(16, 16, 16, num_warps=4, num_stages=2, group_rows=3)
+BANDED_TMA = TileConfig(16, 16, 16, num_warps=4, num_stages=2, descriptors=True, tma_store=True, group_rows=4)
 
 # (name, batch (None: 2-D), n, k, operand, config): operand "view" is b = a.mT, "contig" is
 # b = a.mT.contiguous(), "square" is 0.7·R·R − 1.3·R with R symmetric, "gram_c" is
@@ -46,6 +52,14 @@ SYMMETRIC_CASES = (
     ("descriptors_square", 2, 48, 48, "square", TMA),
     ("tma_store_batched", 3, 72, 40, "view", TMA_STORE),
     ("tma_store_wide_gram_c", 2, 72, 56, "gram_c", TMA_STORE_WIDE),
+    ("banded_order", 1, 150, 24, "view", BANDED),
+    ("banded_tma_square", 2, 72, 72, "square", BANDED_TMA),
+)
+# (name, batch, n, k, operand, panels, config): only the diagonal blocks are computed.
+PANEL_CASES = (
+    ("panels_2_pointer", 2, 64, 40, "view", 2, SMALL),
+    ("panels_3_odd_block", 1, 3 * 23, 24, "gram_c", 3, SMALL),  # blocks not a tile multiple
+    ("panels_2_tma_store", 2, 96, 32, "square", 2, TMA_STORE),
 )
 
 
@@ -77,6 +91,57 @@ def check_symmetric(name, batch, n, k, operand, config, dtype, device="cpu", see
     return dict(kind="symmetric", case=name, dtype=str(dtype), error=error, tol=PRODUCT_TOL[dtype],
                 shape_ok=tuple(out.shape) == tuple(exact.shape), dtype_ok=out.dtype == dtype,
                 finite=bool(torch.isfinite(out).all()), symmetric=bool(torch.equal(out, out.mT)))
+
+
+def check_panels(name, batch, n, k, operand, panels, config, dtype, device="cpu", seed=0):
+    """Diagonal blocks only: they match float64, and the rest of out keeps its NaN poison."""
+    generator = torch.Generator().manual_seed(seed)
+    a, b, c, alpha, beta = _symmetric_operands(batch, n, k, operand, dtype, device, generator)
+    out = torch.full((batch, n, n), float("nan"), dtype=dtype, device=device)
+    symmetric_matmul_triton(a, b, c, alpha, beta, config=config, panels=panels, out=out)
+    exact = float64_product(a, b, c, alpha, beta)
+    size = n // panels
+    on_diagonal = torch.zeros(n, n, dtype=torch.bool)
+    for p in range(panels):
+        on_diagonal[p * size:(p + 1) * size, p * size:(p + 1) * size] = True
+    got = out.double().cpu()
+    error = float((got[:, on_diagonal] - exact[:, on_diagonal]).abs().max() / exact.abs().max())
+    return dict(kind="panels", case=name, dtype=str(dtype), error=error, tol=PRODUCT_TOL[dtype],
+                untouched=bool(got[:, ~on_diagonal].isnan().all()),
+                finite=bool(torch.isfinite(got[:, on_diagonal]).all()),
+                symmetric=bool(torch.equal(got[:, on_diagonal], got.mT[:, on_diagonal])))
+
+
+# (name, batch, n, k, operand, diagonal-block config): split products on the Triton pieces.
+SPLIT_CASES = (
+    ("split_gram", 2, 64, 40, "view", SMALL),
+    ("split_gram_c_tma", 1, 96, 32, "gram_c", TMA_STORE),
+    ("split_square", 2, 70, 70, "square", SMALL),
+)
+
+
+def check_split(name, batch, n, k, operand, config, dtype, device="cpu", seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    a, b, c, alpha, beta = _symmetric_operands(batch, n, k, operand, dtype, device, generator)
+
+    def diagonal(a, b, c, alpha, beta, out, panels):
+        symmetric_matmul_triton(a, b, c, alpha, beta, config=config, panels=panels, out=out)
+
+    out = split_symmetric_matmul(a, b, c, alpha, beta, diagonal, transpose_into_triton)
+    exact = float64_product(a, b, c, alpha, beta)
+    error = float((out.double().cpu() - exact).abs().max() / exact.abs().max())
+    return dict(kind="split", case=name, dtype=str(dtype), error=error, tol=PRODUCT_TOL[dtype],
+                finite=bool(torch.isfinite(out).all()), symmetric=bool(torch.equal(out, out.mT)))
+
+
+def check_transpose(device="cpu") -> dict:
+    """Strided views of odd sizes (not tile multiples) against torch's own transpose."""
+    generator = torch.Generator().manual_seed(3)
+    base = torch.randn(3, 150, 200, generator=generator).to(device=device, dtype=torch.bfloat16)
+    src = base[:, 5:135, 7:77]  # [3, 130, 70], row stride 200
+    dst = torch.zeros(3, 90, 140, dtype=torch.bfloat16, device=device)[:, 10:80, 3:133]  # [3, 70, 130]
+    transpose_into_triton(dst, src)
+    return dict(kind="transpose", case="strided_odd", ok=bool(torch.equal(dst.cpu(), src.mT.cpu())))
 
 
 # (name, param dtype, select rows, decay/step as 0-d tensors, per-row factors: None, "flat"
@@ -146,6 +211,11 @@ def tile_count_matches_brute_force() -> bool:
 def run_all(device="cpu") -> list[dict]:
     results = [check_symmetric(*case, dtype=dtype, device=device)
                for case in SYMMETRIC_CASES for dtype in (torch.float16, torch.bfloat16)]
+    results += [check_panels(*case, dtype=dtype, device=device)
+                for case in PANEL_CASES for dtype in (torch.float16, torch.bfloat16)]
+    results += [check_split(*case, dtype=dtype, device=device)
+                for case in SPLIT_CASES for dtype in (torch.float16, torch.bfloat16)]
+    results.append(check_transpose(device))
     results += [check_post_update(*case, device=device) for case in POST_UPDATE_CASES]
     results.append(dict(kind="tiles", case="lower_tile_count", ok=tile_count_matches_brute_force()))
     return results

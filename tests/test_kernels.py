@@ -40,11 +40,54 @@ def _results_of(results, kind):
 
 def test_interpreted_symmetric_matmul_matches_float64(interpreted_results):
     cases = _results_of(interpreted_results, "symmetric")
-    assert len(cases) == 22  # 11 shapes × fp16, bf16
+    assert len(cases) == 26  # 13 shapes × fp16, bf16
     for r in cases:
         assert r["shape_ok"] and r["dtype_ok"] and r["finite"], r
         assert r["symmetric"], f"output not exactly symmetric: {r}"
         assert r["error"] <= r["tol"], r
+
+
+def test_interpreted_diagonal_panels_fill_only_their_blocks(interpreted_results):
+    cases = _results_of(interpreted_results, "panels")
+    assert len(cases) == 6  # 3 shapes × fp16, bf16
+    for r in cases:
+        assert r["untouched"], f"wrote outside the diagonal blocks: {r}"
+        assert r["finite"] and r["symmetric"], r
+        assert r["error"] <= r["tol"], r
+
+
+def test_interpreted_split_product_matches_float64(interpreted_results):
+    cases = _results_of(interpreted_results, "split")
+    assert len(cases) == 6  # 3 shapes × fp16, bf16
+    for r in cases:
+        assert r["finite"] and r["symmetric"], r
+        assert r["error"] <= r["tol"], r
+
+
+def test_interpreted_transpose_copy_is_exact(interpreted_results):
+    assert interpreted_results[("transpose", "strided_odd", None)]["ok"]
+
+
+@pytest.mark.parametrize("batch,n,k,operand", [(1, 6, 5, "gram"), (3, 10, 7, "gram_c"), (2, 8, 8, "square")])
+def test_split_composition_matches_float64(batch, n, k, operand):
+    """The split product's blocks (dense lower-left, mirrored upper-right, diagonal blocks)
+    assemble the whole product: PyTorch pieces here, the Triton pieces in the interpreter run."""
+    from dion3.kernels.split import split_symmetric_matmul
+
+    g = torch.Generator().manual_seed(batch * n)
+    a = torch.randn(batch, n, k, generator=g, dtype=torch.float64)
+    b, c, alpha, beta = a.mT, None, 1.5, 0.0
+    if operand == "gram_c":
+        s = torch.randn(batch, n, n, generator=g, dtype=torch.float64)
+        c, alpha, beta = s + s.mT, 0.5, 2.0
+    elif operand == "square":
+        r = torch.randn(batch, n, n, generator=g, dtype=torch.float64)
+        a = b = c = r + r.mT
+        alpha, beta = 0.7, -1.3
+    exact = alpha * (a @ b) + (0.0 if c is None else beta * c)
+    torch.testing.assert_close(split_symmetric_matmul(a, b, c, alpha, beta), exact, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="even n"):
+        split_symmetric_matmul(a[:, :-1], b[:, :, :-1], None, 1.0, 0.0)
 
 
 def test_interpreted_post_update_rounds_once(interpreted_results):
@@ -126,6 +169,8 @@ def test_gpu_kernel_cases_match_float64():
     for r in kernel_cases.run_all("cuda"):
         if r["kind"] == "symmetric":
             assert r["shape_ok"] and r["finite"] and r["symmetric"] and r["error"] <= r["tol"], r
+        elif r["kind"] in ("panels", "split"):
+            assert r["finite"] and r["symmetric"] and r["error"] <= r["tol"] and r.get("untouched", True), r
         elif r["kind"] == "post_update":
             assert r["ulps"] <= 0.55, r  # round to nearest on hardware: half an ulp (+ fp32 slack)
         else:

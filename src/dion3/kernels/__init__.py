@@ -20,6 +20,7 @@ from .reference import (
     snapshot_rows_reference,
     symmetric_matmul_reference,
 )
+from .split import split_symmetric_matmul
 
 try:  # Triton is optional: CPU-only and non-Linux installs use the reference path.
     from . import post_update as _post_update_kernel
@@ -27,12 +28,21 @@ try:  # Triton is optional: CPU-only and non-Linux installs use the reference pa
 except ImportError:  # pragma: no cover - depends on the install
     _post_update_kernel = _symmetric_kernel = None
 try:
+    from . import transpose as _transpose_kernel
+except ImportError:  # pragma: no cover - depends on the install
+    _transpose_kernel = None
+try:
     from . import momentum as _momentum_kernel
     from . import scale as _scale_kernel
 except ImportError:  # pragma: no cover - depends on the install
     _momentum_kernel = _scale_kernel = None
 
 SYMMETRIC_MIN_N = 1024
+# Split products (kernels/split.py) from this n up, when their diagonal launch fills the GPU
+# SPLIT_MIN_WAVES times over (fewer waves: the last, partial one costs more than the split
+# saves). Both from the H200 sweep (benchmarks/results/kernels-h200-*.md).
+SPLIT_MIN_N = 2048
+SPLIT_MIN_WAVES = 6
 _enabled = os.environ.get("DION3_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
@@ -82,11 +92,36 @@ def _symmetric_worth_it(a) -> bool:
     )
 
 
-def symmetric_matmul(a, b, c=None, alpha: float = 1.0, beta: float = 0.0):
-    """D = alpha·a·b + beta·c where the caller promises D is symmetric."""
-    if _symmetric_worth_it(a) and b.dtype == a.dtype:
+def _split_worth_it(a) -> bool:
+    n = a.shape[-2]
+    if _transpose_kernel is None or n < SPLIT_MIN_N or n % 256:  # halves of whole 128-row tiles
+        return False
+    batch = a.shape[0] if a.dim() == 3 else 1
+    tiles = 2 * batch * _symmetric_kernel.lower_tile_count(n // 2, 128, 128)
+    return tiles >= SPLIT_MIN_WAVES * torch.cuda.get_device_properties(a.device).multi_processor_count
+
+
+def _diagonal_on_kernel(a, b, c, alpha, beta, out, panels) -> None:
+    _symmetric_kernel.symmetric_matmul_triton(a, b, c, alpha, beta, panels=panels, out=out)
+
+
+def symmetric_matmul(a, b, c=None, alpha: float = 1.0, beta: float = 0.0, split: bool | None = None):
+    """D = alpha·a·b + beta·c where the caller promises D is symmetric.
+
+    split: force (True) or forbid (False) the split product on the kernel path; None decides
+    from the shape.
+    """
+    if not (_symmetric_worth_it(a) and b.dtype == a.dtype):
+        return symmetric_matmul_reference(a, b, c, alpha, beta)
+    if split is None:
+        split = _split_worth_it(a)
+    if not split:
         return _symmetric_kernel.symmetric_matmul_triton(a, b, c, alpha, beta)
-    return symmetric_matmul_reference(a, b, c, alpha, beta)
+    squeeze = a.dim() == 2
+    a3, b3 = (a.unsqueeze(0), b.unsqueeze(0)) if squeeze else (a, b)
+    c3 = c.unsqueeze(0) if squeeze and c is not None else c
+    out = split_symmetric_matmul(a3, b3, c3, alpha, beta, _diagonal_on_kernel, _transpose_kernel.transpose_into_triton)
+    return out[0] if squeeze else out
 
 
 def post_update(params, update, rows, decay, step, row_scale=None) -> None:

@@ -247,7 +247,9 @@ def symmetric_matmul_triton(
     # TMA only where the operands allow it; the pointer path handles everything else.
     b_transposed = b3.stride(-2) == 1 and b3.stride(-1) != 1
     b_view = b3.mT if b_transposed else b3
-    use_descriptors = config.descriptors and _descriptor_ready(a3) and _descriptor_ready(b_view)
+    # (a block's first row/column must also sit on a 16-byte boundary for TMA)
+    use_descriptors = (config.descriptors and _descriptor_ready(a3) and _descriptor_ready(b_view)
+                       and (block * a3.element_size()) % 16 == 0)
     a_desc = b_desc = None
     if use_descriptors:
         a_desc = _descriptor(a3, bm, bk)
