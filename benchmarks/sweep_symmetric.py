@@ -25,7 +25,7 @@ from dataclasses import asdict
 
 import torch
 
-from dion3.kernels.configs import TileConfig, with_overrides
+from dion3.kernels.configs import TileConfig
 from dion3.kernels.split import split_symmetric_matmul
 from dion3.kernels.symmetric_matmul import symmetric_matmul_triton
 from dion3.kernels.transpose import transpose_into_triton
@@ -44,17 +44,16 @@ def _cfg(bm, bn, stages=3, **flags):
 # The first run (2026-11-29, commit 3f8ebe1) also swept persistent launches (one program per SM
 # looping over the tiles; with flatten and warp_specialize): no gain, flatten failed to compile on
 # Triton 3.6, so that code was removed. Results: benchmarks/results/kernels-h200-2026-11-29.md.
-# Second run: banded tile order (group_rows) and split products (kernels/split.py: dense
-# off-diagonal block on cuBLAS, the two diagonal blocks on the kernel with this config).
+# Second run (same day): split products (kernels/split.py: dense off-diagonal block on cuBLAS,
+# the two diagonal blocks on the kernel with this config) won on large C-free products; banded
+# tile orders (bands of 4/8/16 row blocks walked column by column) gained nothing consistent
+# and were removed again.
 STORE = _cfg(128, 128, tma_store=True)
 VARIANTS = {  # name: (diagonal/whole-product config, split)
-    "store": (STORE, False),  # the table's config before this run
-    "band4": (with_overrides(STORE, group_rows=4), False),
-    "band8": (with_overrides(STORE, group_rows=8), False),
-    "band16": (with_overrides(STORE, group_rows=16), False),
+    "store": (STORE, False),  # the table's config
     "wide_st": (_cfg(128, 256, tma_store=True), False),
     "split": (STORE, True),
-    "split_b8": (with_overrides(STORE, group_rows=8), True),
+    "split_wide": (_cfg(128, 256, tma_store=True), True),
 }
 # (label, batch, n, k, product, dtype): "gram" is A·Aᵀ (b = a.mT); "square" is 0.9·R·R − 1.7·R.
 TIMED_SHAPES = (
@@ -206,7 +205,7 @@ def time_shapes(usable, device, dry):
 
 def table(checks, rows):
     names = list(VARIANTS)
-    lines = ["variants: " + "; ".join(f"{n}={cfg.block_m}x{cfg.block_n} s{cfg.num_stages} g{cfg.group_rows}"
+    lines = ["variants: " + "; ".join(f"{n}={cfg.block_m}x{cfg.block_n} s{cfg.num_stages}"
                                       f"{' st' if cfg.tma_store else ''}{' split' if split else ''}"
                                       for n, (cfg, split) in VARIANTS.items())]
     lines.append("checks: " + "  ".join(f"{c['variant']}={'ok' if c['ok'] else 'FAIL'}" for c in checks))

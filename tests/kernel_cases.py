@@ -32,10 +32,6 @@ TMA = TileConfig(16, 32, 16, num_warps=4, num_stages=2, descriptors=True)
 # tile, so TMA clips the edge tiles.
 TMA_STORE = TileConfig(16, 16, 16, num_warps=4, num_stages=2, descriptors=True, tma_store=True)
 TMA_STORE_WIDE = TileConfig(16, 32, 16, num_warps=4, num_stages=2, descriptors=True, tma_store=True)
-# Banded launch order: 150/16 → 10 row blocks, bands of 3 leave a band of 1; bands of 4 with
-# TMA stores on 72 → 5 row blocks (bands 4 + 1).
-BANDED = TileConfig(16, 16, 16, num_warps=4, num_stages=2, group_rows=3)
-BANDED_TMA = TileConfig(16, 16, 16, num_warps=4, num_stages=2, descriptors=True, tma_store=True, group_rows=4)
 
 # (name, batch (None: 2-D), n, k, operand, config): operand "view" is b = a.mT, "contig" is
 # b = a.mT.contiguous(), "square" is 0.7·R·R − 1.3·R with R symmetric, "gram_c" is
@@ -52,8 +48,6 @@ SYMMETRIC_CASES = (
     ("descriptors_square", 2, 48, 48, "square", TMA),
     ("tma_store_batched", 3, 72, 40, "view", TMA_STORE),
     ("tma_store_wide_gram_c", 2, 72, 56, "gram_c", TMA_STORE_WIDE),
-    ("banded_order", 1, 150, 24, "view", BANDED),
-    ("banded_tma_square", 2, 72, 72, "square", BANDED_TMA),
 )
 # (name, batch, n, k, operand, panels, config): only the diagonal blocks are computed.
 PANEL_CASES = (

@@ -38,9 +38,12 @@ except ImportError:  # pragma: no cover - depends on the install
     _momentum_kernel = _scale_kernel = None
 
 SYMMETRIC_MIN_N = 1024
-# Split products (kernels/split.py) from this n up, when their diagonal launch fills the GPU
-# SPLIT_MIN_WAVES times over (fewer waves: the last, partial one costs more than the split
-# saves). Both from the H200 sweep (benchmarks/results/kernels-h200-*.md).
+# Split products (kernels/split.py) for C-free products (X·Xᵀ) from this n up, when their
+# diagonal launch fills the GPU SPLIT_MIN_WAVES times over. H200 sweep, second session
+# (benchmarks/results/kernels-h200-2026-11-29.md): 8192² 1.80× cuBLAS split vs 1.61× whole,
+# 32×4096×14336 1.78× vs 1.58×, 16×2048×8192 1.56× vs 1.49×; but 4096×16384 (2 waves) 1.57×
+# vs 1.68×, and products with a C term lose (cuBLAS's fused C epilogue runs at ~550–600 TFLOP/s:
+# 0.9·R·R − 1.7·R at 64×4096 1.78× split vs 1.88× whole).
 SPLIT_MIN_N = 2048
 SPLIT_MIN_WAVES = 6
 _enabled = os.environ.get("DION3_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
@@ -92,9 +95,9 @@ def _symmetric_worth_it(a) -> bool:
     )
 
 
-def _split_worth_it(a) -> bool:
+def _split_worth_it(a, has_c: bool) -> bool:
     n = a.shape[-2]
-    if _transpose_kernel is None or n < SPLIT_MIN_N or n % 256:  # halves of whole 128-row tiles
+    if has_c or _transpose_kernel is None or n < SPLIT_MIN_N or n % 256:  # halves: whole 128-row tiles
         return False
     batch = a.shape[0] if a.dim() == 3 else 1
     tiles = 2 * batch * _symmetric_kernel.lower_tile_count(n // 2, 128, 128)
@@ -114,7 +117,7 @@ def symmetric_matmul(a, b, c=None, alpha: float = 1.0, beta: float = 0.0, split:
     if not (_symmetric_worth_it(a) and b.dtype == a.dtype):
         return symmetric_matmul_reference(a, b, c, alpha, beta)
     if split is None:
-        split = _split_worth_it(a)
+        split = _split_worth_it(a, c is not None and beta != 0.0)
     if not split:
         return _symmetric_kernel.symmetric_matmul_triton(a, b, c, alpha, beta)
     squeeze = a.dim() == 2

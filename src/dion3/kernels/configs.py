@@ -16,9 +16,6 @@ Each row reads: for outputs with n ≥ min_n, use this config (the last matching
   tma_store          with descriptors: store tiles strictly below the diagonal and their
                      mirrors through TMA descriptors of D (unmasked); diagonal tiles and
                      unaligned outputs keep masked pointer stores
-  group_rows         launch order of the tiles (square tiles only): 1 = row block by row
-                     block; g > 1 = bands of g row blocks walked column by column, so tiles
-                     running together share operand panels in L2
 """
 from __future__ import annotations
 
@@ -34,13 +31,10 @@ class TileConfig:
     num_stages: int
     descriptors: bool = False
     tma_store: bool = False
-    group_rows: int = 1
 
     def __post_init__(self) -> None:
         if self.block_n % self.block_m:
             raise ValueError(f"block_n ({self.block_n}) must be a multiple of block_m ({self.block_m})")
-        if self.group_rows < 1:
-            raise ValueError(f"group_rows must be ≥ 1, got {self.group_rows}")
 
 
 # (min_n, config) rows, ascending in min_n.

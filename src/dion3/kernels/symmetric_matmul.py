@@ -25,44 +25,18 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _triangle_row(t):
-    """Row p holding linear index t when a lower triangle is walked row by row:
-    p(p+1)/2 ≤ t < (p+1)(p+2)/2. A float square root, then a fix for its rounding."""
-    p = ((tl.sqrt(8.0 * t.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
-    p = tl.where(p * (p + 1) // 2 > t, p - 1, p)
-    return tl.where((p + 1) * (p + 2) // 2 <= t, p + 1, p)
-
-
-@triton.jit
-def _tile_coordinates(t, row_blocks, RATIO: tl.constexpr, GROUP: tl.constexpr):
+def _tile_coordinates(t, RATIO: tl.constexpr):
     """Map a linear tile index to (row block i, column block j) over the tiles that touch the
-    lower triangle.
-
-    GROUP == 1: row-block order. With block_n = RATIO·block_m, row block i holds
+    lower triangle, in row-block order. With block_n = RATIO·block_m, row block i holds
     i // RATIO + 1 tiles, so groups of RATIO row blocks hold RATIO·(p+1) tiles and the first p
     groups RATIO·p·(p+1)/2; invert that with a square root, then fix float rounding.
-    GROUP > 1 (RATIO == 1 only): bands of GROUP row blocks, each walked column by column, so
-    the tiles running at the same time share a few column panels of B and row panels of A in
-    L2 instead of streaming every column panel once per row block.
-    """
-    if GROUP == 1:
-        p = ((tl.sqrt(8.0 * t.to(tl.float32) / RATIO + 1.0) - 1.0) * 0.5).to(tl.int32)
-        p = tl.where(RATIO * p * (p + 1) // 2 > t, p - 1, p)
-        p = tl.where(RATIO * (p + 1) * (p + 2) // 2 <= t, p + 1, p)
-        rem = t - RATIO * p * (p + 1) // 2
-        return RATIO * p + rem // (p + 1), rem % (p + 1)
-    # A band holds the same tiles in both orders, so the band of t follows from its plain row.
-    first = (_triangle_row(t) // GROUP) * GROUP  # first row block of the band
-    height = tl.minimum(GROUP, row_blocks - first)
-    rem = t - first * (first + 1) // 2
-    # The band's rectangle left of its diagonal block: first columns of `height` tiles each.
-    in_rectangle = rem < first * height
-    # Then the band's own small triangle, row by row.
-    tri = tl.maximum(rem - first * height, 0)
-    q = _triangle_row(tri)
-    i = tl.where(in_rectangle, first + rem % height, first + q)
-    j = tl.where(in_rectangle, rem // height, first + tri - q * (q + 1) // 2)
-    return i, j
+    (Banded orders that walk a few row blocks column by column, for L2 reuse, were measured on
+    the H200 and gained nothing consistent: kernels-h200-2026-11-29.md, second session.)"""
+    p = ((tl.sqrt(8.0 * t.to(tl.float32) / RATIO + 1.0) - 1.0) * 0.5).to(tl.int32)
+    p = tl.where(RATIO * p * (p + 1) // 2 > t, p - 1, p)
+    p = tl.where(RATIO * (p + 1) * (p + 2) // 2 <= t, p + 1, p)
+    rem = t - RATIO * p * (p + 1) // 2
+    return RATIO * p + rem // (p + 1), rem % (p + 1)
 
 
 @triton.jit
@@ -98,11 +72,10 @@ def _symmetric_matmul_kernel(
     HAS_C: tl.constexpr, USE_DESCRIPTORS: tl.constexpr, B_TRANSPOSED: tl.constexpr, TMA_STORE: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RATIO: tl.constexpr,
-    GROUP: tl.constexpr,
 ):
     # One program per lower-triangle tile (axis 0) of one n×n diagonal block (axis 1: matrix of
     # the batch × block on its diagonal; panels == 1: the block is the whole output).
-    i, j = _tile_coordinates(tl.program_id(0), tl.cdiv(n, BLOCK_M), RATIO, GROUP)
+    i, j = _tile_coordinates(tl.program_id(0), RATIO)
     batch = (tl.program_id(1) // panels).to(tl.int64)  # int64: batch × stride overflows int32
     offset = (tl.program_id(1) % panels) * n  # the block's first row and column in D
     row0 = i * BLOCK_M
@@ -262,7 +235,6 @@ def symmetric_matmul_triton(
         d_desc = _descriptor(out3, bm, bn)
         dt_desc = d_desc if bm == bn else _descriptor(out3, bn, bm)
     c_arg = c3 if has_c else out3
-    group = config.group_rows if bm == bn else 1
     grid = (lower_tile_count(block, bm, bn), batch * panels)
     _symmetric_matmul_kernel[grid](
         a3, b3, c_arg, out3, a_desc, b_desc, d_desc, dt_desc,
@@ -271,7 +243,7 @@ def symmetric_matmul_triton(
         float(alpha), float(beta),
         HAS_C=has_c, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=b_transposed, TMA_STORE=use_tma_store,
         EVEN_K=(k % bk == 0), UPCAST_DOT=(_interpreting() and a3.dtype == torch.bfloat16),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RATIO=bn // bm, GROUP=group,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RATIO=bn // bm,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
