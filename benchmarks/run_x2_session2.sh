@@ -13,7 +13,7 @@ case "${1:-}" in
     mkdir -p "$OUT/sweep"
     (CUDA_VISIBLE_DEVICES=0 OUT="$OUT/sweep" timeout 340 python3 benchmarks/sweep_symmetric.py > "$OUT/sweep.log" 2>&1) &
     (CUDA_VISIBLE_DEVICES=1 timeout 220 python3 benchmarks/method_choice.py --json "$OUT/method_choice.json" > "$OUT/method.log" 2>&1
-     CUDA_VISIBLE_DEVICES=1 timeout 200 bench --preset llama-8b --optimizers muon,dion3-1/4,dion3-1/8 \
+     CUDA_VISIBLE_DEVICES=1 timeout 200 python3 -m dion3.cli bench --preset llama-8b --optimizers muon,dion3-1/4,dion3-1/8 \
        --steps 10 --warmup 4 --json "$OUT/step-llama-8b.json" > "$OUT/step-llama-8b.log" 2>&1) &
     wait
     tail -30 "$OUT/sweep.log"; cat "$OUT/method.log"; tail -15 "$OUT/step-llama-8b.log" ;;
@@ -23,8 +23,8 @@ case "${1:-}" in
      timeout 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider > "$OUT/gpu-tests.txt" 2>&1
      OUT="$OUT/sweep" timeout 150 python3 benchmarks/sweep_symmetric.py > "$OUT/sweep.log" 2>&1) &
     (export CUDA_VISIBLE_DEVICES=1
-     timeout 250 bench --preset llama-8b --skip adamw --steps 10 --warmup 4 --json "$OUT/step-llama-8b.json" > "$OUT/step-llama-8b.log" 2>&1
-     timeout 120 bench --preset llama-1b --steps 20 --json "$OUT/step-llama-1b.json" > "$OUT/step-llama-1b.log" 2>&1) &
+     timeout 250 python3 -m dion3.cli bench --preset llama-8b --skip adamw --steps 10 --warmup 4 --json "$OUT/step-llama-8b.json" > "$OUT/step-llama-8b.log" 2>&1
+     timeout 120 python3 -m dion3.cli bench --preset llama-1b --steps 20 --json "$OUT/step-llama-1b.json" > "$OUT/step-llama-1b.log" 2>&1) &
     wait
     tail -3 "$OUT/gpu-tests.txt"; tail -16 "$OUT/sweep.log"; tail -12 "$OUT/step-llama-8b.log"; tail -12 "$OUT/step-llama-1b.log" ;;
   dist)
