@@ -153,9 +153,11 @@ def test_single_rank_group_matches_single_process(tmp_path):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (1,))
-        for layout, kind, options in (
+        for layout, kind, options in (  # one rank: received rows are used in place (no placement copy)
+            ("fsdp", "muon", {}),
             ("fsdp", "normuon", {}),
             ("fsdp", "dion3", {"selection_scope": "global"}),
+            ("fsdp", "dion3", {"selection_scope": "local"}),
             ("ddp", "dion3", {}),
         ):
             error, sent, _, _ = worker.compare_to_single(layout, worker.MIXED, kind, mesh, 1, 0, **options)
@@ -163,3 +165,35 @@ def test_single_rank_group_matches_single_process(tmp_path):
             assert sent == [0]  # nothing leaves a single rank
     finally:
         dist.destroy_process_group()
+
+
+def _recording_step(name: str, stages: int, log: list):
+    for stage in range(stages):
+        log.append((name, stage))
+        yield
+
+
+@pytest.mark.parametrize("depth,budget,sizes,running_with_a", [
+    (4, float("inf"), [10, 10, 1], {"b", "c"}),  # no budget: everything in flight together
+    (4, 15.0, [10, 10, 1], set()),  # a + b > 15: b waits for a (and c, admitted in order, behind b)
+    (4, 15.0, [10, 1, 10], {"b"}),  # a + b ≤ 15 overlap; c waits
+    (1, float("inf"), [10, 10, 1], set()),  # depth 1: strictly one after another
+])
+def test_interleave_admits_buckets_within_depth_and_byte_budget(depth, budget, sizes, running_with_a):
+    from dion3.distributed.step import interleave
+
+    log = []
+    steps = [_recording_step(n, 3, log) for n in "abc"]
+    interleave(steps, depth, sizes, budget)
+    assert sorted(log) == [(n, s) for n in "abc" for s in range(3)]  # every stage ran once
+    assert [s for n, s in log if n == "b"] == [0, 1, 2]  # each step's stages in order
+    a_done = log.index(("a", 2))
+    assert {n for n, _ in log[:a_done]} - {"a"} == running_with_a
+
+
+def test_interleave_admits_a_bucket_larger_than_the_budget_alone():
+    from dion3.distributed.step import interleave
+
+    log = []
+    interleave([_recording_step("big", 2, log), _recording_step("small", 2, log)], 4, [100, 1], 10.0)
+    assert log == [("big", 0), ("big", 1), ("small", 0), ("small", 1)]

@@ -35,15 +35,20 @@ class Traffic:
 
 
 class Pending:
-    """An in-flight collective and the tensor it fills; `wait()` returns that tensor, transformed."""
+    """An in-flight collective and the tensor it fills; `wait()` (once) returns that tensor,
+    transformed, and drops this object's reference to it, so the caller alone decides how long
+    the receive buffer lives (a whole bucket's worth of rows)."""
 
     def __init__(self, work, result: Tensor, finish: Optional[Callable[[Tensor], Tensor]] = None):
         self._work, self._result, self._finish = work, result, finish
 
     def wait(self) -> Tensor:
+        if self._result is None:
+            raise RuntimeError("Pending.wait() was already called")
         if self._work is not None:
             self._work.wait()
-        return self._finish(self._result) if self._finish is not None else self._result
+        result, self._result, self._work = self._result, None, None
+        return self._finish(result) if self._finish is not None else result
 
 
 def _row_bytes(tensor: Tensor) -> int:

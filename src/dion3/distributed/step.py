@@ -27,12 +27,16 @@ from .plan import ShardedBucket, owned_matrices
 from .selection import all_rows_plan, global_plan, local_plan, padded_scores
 
 PIPELINE_DEPTH = 4  # buckets in flight at once: enough overlap, bounded extra memory
+# ... and at most this many times the largest bucket's local bytes in flight: a big bucket can
+# overlap with a smaller one, but the exchange buffers of all buckets are never alive at once
+# (on one H200, FSDP2 over Llama-8B shapes ran out of memory with every bucket in flight).
+PIPELINE_BUDGET = 1.5
 
 
 def run_step(work: list[tuple[dict, object]], rule_config, mesh: MeshInfo) -> Traffic:
     """Step every (group, bucket) pair; returns the bytes this rank sent."""
     traffic = Traffic()
-    steps = []
+    steps, sizes = [], []
     for group, bucket in work:
         grads = [p.grad for p in bucket.params]
         present = [g is not None for g in grads]
@@ -46,19 +50,24 @@ def run_step(work: list[tuple[dict, object]], rule_config, mesh: MeshInfo) -> Tr
             )
         body = sharded_step if isinstance(bucket, ShardedBucket) else replicated_step
         steps.append(body(bucket, group, rule_config(group), mesh, traffic))
-    interleave(steps, PIPELINE_DEPTH)
+        sizes.append(bucket.momentum.numel() * bucket.momentum.element_size())
+    interleave(steps, PIPELINE_DEPTH, sizes, PIPELINE_BUDGET * max(sizes, default=0))
     return traffic
 
 
-def interleave(steps: list[Iterator], depth: int) -> None:
-    """Advance up to `depth` bucket steps round-robin, one stage each, admitting new ones in order."""
-    waiting, active = deque(steps), deque()
+def interleave(steps: list[Iterator], depth: int, sizes: list[int] | None = None, budget: float = float("inf")) -> None:
+    """Advance bucket steps round-robin, one stage each, admitting new ones in order while
+    fewer than `depth` are active and their sizes stay within `budget` (one is always admitted)."""
+    sizes = sizes if sizes is not None else [0] * len(steps)
+    waiting, active = deque(zip(steps, sizes)), deque()
     while waiting or active:
-        while waiting and len(active) < depth:
+        in_flight = sum(size for _, size in active)
+        while waiting and (not active or (len(active) < depth and in_flight + waiting[0][1] <= budget)):
+            in_flight += waiting[0][1]
             active.append(waiting.popleft())
-        step = active.popleft()
-        if next(step, StopIteration) is not StopIteration:
-            active.append(step)
+        entry = active.popleft()
+        if next(entry[0], StopIteration) is not StopIteration:
+            active.append(entry)
 
 
 def _orthogonalize(update: Tensor, group: dict) -> Tensor:
@@ -103,13 +112,17 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
     # Owner: whole matrices (or their selected rows), in ascending global row order.
     owned = len(owned_matrices(count, mesh.world_size, mesh.rank))
     per_matrix, slots = plan.per_matrix(), plan.slots
+    # One rank receives its own rows in matrix order: the placement is the identity.
+    slots = None if mesh.world_size == 1 else slots
     matrices = _place(sent_rows.wait(), slots, (owned, per_matrix, cols))
     ortho = _orthogonalize(matrices, group)
+    del matrices  # the bucket's received rows (a placed copy or the receive buffer itself)
     if sent_variance:
         old = _place(sent_variance.wait(), slots, (owned, per_matrix, 1))
         ortho, new = rules.normalize_rows(ortho, old, cfg.beta2, cfg.epsilon)
-        back_variance = exchange_rows(new.reshape(-1, 1).index_select(0, slots), from_owner, to_owner, mesh, traffic, "variance")
-    back_rows = exchange_rows(ortho.reshape(-1, cols).index_select(0, slots), from_owner, to_owner, mesh, traffic, "rows")
+        back_variance = exchange_rows(_in_received_order(new, slots), from_owner, to_owner, mesh, traffic, "variance")
+    back_rows = exchange_rows(_in_received_order(ortho, slots), from_owner, to_owner, mesh, traffic, "rows")
+    del ortho
     yield
 
     result = back_rows.wait()
@@ -125,9 +138,18 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
     bucket.variance.view(-1, 1).index_copy_(0, plan.rows, back_variance.wait())
 
 
-def _place(received: Tensor, slots: Tensor, shape: tuple[int, int, int]) -> Tensor:
+def _place(received: Tensor, slots, shape: tuple[int, int, int]) -> Tensor:
+    """Received rows (source-major) → [owned, per_matrix, cols]; slots None: already in place."""
+    if slots is None:
+        return received.view(shape)
     out = received.new_empty((shape[0] * shape[1], shape[2]))
     return out.index_copy_(0, slots, received).view(shape)
+
+
+def _in_received_order(placed: Tensor, slots) -> Tensor:
+    """The inverse of _place: rows back in the order they arrived, to send them back."""
+    flat = placed.reshape(-1, placed.shape[-1])
+    return flat if slots is None else flat.index_select(0, slots)
 
 
 def replicated_step(bucket, group: dict, cfg: rules.RuleConfig, mesh: MeshInfo, traffic: Traffic):
