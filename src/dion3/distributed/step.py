@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterator
 
+import torch
 from torch import Tensor
 
 from .. import rules
@@ -27,10 +28,13 @@ from .plan import ShardedBucket, owned_matrices
 from .selection import all_rows_plan, global_plan, local_plan, padded_scores
 
 PIPELINE_DEPTH = 4  # buckets in flight at once: enough overlap, bounded extra memory
-# ... and at most this many times the largest bucket's local bytes in flight: a big bucket can
-# overlap with a smaller one, but the exchange buffers of all buckets are never alive at once
-# (on one H200, FSDP2 over Llama-8B shapes ran out of memory with every bucket in flight).
+# ... and local bucket bytes in flight at most PIPELINE_BUDGET × the largest bucket or
+# PIPELINE_MEMORY_SHARE of the device's memory, whichever is more. Each in-flight bucket keeps
+# its exchanged rows alive: with every bucket of Llama-8B shapes in flight, FSDP2 on one H200 ran
+# out of memory; capping at 1.5× the largest bucket alone cost up to 24% on Llama-1B shapes over
+# two H200s (less overlap), where everything fits easily.
 PIPELINE_BUDGET = 1.5
+PIPELINE_MEMORY_SHARE = 0.1
 
 
 def run_step(work: list[tuple[dict, object]], rule_config, mesh: MeshInfo) -> Traffic:
@@ -51,8 +55,14 @@ def run_step(work: list[tuple[dict, object]], rule_config, mesh: MeshInfo) -> Tr
         body = sharded_step if isinstance(bucket, ShardedBucket) else replicated_step
         steps.append(body(bucket, group, rule_config(group), mesh, traffic))
         sizes.append(bucket.momentum.numel() * bucket.momentum.element_size())
-    interleave(steps, PIPELINE_DEPTH, sizes, PIPELINE_BUDGET * max(sizes, default=0))
+    interleave(steps, PIPELINE_DEPTH, sizes, _pipeline_budget(sizes, work))
     return traffic
+
+
+def _pipeline_budget(sizes: list[int], work) -> float:
+    device = work[0][1].momentum.device if work else None
+    memory = torch.cuda.get_device_properties(device).total_memory if device is not None and device.type == "cuda" else 0
+    return max(PIPELINE_BUDGET * max(sizes, default=0), PIPELINE_MEMORY_SHARE * memory)
 
 
 def interleave(steps: list[Iterator], depth: int, sizes: list[int] | None = None, budget: float = float("inf")) -> None:
