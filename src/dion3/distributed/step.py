@@ -141,10 +141,18 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
         if sent_variance:
             bucket.variance[:, :rows_here] = back_variance.wait().view(count, rows_here, 1)
         return
-    # Dion3: a dense update that is zero off the selected rows (x·decay − 0 is exact), since
-    # the number of selected rows per matrix varies across ranks under global selection.
-    dense = result.new_zeros((count * chunk, cols)).index_copy_(0, plan.rows, result)
-    _apply(bucket, dense.view(count, chunk, cols)[:, :rows_here], None, group)
+    mine = plan.counts[mesh.rank]
+    if mine and mine[0] > 0 and all(c == mine[0] for c in mine):
+        # The same k rows of every local matrix (local scope): the fused row update, as on one
+        # device; result rows arrive in the order they were sent (plan.rows, per matrix).
+        k = mine[0]
+        local_rows = plan.rows.view(count, k) - torch.arange(count, device=result.device)[:, None] * chunk
+        _apply(bucket, result.view(count, k, cols), local_rows, group)
+    else:
+        # Global scope: how many rows of each matrix this rank holds varies, so a dense update
+        # that is zero off the selected rows (x·decay − 0 is exact).
+        dense = result.new_zeros((count * chunk, cols)).index_copy_(0, plan.rows, result)
+        _apply(bucket, dense.view(count, chunk, cols)[:, :rows_here], None, group)
     bucket.variance.view(-1, 1).index_copy_(0, plan.rows, back_variance.wait())
 
 
