@@ -158,6 +158,26 @@ def test_bad_shapes_raise_value_error():
         symmetric_matmul_triton(a, torch.randn(2, 8, 4, dtype=torch.float16))
     with pytest.raises(ValueError, match="dtype"):
         symmetric_matmul_triton(a.float(), a.float().mT)
+    with pytest.raises(ValueError, match="panels must divide"):
+        symmetric_matmul_triton(a, a.mT, panels=3, out=torch.empty(2, 8, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="pass the output tensor"):
+        symmetric_matmul_triton(a, a.mT, panels=2)
+    with pytest.raises(ValueError, match="out must be"):
+        symmetric_matmul_triton(a, a.mT, out=torch.empty(2, 8, 8))
+
+
+def test_empty_reduction_fills_only_the_diagonal_blocks_it_owns():
+    """k = 0: D = beta·C on the diagonal blocks; with panels the rest of out stays as it was."""
+    from dion3.kernels.symmetric_matmul import symmetric_matmul_triton
+
+    a = torch.empty(2, 8, 0, dtype=torch.float16)
+    c = torch.arange(128, dtype=torch.float16).view(2, 8, 8)
+    out = torch.full((2, 8, 8), 7.0, dtype=torch.float16)
+    symmetric_matmul_triton(a, a.mT, c, 1.0, 2.0, panels=2, out=out)
+    expected = torch.full((2, 8, 8), 7.0, dtype=torch.float16)
+    expected[:, :4, :4], expected[:, 4:, 4:] = 2 * c[:, :4, :4], 2 * c[:, 4:, 4:]
+    assert torch.equal(out, expected)
+    assert torch.equal(symmetric_matmul_triton(a[0], a[0].mT), torch.zeros(8, 8, dtype=torch.float16))
 
 
 # ----------------------------------------------------------------------------- GPU only

@@ -210,8 +210,10 @@ def symmetric_matmul_triton(
     block = n // panels
     if batch == 0 or n == 0:
         return out
-    if k == 0:
-        out3.zero_() if not has_c else out3.copy_(c3 * beta)
+    if k == 0:  # D = beta·C (or 0) on the blocks this call owns
+        for p in range(panels):
+            square = (slice(None), slice(p * block, (p + 1) * block), slice(p * block, (p + 1) * block))
+            out3[square] = c3[square] * beta if has_c else 0
         return out
     if config is None:
         major = None if a3.device.type != "cuda" else torch.cuda.get_device_capability(a3.device)[0]
