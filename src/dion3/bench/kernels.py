@@ -83,12 +83,17 @@ def bench_symmetric(dtype: torch.dtype, configs, shapes=SYMMETRIC_SHAPES) -> lis
         cublas_ms = _median_ms(cublas)
         cublas_err = _max_rel_error(cublas(), exact)
         full_flops = 2.0 * batch * n * n * k
-        for config in configs or (pick_config(n, major),):
+        # Without a sweep: what the optimizer runs (the dispatch, which may split the product).
+        split = not configs and kernels.split_worth_it(a, c is not None and beta != 0.0)
+        for config in configs or (pick_config(n // 2 if split else n, major),):
             row = dict(shape=label, batch=batch, n=n, k=k, product=product, dtype=str(dtype),
-                       config=asdict(config), cublas_ms=cublas_ms, cublas_max_rel_err=cublas_err,
-                       cublas_tflops=full_flops / cublas_ms / 1e9)
+                       config=asdict(config), path="split" if split else "whole", cublas_ms=cublas_ms,
+                       cublas_max_rel_err=cublas_err, cublas_tflops=full_flops / cublas_ms / 1e9)
             try:
-                ours = lambda: symmetric_matmul_triton(a, b, c, alpha, beta, config=config)  # noqa: E731
+                if configs:
+                    ours = lambda: symmetric_matmul_triton(a, b, c, alpha, beta, config=config)  # noqa: E731
+                else:
+                    ours = lambda: kernels.symmetric_matmul(a, b, c, alpha, beta)  # noqa: E731
                 out = ours()
                 row.update(ours_ms=_median_ms(ours), ours_max_rel_err=_max_rel_error(out, exact),
                            symmetric_exact=bool(torch.equal(out, out.mT)))
@@ -106,7 +111,7 @@ def bench_symmetric(dtype: torch.dtype, configs, shapes=SYMMETRIC_SHAPES) -> lis
 def _format_symmetric(row: dict) -> str:
     cfg = row["config"]
     tag = f"{cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
-        " tma" if cfg["descriptors"] else "")
+        " tma" if cfg["descriptors"] else "") + (" split" if row.get("path") == "split" else "")
     head = f"{row['shape']:<22} {tag:<24} cuBLAS {row['cublas_ms']:8.3f} ms"
     if "error" in row:
         return f"{head}  FAILED {row['error']}"

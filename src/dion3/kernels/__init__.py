@@ -95,7 +95,8 @@ def _symmetric_worth_it(a) -> bool:
     )
 
 
-def _split_worth_it(a, has_c: bool) -> bool:
+def split_worth_it(a, has_c: bool) -> bool:
+    """Whether symmetric_matmul splits this product (kernels/split.py); a is [B, n, k] or [n, k] on CUDA."""
     n = a.shape[-2]
     if has_c or _transpose_kernel is None or n < SPLIT_MIN_N or n % 256:  # halves: whole 128-row tiles
         return False
@@ -117,7 +118,7 @@ def symmetric_matmul(a, b, c=None, alpha: float = 1.0, beta: float = 0.0, split:
     if not (_symmetric_worth_it(a) and b.dtype == a.dtype):
         return symmetric_matmul_reference(a, b, c, alpha, beta)
     if split is None:
-        split = _split_worth_it(a, c is not None and beta != 0.0)
+        split = split_worth_it(a, c is not None and beta != 0.0)
     if not split:
         return _symmetric_kernel.symmetric_matmul_triton(a, b, c, alpha, beta)
     squeeze = a.dim() == 2
