@@ -7,7 +7,6 @@ has an entry per parameter while the step runs batched over the whole bucket.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -15,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .. import distributed, rules
-from . import scalar, streams
+from . import scalar
 from .validation import (
     ALIASES,
     MATRIX_ALGORITHMS,
@@ -25,10 +24,6 @@ from .validation import (
     validate_group,
     variance_shape,
 )
-
-# Single-device steps on CUDA overlap the buckets' memory-bound and compute-bound phases on two
-# streams (optim/streams.py); DION3_OVERLAP=0 runs them in order (for A/B timing).
-OVERLAP_STREAMS = os.environ.get("DION3_OVERLAP", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 
@@ -183,24 +178,13 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             self._raise_on_nonfinite()
         if self._mesh is not None:
             self._distributed_matrix_step()
-        else:
-            self._local_matrix_step()
-        for group in self.param_groups:
+        for group, buckets in zip(self.param_groups, self._buckets):
             if group["algorithm"] in SCALAR_ALGORITHMS:
                 self._scalar_step(group)
+            elif self._mesh is None:
+                for bucket in buckets:
+                    self._matrix_step(bucket, group)
         return loss
-
-    def _local_matrix_step(self) -> None:
-        """Every matrix bucket, as three-phase steps: overlapped on two CUDA streams when the
-        buckets live on one CUDA device (optim/streams.py), in order otherwise."""
-        work = [(group, bucket) for group, buckets in zip(self.param_groups, self._buckets)
-                if group["algorithm"] in MATRIX_ALGORITHMS for bucket in buckets]
-        steps = [self._matrix_phases(bucket, group) for group, bucket in work]
-        devices = {bucket.momentum.device for _, bucket in work}
-        if OVERLAP_STREAMS and len(work) > 1 and len(devices) == 1 and next(iter(devices)).type == "cuda":
-            streams.run_phases_overlapped(steps, next(iter(devices)))
-        else:
-            streams.run_phases_in_order(steps)
 
     def _distributed_matrix_step(self) -> None:
         """All matrix buckets of all groups in one interleaved pass (dion3.distributed)."""
@@ -257,36 +241,37 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         )
 
     def _matrix_step(self, bucket: Bucket, group: dict) -> None:
-        streams.run_phases_in_order([self._matrix_phases(bucket, group)])
-
-    def _matrix_phases(self, bucket: Bucket, group: dict):
-        """One bucket's step as a generator of three phases (optim/streams.py): prepare
-        (momentum, selection, snapshot) | orthogonalize | finish (normalization, apply)."""
         with_grad = [i for i, p in enumerate(bucket.params) if p.grad is not None]
-        if len(with_grad) < len(bucket.params):
-            if with_grad:  # rare: a temporary bucket of the parameters with gradients, in one phase
-                self._partial_step(bucket, with_grad, group)
+        if not with_grad:
             return
+        if len(with_grad) < len(bucket.params):
+            return self._partial_step(bucket, with_grad, group)
         cfg = self.rule_config(group)
         grads = [matrix_view(p.grad, group["flatten"]) for p in bucket.params]
         update, rows = rules.pre_step(bucket.momentum, grads, cfg)
         variance = None
         if cfg.normalize:
             variance = bucket.variance if rows is None else rules.gather_rows(bucket.variance, rows)
-        yield
-        ortho = rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"])
-        yield
-        # NorMuon/Dion3: per-row factors applied inside the fused post-update (no normalized
-        # copy of O is written).
-        row_scale = None
+        ortho, row_scale, variance = self._orthogonalize(update, variance, cfg, group)
         if variance is not None:
-            row_scale, variance = rules.row_normalization(ortho, variance, cfg.beta2, cfg.epsilon)
             if rows is None:
                 bucket.variance.copy_(variance)
             else:
                 rules.scatter_rows(bucket.variance, rows, variance)
         scale = rules.lr_scale(group["adjust_lr"], *bucket.shape)
         rules.apply_update(bucket.views, ortho, rows, group["lr"], group["weight_decay"], scale, row_scale)
+
+    def _orthogonalize(
+        self, update: Tensor, variance: Optional[Tensor], cfg: rules.RuleConfig, group: dict
+    ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """O = Orth(U) for U [N, k, cols] and, for NorMuon/Dion3, its per-row normalization
+        factors and new variance: (O, row_scale or None, variance or None). The factors are
+        applied inside the fused post-update, so no normalized copy of O is written."""
+        ortho = rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"])
+        if variance is None:
+            return ortho, None, None
+        row_scale, variance = rules.row_normalization(ortho, variance, cfg.beta2, cfg.epsilon)
+        return ortho, row_scale, variance
 
     @staticmethod
     def _offsets(bucket: Bucket) -> list[int]:
