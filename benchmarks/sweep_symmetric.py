@@ -51,9 +51,10 @@ def _cfg(bm, bn, stages=3, **flags):
 STORE = _cfg(128, 128, tma_store=True)
 VARIANTS = {  # name: (diagonal/whole-product config, split)
     "store": (STORE, False),  # the table's config
-    "wide_st": (_cfg(128, 256, tma_store=True), False),
+    "k128_s2": (TileConfig(128, 128, 128, num_warps=8, num_stages=2, descriptors=True, tma_store=True), False),
+    "s4": (_cfg(128, 128, stages=4, tma_store=True), False),
+    "w4": (TileConfig(128, 128, 64, num_warps=4, num_stages=3, descriptors=True, tma_store=True), False),
     "split": (STORE, True),
-    "split_wide": (_cfg(128, 256, tma_store=True), True),
 }
 # (label, batch, n, k, product, dtype): "gram" is A·Aᵀ (b = a.mT); "square" is 0.9·R·R − 1.7·R.
 TIMED_SHAPES = (
