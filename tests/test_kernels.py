@@ -236,3 +236,13 @@ def test_gpu_dispatch_uses_kernel_and_orthogonalize_stays_accurate():
     for method in ("newton_schulz", "gram"):
         out = orthogonalize(x, method=method)
         assert float((out.double() - exact).norm() / exact.norm()) < 2e-2, method
+
+
+def test_long_c_free_reductions_get_the_deeper_pipeline_on_hopper():
+    from dion3.kernels.configs import HOPPER_LONG_REDUCTION, pick_config
+
+    assert pick_config(4096, 9, k=16384, has_c=False) == HOPPER_LONG_REDUCTION
+    assert pick_config(4096, 9, k=16384, has_c=True) != HOPPER_LONG_REDUCTION  # a C term: 3 stages
+    assert pick_config(4096, 9, k=4096, has_c=False) != HOPPER_LONG_REDUCTION  # k ≈ n: 3 stages
+    assert pick_config(4096, 8, k=16384, has_c=False) != HOPPER_LONG_REDUCTION  # Ampere table
+    assert pick_config(4096, None, k=16384, has_c=False).block_m == 32  # interpreter: portable

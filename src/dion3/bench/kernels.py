@@ -85,7 +85,8 @@ def bench_symmetric(dtype: torch.dtype, configs, shapes=SYMMETRIC_SHAPES) -> lis
         full_flops = 2.0 * batch * n * n * k
         # Without a sweep: what the optimizer runs (the dispatch, which may split the product).
         split = not configs and kernels.split_worth_it(a, c is not None and beta != 0.0)
-        for config in configs or (pick_config(n // 2 if split else n, major),):
+        has_c = c is not None and beta != 0.0
+        for config in configs or (pick_config(n // 2 if split else n, major, k, has_c),):
             row = dict(shape=label, batch=batch, n=n, k=k, product=product, dtype=str(dtype),
                        config=asdict(config), path="split" if split else "whole", cublas_ms=cublas_ms,
                        cublas_max_rel_err=cublas_err, cublas_tflops=full_flops / cublas_ms / 1e9)

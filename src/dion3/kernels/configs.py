@@ -48,6 +48,12 @@ HOPPER = (
     (0, TileConfig(64, 64, 64, num_warps=4, num_stages=4)),
     (512, TileConfig(128, 128, 64, num_warps=8, num_stages=3, descriptors=True, tma_store=True)),
 )
+# C-free products with a long reduction (k ≥ LONG_REDUCTION·n, e.g. X·Xᵀ of a wide X in Gram
+# NS): a 4th pipeline stage. Two H200 sweeps (kernels-h200-2026-11-29.md, third run): 4096×16384
+# 1.78–1.84× vs 1.61–1.70× with 3 stages, 32×4096×14336 1.63–1.64× vs 1.44–1.46×, 32×1024×14336
+# 1.56–1.63× vs 1.45–1.48×; with a C term 4 stages lose up to 25%, at k ≈ n about 3%.
+LONG_REDUCTION = 3.5
+HOPPER_LONG_REDUCTION = TileConfig(128, 128, 64, num_warps=8, num_stages=4, descriptors=True, tma_store=True)
 AMPERE = (
     (0, TileConfig(64, 64, 32, num_warps=4, num_stages=3)),
     (512, TileConfig(128, 128, 32, num_warps=4, num_stages=3)),
@@ -65,8 +71,16 @@ def table_for(capability_major: int | None):
     return TABLES.get(capability_major, AMPERE if capability_major > 8 else PORTABLE)
 
 
-def pick_config(n: int, capability_major: int | None) -> TileConfig:
-    """The tile config for an n×n output on a device of this generation."""
+def long_reduction(n: int, k: int, has_c: bool) -> bool:
+    """Whether an n×n product over k (without a C term) counts as a long reduction."""
+    return not has_c and n >= 512 and k >= LONG_REDUCTION * n
+
+
+def pick_config(n: int, capability_major: int | None, k: int | None = None, has_c: bool = True) -> TileConfig:
+    """The tile config for an n×n output (reduction length k, with or without a C term) on a
+    device of this generation."""
+    if capability_major in (9, 10) and k is not None and long_reduction(n, k, has_c):
+        return HOPPER_LONG_REDUCTION
     chosen = None
     for min_n, config in table_for(capability_major):
         if n >= min_n:

@@ -217,7 +217,7 @@ def symmetric_matmul_triton(
         return out
     if config is None:
         major = None if a3.device.type != "cuda" else torch.cuda.get_device_capability(a3.device)[0]
-        config = pick_config(block, major)
+        config = pick_config(block, major, k, has_c)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     # TMA only where the operands allow it; the pointer path handles everything else.
     b_transposed = b3.stride(-2) == 1 and b3.stride(-1) != 1
