@@ -19,7 +19,7 @@ Each row reads: for outputs with n ≥ min_n, use this config (the last matching
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,3 @@ def pick_config(n: int, capability_major: int | None, k: int | None = None, has_
         if n >= min_n:
             chosen = config
     return chosen
-
-
-def with_overrides(config: TileConfig, **fields) -> TileConfig:
-    """A copy of config with some fields replaced (used by the benchmark's config sweep)."""
-    return replace(config, **fields)
