@@ -197,3 +197,14 @@ def test_interleave_admits_a_bucket_larger_than_the_budget_alone():
     log = []
     interleave([_recording_step("big", 2, log), _recording_step("small", 2, log)], 4, [100, 1], 10.0)
     assert log == [("big", 0), ("big", 1), ("small", 0), ("small", 1)]
+
+
+def test_padded_selection_keeps_selected_rows_and_pads_with_unselected_zero_rows():
+    """Global scope on one rank: matrix 0 holds selected rows 0 and 2, matrix 1 only row 1
+    (flat indices over chunk = 4 rows, 3 of them real); the result rows come in that order."""
+    from dion3.distributed.step import _padded_selection
+
+    result = torch.tensor([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])
+    update, rows = _padded_selection(torch.tensor([0, 2, 5]), result, count=2, chunk=4, rows_here=3, width=2)
+    assert rows.tolist() == [[0, 2], [1, 0]]  # matrix 1: its selected row, then unselected row 0
+    assert update.tolist() == [[[1.0, 1.0], [2.0, 2.0]], [[3.0, 3.0], [0.0, 0.0]]]

@@ -141,19 +141,36 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
         if sent_variance:
             bucket.variance[:, :rows_here] = back_variance.wait().view(count, rows_here, 1)
         return
+    # The fused row update, as on one device; result rows arrive in the order they were sent
+    # (plan.rows: per matrix, ascending).
     mine = plan.counts[mesh.rank]
-    if mine and mine[0] > 0 and all(c == mine[0] for c in mine):
-        # The same k rows of every local matrix (local scope): the fused row update, as on one
-        # device; result rows arrive in the order they were sent (plan.rows, per matrix).
+    if mine and all(c == mine[0] for c in mine):  # local scope: the same k rows of every matrix
         k = mine[0]
         local_rows = plan.rows.view(count, k) - torch.arange(count, device=result.device)[:, None] * chunk
         _apply(bucket, result.view(count, k, cols), local_rows, group)
-    else:
-        # Global scope: how many rows of each matrix this rank holds varies, so a dense update
-        # that is zero off the selected rows (x·decay − 0 is exact).
-        dense = result.new_zeros((count * chunk, cols)).index_copy_(0, plan.rows, result)
-        _apply(bucket, dense.view(count, chunk, cols)[:, :rows_here], None, group)
+    else:  # global scope: the number of rows per local matrix varies
+        _apply(bucket, *_padded_selection(plan.rows, result, count, chunk, rows_here, max(mine)), group)
     bucket.variance.view(-1, 1).index_copy_(0, plan.rows, back_variance.wait())
+
+
+def _padded_selection(flat_rows: Tensor, result: Tensor, count: int, chunk: int, rows_here: int, width: int):
+    """(update [count, width, cols], rows [count, width]) for selections of different sizes per
+    matrix: each matrix's selected rows (ascending, with their result rows) and then its first
+    unselected rows with a zero update, which the fused update leaves at x·decay − 0 = x·decay,
+    exactly what it does to any unselected row. All on the device: no host sync."""
+    device = result.device
+    selected = torch.zeros(count * chunk, dtype=torch.bool, device=device)
+    selected[flat_rows] = True
+    selected = selected.view(count, chunk)[:, :rows_here]
+    order = torch.arange(rows_here, device=device, dtype=torch.float32)
+    # Selected rows sort first (negative keys), each group in row order.
+    rows = torch.where(selected, order - rows_here, order).topk(width, dim=1, largest=False, sorted=True).indices
+    matrix = torch.div(flat_rows, chunk, rounding_mode="floor")
+    per_matrix = selected.sum(dim=1)
+    first = per_matrix.cumsum(0) - per_matrix  # where each matrix's rows start in result
+    target = matrix * width + torch.arange(flat_rows.numel(), device=device) - first[matrix]
+    update = result.new_zeros((count * width, result.shape[-1])).index_copy_(0, target, result)
+    return update.view(count, width, -1), rows
 
 
 def _place(received: Tensor, slots, shape: tuple[int, int, int]) -> Tensor:
