@@ -246,3 +246,19 @@ def test_long_c_free_reductions_get_the_deeper_pipeline_on_hopper():
     assert pick_config(4096, 9, k=4096, has_c=False) != HOPPER_LONG_REDUCTION  # k ≈ n: 3 stages
     assert pick_config(4096, 8, k=16384, has_c=False) != HOPPER_LONG_REDUCTION  # Ampere table
     assert pick_config(4096, None, k=16384, has_c=False).block_m == 32  # interpreter: portable
+
+
+@needs_cuda
+@pytest.mark.parametrize("batch,rows,cols,method", [(12, 2048, 2048, "newton_schulz"), (4, 1024, 4096, "gram")])
+def test_gpu_orthogonalize_through_split_and_long_reduction_paths(batch, rows, cols, method):
+    """Batches whose X·Xᵀ goes through the split product (12×2048²) or the 4-stage long-reduction
+    config (R of 4×1024×4096 in Gram NS) stay within 2e-2 of float64 standard NS."""
+    from dion3.bench.kernels import float64_newton_schulz
+    from dion3.ortho.newton_schulz import orthogonalize
+
+    x = torch.randn(batch, rows, cols, device="cuda")
+    if method == "newton_schulz":
+        assert kernels.split_worth_it(x.to(torch.bfloat16), has_c=False)
+    exact = float64_newton_schulz(x)
+    out = orthogonalize(x, method=method)
+    assert float((out.double() - exact).norm() / exact.norm()) < 2e-2
