@@ -27,7 +27,7 @@ EXACT_SCENARIOS = [
     "traffic/fsdp/muon", "traffic/fsdp/dion3_global", "traffic/ddp/muon", "traffic/ddp/dion3_global",
     "traffic/ddp/dion3_local",  # replicated: every rank sees whole matrices, so "local" is exact too
     "fsdp_backward/dion3_global", "ddp_backward/normuon", "resume/fsdp_dion3_global",
-]
+] + [f"partial/{layout}/{name}" for layout in ("fsdp", "ddp") for name in ("normuon", "dion3_global")]
 
 
 def test_hsdp_shard_submesh_matches_single_process(results):

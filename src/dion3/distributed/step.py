@@ -24,7 +24,7 @@ from .. import rules
 from ..kernels import accumulate_momentum
 from .exchange import Traffic, exchange_rows, gather_chunks
 from .mesh import MeshInfo, local_tensor
-from .plan import ShardedBucket, owned_matrices
+from .plan import ShardedBucket, bucket_subset, owned_matrices, write_back_subset
 from .selection import all_rows_plan, global_plan, local_plan, padded_scores
 
 PIPELINE_DEPTH = 4  # buckets in flight at once: enough overlap, bounded extra memory
@@ -42,18 +42,17 @@ def run_step(work: list[tuple[dict, object]], rule_config, mesh: MeshInfo) -> Tr
     traffic = Traffic()
     steps, sizes = [], []
     for group, bucket in work:
-        grads = [p.grad for p in bucket.params]
-        present = [g is not None for g in grads]
-        if not any(present):
+        # Which parameters have gradients must agree across ranks (it does under FSDP2 and DDP,
+        # which reduce every gradient they produce): every rank then runs the same collectives.
+        keep = [i for i, p in enumerate(bucket.params) if p.grad is not None]
+        if not keep:
             continue
-        if not all(present):
-            raise ValueError(
-                "distributed step: some parameters of a bucket (shape "
-                f"{tuple(bucket.shape)}) have no gradient; give every matrix parameter of a group a "
-                "gradient (same on every rank) or move unused ones to their own group"
-            )
         body = sharded_step if isinstance(bucket, ShardedBucket) else replicated_step
-        steps.append(body(bucket, group, rule_config(group), mesh, traffic))
+        if len(keep) == len(bucket.params):
+            steps.append(body(bucket, group, rule_config(group), mesh, traffic))
+        else:  # step a temporary bucket of the parameters with gradients, then write its state back
+            sub, spans = bucket_subset(bucket, keep)
+            steps.append(_then_write_back(body(sub, group, rule_config(group), mesh, traffic), bucket, sub, spans))
         sizes.append(bucket.momentum.numel() * bucket.momentum.element_size())
     interleave(steps, PIPELINE_DEPTH, sizes, _pipeline_budget(sizes, work))
     return traffic
@@ -63,6 +62,11 @@ def _pipeline_budget(sizes: list[int], work) -> float:
     device = work[0][1].momentum.device if work else None
     memory = torch.cuda.get_device_properties(device).total_memory if device is not None and device.type == "cuda" else 0
     return max(PIPELINE_BUDGET * max(sizes, default=0), PIPELINE_MEMORY_SHARE * memory)
+
+
+def _then_write_back(step: Iterator, bucket, sub, spans) -> Iterator:
+    yield from step
+    write_back_subset(bucket, sub, spans)
 
 
 def interleave(steps: list[Iterator], depth: int, sizes: list[int] | None = None, budget: float = float("inf")) -> None:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .. import distributed, rules
+from ..distributed.plan import bucket_subset, write_back_subset
 from . import scalar
 from .validation import (
     ALIASES,
@@ -273,29 +274,9 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         row_scale, variance = rules.row_normalization(ortho, variance, cfg.beta2, cfg.epsilon)
         return ortho, row_scale, variance
 
-    @staticmethod
-    def _offsets(bucket: Bucket) -> list[int]:
-        offsets = [0]
-        for view in bucket.views:
-            offsets.append(offsets[-1] + view.shape[0])
-        return offsets
-
     def _partial_step(self, bucket: Bucket, keep: list[int], group: dict) -> None:
         """Rare path: only some parameters of the bucket have gradients. Step a temporary
         bucket holding copies of their state, then write that state back."""
-        offsets = self._offsets(bucket)
-        spans = [slice(offsets[i], offsets[i + 1]) for i in keep]
-        sub = Bucket(shape=bucket.shape)
-        sub.params = [bucket.params[i] for i in keep]
-        sub.views = [bucket.views[i] for i in keep]
-        sub.momentum = torch.cat([bucket.momentum[s] for s in spans])
-        if bucket.variance is not None:
-            sub.variance = torch.cat([bucket.variance[s] for s in spans])
+        sub, spans = bucket_subset(bucket, keep)
         self._matrix_step(sub, group)
-        start = 0
-        for span in spans:
-            stop = start + span.stop - span.start
-            bucket.momentum[span].copy_(sub.momentum[start:stop])
-            if bucket.variance is not None:
-                bucket.variance[span].copy_(sub.variance[start:stop])
-            start = stop
+        write_back_subset(bucket, sub, spans)
