@@ -94,6 +94,7 @@ CASES = [
     ("dion3-nesterov", lambda: Dion3([{"params": [param(4, 4)], "nesterov": True}]), ValueError, "Dion3 has no Nesterov variant"),
     ("nan-gradient-check-finite", lambda: step_with_grad(float("nan")), FloatingPointError, "non-finite gradient in parameter 'w'"),
     ("inf-gradient-check-finite", lambda: step_with_grad(float("inf")), FloatingPointError, "non-finite gradient in parameter 'w'"),
+    ("overflowing-gradient-norm-check-finite", lambda: step_with_grad(1e20), FloatingPointError, "its norm overflows float32"),
     ("orthogonalize-vector", lambda: orthogonalize(torch.randn(4)), ValueError, "needs a [..., rows, cols] tensor"),
     ("orthogonalize-integer", lambda: orthogonalize(torch.ones(4, 4, dtype=torch.int64)), ValueError, "real floating-point tensor"),
     ("orthogonalize-unknown-method", lambda: orthogonalize(torch.randn(4, 4), method="svd"), ValueError, "unknown orthogonalization method 'svd'"),

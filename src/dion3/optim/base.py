@@ -203,13 +203,25 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         checked = [(g, i, p) for g in self.param_groups for i, p in enumerate(g["params"]) if p.grad is not None]
         if not checked:
             return
-        finite = torch.stack([torch.isfinite(distributed.local_tensor(p.grad)).all() for _, _, p in checked])
+        grads = [distributed.local_tensor(p.grad) for _, _, p in checked]
+        # Entries finite, and the norm too: a float32 norm overflows for entries of ~1e19, and the
+        # orthogonalization's normalization would then turn the update into zeros.
+        finite = torch.stack([torch.isfinite(g).all() for g in grads] + [
+            torch.isfinite(torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)))
+            for g in grads])
         if self._mesh is not None:  # all ranks must agree, or the others would hang in the step
             finite = distributed.all_ranks_true(finite, self._mesh)
         finite = finite.cpu().tolist()
-        for ok, (group, index, _) in zip(finite, checked):
-            if not ok:
-                raise FloatingPointError(f"non-finite gradient in parameter {self._param_label(group, index)}")
+        entries_ok, norms_ok = finite[: len(grads)], finite[len(grads):]
+        for entries, norm, (group, index, _) in zip(entries_ok, norms_ok, checked):
+            label = self._param_label(group, index)
+            if not entries:
+                raise FloatingPointError(f"non-finite gradient in parameter {label}")
+            if not norm:
+                raise FloatingPointError(
+                    f"gradient of parameter {label} is finite but its norm overflows float32 (entries of "
+                    "about 1e19 or more): its orthogonalized update would be zero"
+                )
 
     def _scalar_step(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
