@@ -208,3 +208,13 @@ def test_padded_selection_keeps_selected_rows_and_pads_with_unselected_zero_rows
     update, rows = _padded_selection(torch.tensor([0, 2, 5]), result, count=2, chunk=4, rows_here=3, width=2)
     assert rows.tolist() == [[0, 2], [1, 0]]  # matrix 1: its selected row, then unselected row 0
     assert update.tolist() == [[[1.0, 1.0], [2.0, 2.0]], [[3.0, 3.0], [0.0, 0.0]]]
+
+
+def test_pending_hands_its_buffer_over_once():
+    from dion3.distributed.exchange import Pending
+
+    buffer = torch.arange(4.0)
+    pending = Pending(None, buffer, lambda t: t.view(2, 2))
+    assert pending.wait().data_ptr() == buffer.data_ptr()  # the buffer itself, transformed
+    with pytest.raises(RuntimeError, match="already called"):
+        pending.wait()
