@@ -251,8 +251,8 @@ def scenarios(world: int, rank: int) -> dict:
             error, sent, _, _ = compare_to_single(layout, TRAFFIC, kind, mesh, world, rank, steps=2, **options)
             results["bytes"][f"{layout}/{name}"] = sent
             results["errors"][f"traffic/{layout}/{name}"] = error
-    # MIXED's (64, 96) bucket (parameters 0, 3, 5) loses parameter 3's gradient on even steps;
-    # the (96, 64) bucket has none on odd steps: the step must still match one process.
+    # MIXED's (16, 24) bucket (parameters 0, 3, 5) loses parameter 3's gradient on even steps;
+    # the (24, 16) bucket has none on odd steps: the step must still match one process.
     def partial(step):
         return (3,) if step % 2 == 0 else (1,)
 

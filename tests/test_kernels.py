@@ -239,13 +239,14 @@ def test_gpu_dispatch_uses_kernel_and_orthogonalize_stays_accurate():
 
 
 def test_long_c_free_reductions_get_the_deeper_pipeline_on_hopper():
-    from dion3.kernels.configs import HOPPER_LONG_REDUCTION, pick_config
+    from dion3.kernels.configs import HOPPER_LONG_REDUCTION, pick_config, uses_long_reduction_config
 
     assert pick_config(4096, 9, k=16384, has_c=False) == HOPPER_LONG_REDUCTION
     assert pick_config(4096, 9, k=16384, has_c=True) != HOPPER_LONG_REDUCTION  # a C term: 3 stages
     assert pick_config(4096, 9, k=4096, has_c=False) != HOPPER_LONG_REDUCTION  # k ≈ n: 3 stages
     assert pick_config(4096, 8, k=16384, has_c=False) != HOPPER_LONG_REDUCTION  # Ampere table
     assert pick_config(4096, None, k=16384, has_c=False).block_m == 32  # interpreter: portable
+    assert not uses_long_reduction_config(4096, 16384, False, 8)  # measured on Hopper only
 
 
 @needs_cuda

@@ -83,12 +83,15 @@ def bench_symmetric(dtype: torch.dtype, configs, shapes=SYMMETRIC_SHAPES) -> lis
         cublas_ms = _median_ms(cublas)
         cublas_err = _max_rel_error(cublas(), exact)
         full_flops = 2.0 * batch * n * n * k
-        # Without a sweep: what the optimizer runs (the dispatch, which may split the product).
-        split = not configs and kernels.split_worth_it(a, c is not None and beta != 0.0)
+        # Without a sweep: what the optimizer runs (the dispatch: kernel, split product, or cuBLAS
+        # itself below SYMMETRIC_MIN_N or with kernels off).
         has_c = c is not None and beta != 0.0
+        on_kernel = bool(configs) or (kernels.kernels_enabled() and kernels.symmetric_kernels_available(a.device, n))
+        split = not configs and on_kernel and kernels.split_worth_it(a, has_c)
+        path = "split" if split else "whole" if on_kernel else "cublas"
         for config in configs or (pick_config(n // 2 if split else n, major, k, has_c),):
             row = dict(shape=label, batch=batch, n=n, k=k, product=product, dtype=str(dtype),
-                       config=asdict(config), path="split" if split else "whole", cublas_ms=cublas_ms,
+                       config=asdict(config) if on_kernel else None, path=path, cublas_ms=cublas_ms,
                        cublas_max_rel_err=cublas_err, cublas_tflops=full_flops / cublas_ms / 1e9)
             try:
                 if configs:
@@ -111,8 +114,11 @@ def bench_symmetric(dtype: torch.dtype, configs, shapes=SYMMETRIC_SHAPES) -> lis
 
 def _format_symmetric(row: dict) -> str:
     cfg = row["config"]
-    tag = f"{cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
-        " tma" if cfg["descriptors"] else "") + (" split" if row.get("path") == "split" else "")
+    if cfg is None:
+        tag = "cuBLAS (dispatch)"
+    else:
+        tag = f"{cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
+            " tma" if cfg["descriptors"] else "") + (" split" if row.get("path") == "split" else "")
     head = f"{row['shape']:<22} {tag:<24} cuBLAS {row['cublas_ms']:8.3f} ms"
     if "error" in row:
         return f"{head}  FAILED {row['error']}"

@@ -121,6 +121,8 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
     to_owner, from_owner = plan.send_counts(mesh.rank), plan.recv_counts(mesh.rank)
     sent_rows = exchange_rows(send, to_owner, from_owner, mesh, traffic, "rows")
     sent_variance = variance is not None and exchange_rows(variance, to_owner, from_owner, mesh, traffic, "variance")
+    # The collectives keep what they send alive; this bucket's own references need not wait.
+    send = update = variance = None
     yield
 
     # Owner: whole matrices (or their selected rows), in ascending global row order.

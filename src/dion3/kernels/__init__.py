@@ -20,7 +20,7 @@ from .reference import (
     snapshot_rows_reference,
     symmetric_matmul_reference,
 )
-from .configs import long_reduction
+from .configs import uses_long_reduction_config
 from .split import split_symmetric_matmul
 
 try:  # Triton is optional: CPU-only and non-Linux installs use the reference path.
@@ -101,7 +101,8 @@ def split_worth_it(a, has_c: bool) -> bool:
     n = a.shape[-2]
     if has_c or _transpose_kernel is None or n < SPLIT_MIN_N or n % 256:  # halves: whole 128-row tiles
         return False
-    if long_reduction(n, a.shape[-1], has_c):  # the whole product with 4 stages wins (configs.py)
+    major = torch.cuda.get_device_capability(a.device)[0]
+    if uses_long_reduction_config(n, a.shape[-1], has_c, major):  # the whole 4-stage product wins
         return False
     batch = a.shape[0] if a.dim() == 3 else 1
     tiles = 2 * batch * _symmetric_kernel.lower_tile_count(n // 2, 128, 128)

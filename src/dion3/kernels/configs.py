@@ -71,15 +71,16 @@ def table_for(capability_major: int | None):
     return TABLES.get(capability_major, AMPERE if capability_major > 8 else PORTABLE)
 
 
-def long_reduction(n: int, k: int, has_c: bool) -> bool:
-    """Whether an n×n product over k (without a C term) counts as a long reduction."""
-    return not has_c and n >= 512 and k >= LONG_REDUCTION * n
+def uses_long_reduction_config(n: int, k: int, has_c: bool, capability_major: int | None) -> bool:
+    """Whether an n×n product over k (without a C term) gets the long-reduction config: only
+    on the generation it was measured on (Hopper rows)."""
+    return capability_major in (9, 10) and not has_c and n >= 512 and k >= LONG_REDUCTION * n
 
 
 def pick_config(n: int, capability_major: int | None, k: int | None = None, has_c: bool = True) -> TileConfig:
     """The tile config for an n×n output (reduction length k, with or without a C term) on a
     device of this generation."""
-    if capability_major in (9, 10) and k is not None and long_reduction(n, k, has_c):
+    if k is not None and uses_long_reduction_config(n, k, has_c, capability_major):
         return HOPPER_LONG_REDUCTION
     chosen = None
     for min_n, config in table_for(capability_major):

@@ -183,7 +183,8 @@ def symmetric_matmul_triton(
     """D = alpha·a·b + beta·c with only the lower-triangle tiles computed (D must be symmetric).
 
     a: [B, n, k] or [n, k]; b: [B, k, n] or [k, n] (any strides); c: [B, n, n] or [n, n], or None.
-    config: tile config; None picks one from configs.py for this device and n.
+    config: tile config; None picks one from configs.py for this device, the block size
+    n/panels, the reduction length k and whether there is a C term.
     panels > 1: compute only the panels diagonal blocks of size n/panels (each symmetric) into
     out, leaving the rest of out untouched (kernels/split.py fills it with dense products).
     """
@@ -204,8 +205,9 @@ def symmetric_matmul_triton(
         raise ValueError("panels > 1 fills only the diagonal blocks: pass the output tensor as out")
     if out is None:
         out = torch.empty((n, n) if squeeze else (batch, n, n), dtype=a3.dtype, device=a3.device)
-    elif _as_batched("out", out).shape != (batch, n, n) or out.dtype != a3.dtype:
-        raise ValueError(f"out must be a {a3.dtype} tensor of shape {(batch, n, n)}, got {out.dtype} {tuple(out.shape)}")
+    elif _as_batched("out", out).shape != (batch, n, n) or out.dtype != a3.dtype or out.device != a3.device:
+        raise ValueError(f"out must be a {a3.dtype} tensor of shape {(batch, n, n)} on {a3.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     out3 = _as_batched("out", out)
     block = n // panels
     if batch == 0 or n == 0:
@@ -222,9 +224,10 @@ def symmetric_matmul_triton(
     # TMA only where the operands allow it; the pointer path handles everything else.
     b_transposed = b3.stride(-2) == 1 and b3.stride(-1) != 1
     b_view = b3.mT if b_transposed else b3
-    # (a block's first row/column must also sit on a 16-byte boundary for TMA)
+    # (with panels, each block's first row/column must also sit on a 16-byte boundary: Triton's
+    # interpreter refuses unaligned descriptor offsets)
     use_descriptors = (config.descriptors and _descriptor_ready(a3) and _descriptor_ready(b_view)
-                       and (block * a3.element_size()) % 16 == 0)
+                       and (panels == 1 or (block * a3.element_size()) % 16 == 0))
     a_desc = b_desc = None
     if use_descriptors:
         a_desc = _descriptor(a3, bm, bk)
