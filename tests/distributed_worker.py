@@ -8,6 +8,7 @@ assert on. Not a test module itself (no test_ prefix).
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import torch
@@ -100,6 +101,38 @@ def compare_to_single(layout, shapes, kind, mesh, world, rank, steps=STEPS, with
         ref_opt.step()
     error = max_relative_error(run.weights(), [p.detach() for p in ref.parameters()])
     return error, gather_ints(opt.communication_bytes), run, opt
+
+
+def local_scope_error(mesh, world, rank, fraction=0.25) -> float:
+    """FSDP2 Dion3 with local selection against a one-process float64 emulation of the rule
+    (tests/reference.py): each rank's shard (torch.chunk rows) contributes its own top
+    min(⌈f·chunk⌉, rows held) rows, and their union is orthogonalized as one matrix."""
+    from reference import ReferenceOptimizer
+
+    from dion3 import orthogonalize
+
+    def local_selector(scores, k):
+        rows = scores.shape[0]
+        chunk = -(-rows // world)
+        picked = []
+        for start in range(0, rows, chunk):
+            span = scores[start:start + chunk]
+            take = min(math.ceil(round(fraction * chunk, 9)), span.shape[0])
+            picked.append(torch.argsort(span, descending=True)[:take] + start)
+        return torch.cat(picked)
+
+    run = Run("fsdp", MIXED, mesh, world, rank)
+    opt = make_optimizer("dion3", run.params, run.mesh, selection_scope="local", fraction=fraction)
+    ref = ReferenceOptimizer(
+        run.weights(), "dion3", lr=0.02, weight_decay=0.1, fraction=fraction, selector=local_selector,
+        orthogonalizer=lambda u: orthogonalize(u, "newton_schulz", dtype=torch.float64),
+    )
+    for step in range(STEPS):
+        grads = full_grads(MIXED, step)
+        run.set_grads(grads)
+        opt.step()
+        ref.step(grads)
+    return max_relative_error(run.weights(), [p.float() for p in ref.params])
 
 
 def gather_ints(value: int) -> list[int]:
@@ -260,6 +293,7 @@ def scenarios(world: int, rank: int) -> dict:
         for name, kind, options in (("normuon", "normuon", {}), ("dion3_global", "dion3", {"selection_scope": "global"})):
             error, _, _, _ = compare_to_single(layout, MIXED, kind, mesh, world, rank, without_grad=partial, **options)
             results["errors"][f"partial/{layout}/{name}"] = error
+    results["errors"]["local_scope/fsdp/dion3"] = local_scope_error(mesh, world, rank)
     results["rejected"] = rejected_layouts(mesh, world)
     results["nonfinite_raised"] = nonfinite_raised(mesh, world, rank)
     results["errors"]["fsdp_backward/dion3_global"] = fsdp_backward_error(mesh)

@@ -59,12 +59,15 @@ class ReferenceOptimizer:
         fraction: float = 0.25,
         adjust_lr: Optional[str] = "spectral_norm",
         orthogonalizer: Callable[[Tensor], Tensor] = exact_polar,
+        selector: Optional[Callable[[Tensor, int], Tensor]] = None,
     ):
         assert algorithm in ("muon", "normuon", "dion3")
         self.algorithm = algorithm
         self.lr, self.mu, self.beta2, self.wd, self.eps = lr, mu, muon_beta2, weight_decay, epsilon
         self.nesterov, self.fraction, self.adjust_lr = nesterov, fraction, adjust_lr
         self.orth = orthogonalizer
+        # Dion3's rows from the row scores and k; default: the top k of the whole matrix.
+        self.select = selector or (lambda scores, k: torch.argsort(scores, descending=True)[:k])
         self.params = [p.detach().double().clone() for p in params]
         self.momentum = [torch.zeros_like(p) for p in self.params]
         self.variance = [torch.zeros(*p.shape[:-1], 1, dtype=torch.float64) for p in self.params]
@@ -91,7 +94,7 @@ class ReferenceOptimizer:
             m += g
             scores = m.abs().sum(dim=1)
             k = selected_count(rows, self.fraction)
-            chosen = torch.argsort(scores, descending=True)[:k].sort().values
+            chosen = self.select(scores, k).sort().values
             u = m[chosen].clone()
             m[chosen] *= self.mu
         else:

@@ -27,7 +27,9 @@ EXACT_SCENARIOS = [
     "traffic/fsdp/muon", "traffic/fsdp/dion3_global", "traffic/ddp/muon", "traffic/ddp/dion3_global",
     "traffic/ddp/dion3_local",  # replicated: every rank sees whole matrices, so "local" is exact too
     "fsdp_backward/dion3_global", "ddp_backward/normuon", "resume/fsdp_dion3_global",
-] + [f"partial/{layout}/{name}" for layout in ("fsdp", "ddp") for name in ("normuon", "dion3_global")]
+] + [f"partial/{layout}/{name}" for layout in ("fsdp", "ddp") for name in ("normuon", "dion3_global")] + [
+    "local_scope/fsdp/dion3",  # against a float64 emulation of per-shard selection
+]
 
 
 def test_hsdp_shard_submesh_matches_single_process(results):
@@ -218,3 +220,28 @@ def test_pending_hands_its_buffer_over_once():
     assert pending.wait().data_ptr() == buffer.data_ptr()  # the buffer itself, transformed
     with pytest.raises(RuntimeError, match="already called"):
         pending.wait()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_padded_selection_against_a_row_by_row_reference(seed):
+    """Random selections of different sizes per matrix: applying (update, rows) row by row gives
+    the selected rows their result rows and every other row no change."""
+    from dion3.distributed.step import _padded_selection
+
+    g = torch.Generator().manual_seed(seed)
+    count, chunk = 4, 9
+    rows_here = int(torch.randint(5, chunk + 1, (1,), generator=g))
+    chosen = [sorted(torch.randperm(rows_here, generator=g)[: int(torch.randint(0, rows_here + 1, (1,), generator=g))].tolist())
+              for _ in range(count)]
+    flat = torch.tensor([m * chunk + r for m, rows in enumerate(chosen) for r in rows], dtype=torch.long)
+    result = torch.randn(len(flat), 3, generator=g)
+    width = max(len(rows) for rows in chosen)
+    update, rows = _padded_selection(flat, result, count, chunk, rows_here, width)
+    applied = torch.zeros(count, rows_here, 3)
+    for m in range(count):
+        assert len(set(rows[m].tolist())) == width  # distinct rows: the fused update's position table
+        for j in range(width):
+            applied[m, rows[m, j]] += update[m, j]
+    expected = torch.zeros(count, rows_here, 3)
+    expected.view(-1, 3)[torch.tensor([m * rows_here + r for m, rs in enumerate(chosen) for r in rs], dtype=torch.long)] = result
+    assert torch.equal(applied, expected)
