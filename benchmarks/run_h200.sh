@@ -2,6 +2,7 @@
 # One device call = one or more stages; results under $OUT (the device tool's output folder).
 #   bash benchmarks/run_h200.sh check step cold      # GPU tests, step-time tables, cold first step
 #   bash benchmarks/run_h200.sh train dist            # gpu-small comparison, NCCL distributed script
+#   bash benchmarks/run_h200.sh kernels               # dion3 bench kernels + symmetric-kernel config sweep
 set -uo pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 FINAL=${OUT:-/tmp/dion3-out}; OUT=$(mktemp -d)  # everything lands in $FINAL/results.tgz (the tool returns few files)
@@ -18,6 +19,9 @@ for stage in "$@"; do
       run python3 -m pytest -q -m gpu tests/test_elementwise_kernels.py tests/test_graph.py 2>&1 | tee "$OUT/gpu-tests-quick.txt"
       run dion3 bench --preset llama-8b --optimizers muon,dion3-1/4,dion3-1/8 --steps 10 --warmup 4 --json "$OUT/step-llama-8b-quick.json" 2>&1 | tee "$OUT/step-llama-8b-quick.txt"
       run dion3 bench --preset llama-1b --optimizers muon,dion3-1/4,dion3-1/8 --steps 20 --json "$OUT/step-llama-1b-quick.json" 2>&1 | tee "$OUT/step-llama-1b-quick.txt" ;;
+    kernels)  # what the optimizer runs, then the config sweep (each variant checked against float64)
+      run dion3 bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt"
+      mkdir -p "$OUT/sweep" && OUT="$OUT/sweep" run timeout 300 python3 benchmarks/sweep_symmetric.py 2>&1 | tail -20 | tee "$OUT/sweep.txt" ;;
     cold)
       TRITON_CACHE_DIR=$(mktemp -d) run dion3 bench --preset llama-8b --optimizers dion3-1/4 --steps 10 --warmup 4 \
         --json "$OUT/step-llama-8b-cold.json" 2>&1 | tee "$OUT/step-llama-8b-cold.txt" ;;
