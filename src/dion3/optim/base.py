@@ -204,24 +204,26 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         if not checked:
             return
         grads = [distributed.local_tensor(p.grad) for _, _, p in checked]
-        # Entries finite, and the norm too: a float32 norm overflows for entries of ~1e19, and the
-        # orthogonalization's normalization would then turn the update into zeros.
-        finite = torch.stack([torch.isfinite(g).all() for g in grads] + [
+        # One pass per gradient: the norm is finite iff every entry is finite and the float32 norm
+        # does not overflow (entries of ~1e19, whose orthogonalized update would be zero).
+        finite = torch.stack([
             torch.isfinite(torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)))
             for g in grads])
+        here = finite
         if self._mesh is not None:  # all ranks must agree, or the others would hang in the step
             finite = distributed.all_ranks_true(finite, self._mesh)
-        finite = finite.cpu().tolist()
-        entries_ok, norms_ok = finite[: len(grads)], finite[len(grads):]
-        for entries, norm, (group, index, _) in zip(entries_ok, norms_ok, checked):
+        for ok, ok_here, grad, (group, index, _) in zip(finite.cpu().tolist(), here.cpu().tolist(), grads, checked):
+            if ok:
+                continue
             label = self._param_label(group, index)
-            if not entries:
+            if ok_here:
+                raise FloatingPointError(f"non-finite gradient (or gradient norm) in parameter {label} on another rank")
+            if not bool(torch.isfinite(grad).all()):  # failure path only: which kind of failure
                 raise FloatingPointError(f"non-finite gradient in parameter {label}")
-            if not norm:
-                raise FloatingPointError(
-                    f"gradient of parameter {label} is finite but its norm overflows float32 (entries of "
-                    "about 1e19 or more): its orthogonalized update would be zero"
-                )
+            raise FloatingPointError(
+                f"gradient of parameter {label} is finite but its norm overflows float32 (entries of "
+                "about 1e19 or more): its orthogonalized update would be zero"
+            )
 
     def _scalar_step(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
