@@ -88,9 +88,9 @@ def _orthogonalize(update: Tensor, group: dict) -> Tensor:
     return rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"])
 
 
-def _apply(bucket, update: Tensor, rows, group: dict) -> None:
+def _apply(bucket, update: Tensor, rows, group: dict, row_scale=None) -> None:
     scale = rules.lr_scale(group["adjust_lr"], *bucket.shape)
-    rules.apply_update(bucket.views, update, rows, group["lr"], group["weight_decay"], scale)
+    rules.apply_update(bucket.views, update, rows, group["lr"], group["weight_decay"], scale, row_scale)
 
 
 def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh: MeshInfo, traffic: Traffic):
@@ -206,11 +206,12 @@ def replicated_step(bucket, group: dict, cfg: rules.RuleConfig, mesh: MeshInfo, 
     yield
 
     ortho = gathered.wait().reshape(-1, *update.shape[1:])[:count]
-    if cfg.normalize:
+    row_scale = None
+    if cfg.normalize:  # as on one device: the per-row factors go into the fused update
         old = bucket.variance if rows is None else rules.gather_rows(bucket.variance, rows)
-        ortho, new = rules.normalize_rows(ortho, old, cfg.beta2, cfg.epsilon)
+        row_scale, new = rules.row_normalization(ortho, old, cfg.beta2, cfg.epsilon)
         if rows is None:
             bucket.variance.copy_(new)
         else:
             rules.scatter_rows(bucket.variance, rows, new)
-    _apply(bucket, ortho, rows, group)
+    _apply(bucket, ortho, rows, group, row_scale)
