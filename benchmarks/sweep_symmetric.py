@@ -27,7 +27,7 @@ import torch
 
 from dion3.kernels.configs import TileConfig
 from dion3.kernels.split import split_symmetric_matmul
-from dion3.kernels.symmetric_matmul import symmetric_matmul_triton
+from dion3.kernels.symmetric_matmul import diagonal_blocks_triton, symmetric_matmul_triton
 from dion3.kernels.transpose import transpose_into_triton
 
 STARTED = time.time()
@@ -112,11 +112,7 @@ def variant_product(name, a, b, c, alpha, beta):
     config, split = VARIANTS[name]
     if not split or a.shape[1] % 2:
         return symmetric_matmul_triton(a, b, c, alpha, beta, config=config)
-
-    def diagonal(a, b, c, alpha, beta, out, panels):
-        symmetric_matmul_triton(a, b, c, alpha, beta, config=config, panels=panels, out=out)
-
-    return split_symmetric_matmul(a, b, c, alpha, beta, diagonal, transpose_into_triton)
+    return split_symmetric_matmul(a, b, c, alpha, beta, diagonal_blocks_triton(config), transpose_into_triton)
 
 
 def run_ours(name, a, b, c, alpha, beta):

@@ -16,7 +16,7 @@ import torch
 from dion3.kernels.configs import TileConfig
 from dion3.kernels.post_update import post_update_triton
 from dion3.kernels.split import split_symmetric_matmul
-from dion3.kernels.symmetric_matmul import lower_tile_count, symmetric_matmul_triton
+from dion3.kernels.symmetric_matmul import diagonal_blocks_triton, lower_tile_count, symmetric_matmul_triton
 from dion3.kernels.transpose import transpose_into_triton
 
 # Relative error bound for a fp32-accumulated product rounded to the dtype (one ulp of the
@@ -117,11 +117,7 @@ SPLIT_CASES = (
 def check_split(name, batch, n, k, operand, config, dtype, device="cpu", seed=0):
     generator = torch.Generator().manual_seed(seed)
     a, b, c, alpha, beta = _symmetric_operands(batch, n, k, operand, dtype, device, generator)
-
-    def diagonal(a, b, c, alpha, beta, out, panels):
-        symmetric_matmul_triton(a, b, c, alpha, beta, config=config, panels=panels, out=out)
-
-    out = split_symmetric_matmul(a, b, c, alpha, beta, diagonal, transpose_into_triton)
+    out = split_symmetric_matmul(a, b, c, alpha, beta, diagonal_blocks_triton(config), transpose_into_triton)
     exact = float64_product(a, b, c, alpha, beta)
     error = float((out.double().cpu() - exact).abs().max() / exact.abs().max())
     return dict(kind="split", case=name, dtype=str(dtype), error=error, tol=PRODUCT_TOL[dtype],

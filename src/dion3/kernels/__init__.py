@@ -109,10 +109,6 @@ def split_worth_it(a, has_c: bool) -> bool:
     return tiles >= SPLIT_MIN_WAVES * torch.cuda.get_device_properties(a.device).multi_processor_count
 
 
-def _diagonal_on_kernel(a, b, c, alpha, beta, out, panels) -> None:
-    _symmetric_kernel.symmetric_matmul_triton(a, b, c, alpha, beta, panels=panels, out=out)
-
-
 def symmetric_matmul(a, b, c=None, alpha: float = 1.0, beta: float = 0.0, split: bool | None = None):
     """D = alpha·a·b + beta·c where the caller promises D is symmetric.
 
@@ -128,7 +124,8 @@ def symmetric_matmul(a, b, c=None, alpha: float = 1.0, beta: float = 0.0, split:
     squeeze = a.dim() == 2
     a3, b3 = (a.unsqueeze(0), b.unsqueeze(0)) if squeeze else (a, b)
     c3 = c.unsqueeze(0) if squeeze and c is not None else c
-    out = split_symmetric_matmul(a3, b3, c3, alpha, beta, _diagonal_on_kernel, _transpose_kernel.transpose_into_triton)
+    out = split_symmetric_matmul(a3, b3, c3, alpha, beta, _symmetric_kernel.diagonal_blocks_triton(),
+                                 _transpose_kernel.transpose_into_triton)
     return out[0] if squeeze else out
 
 

@@ -252,3 +252,10 @@ def symmetric_matmul_triton(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+def diagonal_blocks_triton(config: Optional[TileConfig] = None):
+    """The split product's diagonal-block filler (kernels/split.py) on this kernel."""
+    def fill(a, b, c, alpha, beta, out, panels) -> None:
+        symmetric_matmul_triton(a, b, c, alpha, beta, config=config, panels=panels, out=out)
+    return fill
