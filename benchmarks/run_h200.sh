@@ -27,8 +27,8 @@ for stage in "$@"; do
         --json "$OUT/step-llama-8b-cold.json" 2>&1 | tee "$OUT/step-llama-8b-cold.txt" ;;
     train) run timeout 420 python3 -m dion3.cli compare --preset gpu-small --out "$OUT/compare-gpu-small" 2>&1 | tail -40 | tee "$OUT/compare-gpu-small.txt" ;;
     profile)
-      for v in dion3-1/4 dion3-1/8; do
-        run python3 benchmarks/profile_step.py --preset llama-8b --optimizer $v 2>&1 | tee -a "$OUT/profile-llama-8b.txt"
+      for pv in llama-8b:dion3-1/4 llama-8b:muon-gram llama-1b:dion3-1/4; do
+        run python3 benchmarks/profile_step.py --preset "${pv%%:*}" --optimizer "${pv#*:}" 2>&1 | tee -a "$OUT/profile.txt"
       done ;;
     dist) run timeout 300 python3 -m torch.distributed.run --nproc_per_node="${NPROC:-1}" benchmarks/distributed_step.py --out "$OUT/dist" 2>&1 | tail -60 | tee "$OUT/dist.txt" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
