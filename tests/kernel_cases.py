@@ -134,6 +134,21 @@ def check_transpose(device="cpu") -> dict:
     return dict(kind="transpose", case="strided_odd", ok=bool(torch.equal(dst.cpu(), src.mT.cpu())))
 
 
+def check_scaled_transpose(dst_dtype, device="cpu") -> dict:
+    """float32 src (a transposed view, as Newton–Schulz normalizes a tall input) times one
+    factor per matrix, cast to dst_dtype: against float64, in units of the dtype's ulp."""
+    generator = torch.Generator().manual_seed(4)
+    src64 = torch.randn(3, 70, 130, generator=generator, dtype=torch.float64) * 100
+    scale64 = torch.rand(3, 1, 1, generator=generator, dtype=torch.float64) + 0.01
+    src = src64.float().to(device)
+    dst = torch.empty(3, 130, 70, dtype=dst_dtype, device=device)
+    transpose_into_triton(dst, src, scale64.float().to(device))
+    exact = src64.float().double().mT * scale64.float().double()
+    ulps = float(((dst.double().cpu() - exact).abs() / exact.abs().clamp_min(1e-30)).max()) / ULP[dst_dtype]
+    return dict(kind="scaled_transpose", case="per_matrix", dtype=str(dst_dtype), ulps=ulps,
+                source_unchanged=bool(torch.equal(src.cpu(), src64.float())))
+
+
 # (name, param dtype, select rows, decay/step as 0-d tensors, per-row factors: None, "flat"
 # [N, k] or "column" [N, k, 1])
 POST_UPDATE_CASES = tuple(
@@ -206,6 +221,7 @@ def run_all(device="cpu") -> list[dict]:
     results += [check_split(*case, dtype=dtype, device=device)
                 for case in SPLIT_CASES for dtype in (torch.float16, torch.bfloat16)]
     results.append(check_transpose(device))
+    results += [check_scaled_transpose(dtype, device) for dtype in (torch.float16, torch.bfloat16, torch.float32)]
     results += [check_post_update(*case, device=device) for case in POST_UPDATE_CASES]
     results.append(dict(kind="tiles", case="lower_tile_count", ok=tile_count_matches_brute_force()))
     return results

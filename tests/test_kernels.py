@@ -68,6 +68,14 @@ def test_interpreted_transpose_copy_is_exact(interpreted_results):
     assert interpreted_results[("transpose", "strided_odd", None)]["ok"]
 
 
+def test_interpreted_scaled_transpose_rounds_once(interpreted_results):
+    cases = _results_of(interpreted_results, "scaled_transpose")
+    assert len(cases) == 3  # fp16, bf16, fp32 outputs
+    for r in cases:
+        # float32 product, one rounding (the interpreter's bf16 conversion truncates: < 2 ulps)
+        assert r["ulps"] <= 2.0 and r["source_unchanged"], r
+
+
 @pytest.mark.parametrize("batch,n,k,operand", [(1, 6, 5, "gram"), (3, 10, 7, "gram_c"), (2, 8, 8, "square")])
 def test_split_composition_matches_float64(batch, n, k, operand):
     """The split product's blocks (dense lower-left, mirrored upper-right, diagonal blocks)

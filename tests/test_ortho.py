@@ -189,6 +189,24 @@ def test_leading_dims_input_untouched_and_explicit_coefficients():
     torch.testing.assert_close(explicit, out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("method", ["newton_schulz", "gram"])
+@pytest.mark.parametrize("shape", [(3, 12, 20), (3, 20, 12)])  # wide, and tall (transposed inside)
+def test_given_norm_matches_measured_and_tall_results_come_back_contiguous(method, shape):
+    """A caller that passes each matrix's Frobenius norm (the optimizer measures it during the
+    momentum pass) gets the same result as when it is measured here; a wrong norm changes the
+    result (so the argument is really used); tall results come back contiguous (the fused
+    update reads rows directly)."""
+    x = torch.randn(*shape, dtype=torch.float64)
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    measured = orthogonalize(x, method)
+    given = orthogonalize(x, method, norm=norm)
+    torch.testing.assert_close(given, measured, rtol=1e-12, atol=1e-12)
+    assert given.is_contiguous() and measured.is_contiguous()
+    assert (orthogonalize(x, method, norm=norm * 4) - measured).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="norm must have shape"):
+        orthogonalize(x, method, norm=norm[:2])
+
+
 def test_orthogonalize_rejects_bad_input():
     with pytest.raises(ValueError, match="method"):
         orthogonalize(torch.randn(4, 4), "svd")

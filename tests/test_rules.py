@@ -55,10 +55,14 @@ def test_pre_step_muon_momentum(nesterov):
     expected_u = mu * expected_m + grads if nesterov else expected_m
     cfg = rules.RuleConfig(fraction=None, mu=mu, nesterov=nesterov)
     # grads given as per-parameter pieces, the way the optimizer passes them
-    update, rows = rules.pre_step(momentum, [grads[:1], grads[1:]], cfg)
+    update, rows, norm = rules.pre_step(momentum, [grads[:1], grads[1:]], cfg, want_norm=True)
     assert rows is None
     torch.testing.assert_close(momentum, expected_m, rtol=1e-14, atol=0)
     torch.testing.assert_close(update, expected_u, rtol=1e-14, atol=0)
+    if nesterov:  # U = μM + G is never seen by the momentum pass: no norm
+        assert norm is None
+    else:  # the Frobenius norm of each matrix of U, from the pass's row squares
+        torch.testing.assert_close(norm, expected_u.square().sum(dim=(1, 2), keepdim=True).sqrt(), rtol=1e-13, atol=0)
 
 
 def test_pre_step_dion3_selection_and_error_feedback():
@@ -68,7 +72,7 @@ def test_pre_step_dion3_selection_and_error_feedback():
     summed = momentum + grads
     k = selected_count(12, fraction)
     cfg = rules.RuleConfig(fraction=fraction, mu=mu)
-    update, rows = rules.pre_step(momentum, grads, cfg)
+    update, rows, norm = rules.pre_step(momentum, grads, cfg, want_norm=True)
     assert rows.shape == (4, k)
     for b in range(4):
         scores = summed[b].abs().sum(dim=1)
@@ -76,6 +80,8 @@ def test_pre_step_dion3_selection_and_error_feedback():
         assert torch.equal(rows[b].sort().values, expected_rows)
         # U is the snapshot M[S] before error feedback, in the order of `rows`
         torch.testing.assert_close(update[b], summed[b][rows[b]], rtol=1e-14, atol=0)
+        # ‖U‖_F of the selected rows only, before their decay
+        torch.testing.assert_close(norm[b, 0, 0], summed[b][expected_rows].norm(), rtol=1e-13, atol=0)
         unselected = torch.ones(12, dtype=torch.bool)
         unselected[expected_rows] = False
         torch.testing.assert_close(momentum[b][expected_rows], mu * summed[b][expected_rows], rtol=1e-14, atol=0)
@@ -87,8 +93,8 @@ def test_pre_step_dion3_respects_given_rows():
     grads = torch.randn(2, 6, 4, dtype=torch.float64)
     summed = momentum + grads
     given = torch.tensor([[0, 5], [2, 3]])
-    update, rows = rules.pre_step(momentum, grads, rules.RuleConfig(fraction=0.25, mu=0.5), rows=given)
-    assert torch.equal(rows, given)
+    update, rows, norm = rules.pre_step(momentum, grads, rules.RuleConfig(fraction=0.25, mu=0.5), rows=given)
+    assert torch.equal(rows, given) and norm is None  # not asked for
     torch.testing.assert_close(update, torch.stack([summed[0][[0, 5]], summed[1][[2, 3]]]), rtol=0, atol=0)
 
 

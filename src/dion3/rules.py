@@ -78,30 +78,41 @@ def scatter_rows(x: Tensor, rows: Tensor, values: Tensor) -> None:
 
 
 def pre_step(
-    momentum: Tensor, grads: Grads, cfg: RuleConfig, rows: Optional[Tensor] = None
-) -> tuple[Tensor, Optional[Tensor]]:
-    """Update momentum in place and return (U, selected rows).
+    momentum: Tensor, grads: Grads, cfg: RuleConfig, rows: Optional[Tensor] = None, want_norm: bool = False
+) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Update momentum in place and return (U, selected rows, ‖U‖_F or None).
 
     Muon/NorMuon: M ← μM + G; U = M (Nesterov: U = μM + G); rows = None.
     Dion3: M ← M + G; rows = top-k rows by L1 norm (unless given, e.g. chosen globally);
            U = M[rows] (snapshot); M[rows] ← μ·M[rows].
+    want_norm: also return each matrix's Frobenius norm of U ([N, 1, 1], float32 or wider),
+    summed from per-row squares that the momentum pass measures on the way (so Newton–Schulz
+    need not read U again to normalize it); None for Nesterov, whose U that pass never sees.
     """
     if cfg.fraction is None:
-        accumulate_momentum(momentum, grads, cfg.mu, scores=False)
+        measure = want_norm and not cfg.nesterov
+        _, squares = accumulate_momentum(momentum, grads, cfg.mu, scores=False, squares=measure)
         update = _stacked(grads).add(momentum, alpha=cfg.mu) if cfg.nesterov else momentum
-        return update, None
-    scores = accumulate_momentum(momentum, grads, 1.0, scores=rows is None)
+        return update, None, _frobenius(squares)
+    scores, squares = accumulate_momentum(momentum, grads, 1.0, scores=rows is None, squares=want_norm)
     if rows is None:
         rows = top_rows(scores, selected_row_count(momentum.shape[-2], cfg.fraction))
-    return snapshot_rows(momentum, rows, cfg.mu), rows
+    norm = _frobenius(squares.gather(-1, rows)) if want_norm else None
+    return snapshot_rows(momentum, rows, cfg.mu), rows, norm
 
 
-def orthogonalize_rows(update: Tensor, method: str, coefficients) -> Tensor:
+def _frobenius(row_squares: Optional[Tensor]) -> Optional[Tensor]:
+    """[N, R] squared row norms → [N, 1, 1] Frobenius norms (None stays None)."""
+    return None if row_squares is None else row_squares.sum(dim=-1).sqrt().view(-1, 1, 1)
+
+
+def orthogonalize_rows(update: Tensor, method: str, coefficients, norm: Optional[Tensor] = None) -> Tensor:
     """O = Orth(U) [N, k, C], left in the orthogonalizer's compute dtype (half on GPU): the
-    normalization and the fused update read it directly, with no float32 copy of O."""
+    normalization and the fused update read it directly, with no float32 copy of O.
+    norm: ‖U‖_F per matrix when already known (pre_step's want_norm), else measured here."""
     method = resolve_method(update, method)
     out_dtype = default_compute_dtype(update.device, method, update.dtype)
-    return orthogonalize(update, method, coefficients, out_dtype=out_dtype)
+    return orthogonalize(update, method, coefficients, out_dtype=out_dtype, norm=norm)
 
 
 def row_normalization(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float) -> tuple[Tensor, Tensor]:

@@ -139,17 +139,18 @@ def post_update(params, update, rows, decay, step, row_scale=None) -> None:
         post_update_reference(params, update, rows, decay, step, row_scale)
 
 
-def accumulate_momentum(momentum, grads, decay: float, scores: bool):
-    """momentum ← decay·momentum + grads; with scores, return each updated row's L1 norm [N, R]
-    (one fused pass on CUDA). grads: a stacked [N, R, C] tensor or per-parameter pieces."""
+def accumulate_momentum(momentum, grads, decay: float, scores: bool, squares: bool = False):
+    """momentum ← decay·momentum + grads; returns (each updated row's L1 norm if scores, its
+    squared L2 norm if squares), [N, R] tensors or None (one fused pass on CUDA).
+    grads: a stacked [N, R, C] tensor or per-parameter pieces."""
     pieces = [grads] if isinstance(grads, torch.Tensor) else grads
     if (
         _triton_ready(momentum.device)
         and _momentum_kernel is not None
         and _momentum_kernel.fused_accumulate_supported(momentum, pieces)
     ):
-        return _momentum_kernel.accumulate_momentum_triton(momentum, pieces, decay, scores)
-    return accumulate_momentum_reference(momentum, grads, decay, scores)
+        return _momentum_kernel.accumulate_momentum_triton(momentum, pieces, decay, scores, squares)
+    return accumulate_momentum_reference(momentum, grads, decay, scores, squares)
 
 
 def snapshot_rows(momentum, rows, mu: float):
@@ -160,16 +161,44 @@ def snapshot_rows(momentum, rows, mu: float):
     return snapshot_rows_reference(momentum, rows, mu)
 
 
+def _transposed_view(x) -> bool:
+    """x is a [B, R, C] view of a contiguous [B, C, R] tensor (x.mT of it), with R, C > 1."""
+    return x.dim() == 3 and x.shape[-1] > 1 and x.shape[-2] > 1 and not x.is_contiguous() and x.mT.is_contiguous()
+
+
+def _tile_transpose_ready(x, out_dtype) -> bool:
+    return (_triton_ready(x.device) and _transpose_kernel is not None and _transposed_view(x)
+            and x.dtype in _transpose_kernel.SUPPORTED_DTYPES and out_dtype in _transpose_kernel.SUPPORTED_DTYPES)
+
+
 def scale_cast(x, scale, out_dtype):
-    """x · scale written in out_dtype (scale: [N, 1, 1] per matrix or [N, R, 1] per row), one
-    pass on CUDA. A new tensor: the caller's x is never modified."""
+    """x · scale written contiguous in out_dtype (scale: [N, 1, 1] per matrix or [N, R, 1] per
+    row), one pass on CUDA, also for a transposed view x (Newton–Schulz normalizing a tall input
+    into the wide orientation). A new tensor: the caller's x is never modified."""
     if _triton_ready(x.device) and _scale_kernel is not None and _scale_kernel.scale_cast_supported(x, scale, out_dtype):
         return _scale_kernel.scale_cast_triton(x, scale, out_dtype)
+    if _tile_transpose_ready(x, out_dtype) and scale.shape == (x.shape[0], 1, 1):
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        _transpose_kernel.transpose_into_triton(out, x.mT, scale)
+        return out
     return scale_cast_reference(x, scale, out_dtype)
+
+
+def contiguous_cast(x, out_dtype):
+    """x as a contiguous tensor in out_dtype (x itself when it already is one). A transposed
+    view (a tall Newton–Schulz result) is copied tile-wise on CUDA: both sides coalesced."""
+    if x.dtype == out_dtype and x.is_contiguous():
+        return x
+    if _tile_transpose_ready(x, out_dtype):
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        _transpose_kernel.transpose_into_triton(out, x.mT)
+        return out
+    return x.to(out_dtype).contiguous()
 
 
 __all__ = [
     "accumulate_momentum",
+    "contiguous_cast",
     "scale_cast",
     "snapshot_rows",
     "symmetric_matmul",

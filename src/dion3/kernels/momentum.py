@@ -1,6 +1,7 @@
 """Triton fused momentum accumulation: M ← decay·M + G and, optionally, each updated row's L1
-norm (Dion3's selection score) in the same pass — one read of M and G and one write of M,
-where the PyTorch path needs separate passes for scaling, adding and scoring.
+norm (Dion3's selection score) and squared L2 norm (summed into the Frobenius norm that
+Newton–Schulz normalizes by) in the same pass — one read of M and G and one write of M, where
+the PyTorch path needs separate passes for scaling, adding, scoring and the norm.
 
 One launch per parameter (gradients are separate tensors and may be replaced between steps,
 so no pointer table is cached for them); inside a captured graph the launches cost nothing.
@@ -21,12 +22,14 @@ BLOCK_COLS = 512
 
 @triton.jit
 def _accumulate_kernel(
-    momentum_ptr, grad_ptr, scores_ptr, decay, n_rows, C,
-    HAS_DECAY: tl.constexpr, SCORES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    momentum_ptr, grad_ptr, scores_ptr, squares_ptr, decay, n_rows, C,
+    HAS_DECAY: tl.constexpr, SCORES: tl.constexpr, SQUARES: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_inside = rows < n_rows
     total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    total_sq = tl.zeros([BLOCK_R], dtype=tl.float32)
     for start in range(0, C, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
         inside = row_inside[:, None] & (cols[None, :] < C)
@@ -38,10 +41,15 @@ def _accumulate_kernel(
             value = value * decay
         stored = (value + g).to(m.dtype)
         tl.store(momentum_ptr + offsets, stored, mask=inside)
-        if SCORES:  # score what was stored, so the selection sees the rounded momentum
+        # measure what was stored: the selection and the norm see the rounded momentum
+        if SCORES:
             total += tl.sum(tl.abs(stored.to(tl.float32)), axis=1)
+        if SQUARES:
+            total_sq += tl.sum(stored.to(tl.float32) * stored.to(tl.float32), axis=1)
     if SCORES:
         tl.store(scores_ptr + rows, total, mask=row_inside)
+    if SQUARES:
+        tl.store(squares_ptr + rows, total_sq, mask=row_inside)
 
 
 def fused_accumulate_supported(momentum: Tensor, grads: Sequence[Tensor]) -> bool:
@@ -54,24 +62,28 @@ def fused_accumulate_supported(momentum: Tensor, grads: Sequence[Tensor]) -> boo
 
 
 def accumulate_momentum_triton(
-    momentum: Tensor, grads: Sequence[Tensor], decay: float, scores: bool
-) -> Optional[Tensor]:
-    """momentum [N, R, C] (contiguous) ← decay·momentum + concat(grads); grads are [B_i, R, C]."""
+    momentum: Tensor, grads: Sequence[Tensor], decay: float, scores: bool, squares: bool = False
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """momentum [N, R, C] (contiguous) ← decay·momentum + concat(grads); grads are [B_i, R, C].
+    Returns (L1 norm of each updated row if scores, its squared L2 norm if squares), [N, R] float32."""
     n, rows, cols = momentum.shape
-    out = torch.empty((n, rows), dtype=torch.float32, device=momentum.device) if scores else None
+    wanted = lambda flag: torch.empty((n, rows), dtype=torch.float32, device=momentum.device) if flag else None  # noqa: E731
+    out_scores, out_squares = wanted(scores), wanted(squares)
     flat_m = momentum.view(n * rows, cols)
-    flat_s = out.view(n * rows) if scores else flat_m  # placeholder pointer when not scoring
+    # placeholder pointers for outputs not asked for
+    flat_s = out_scores.view(n * rows) if scores else flat_m
+    flat_q = out_squares.view(n * rows) if squares else flat_m
     offset = 0
     for grad in grads:
         count = grad.shape[0] * rows
         grad = grad if grad.is_contiguous() else grad.contiguous()
         grid = (triton.cdiv(count, BLOCK_ROWS),)
         _accumulate_kernel[grid](
-            flat_m[offset:], grad, flat_s[offset:], float(decay), count, cols,
-            HAS_DECAY=decay != 1.0, SCORES=scores, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
+            flat_m[offset:], grad, flat_s[offset:], flat_q[offset:], float(decay), count, cols,
+            HAS_DECAY=decay != 1.0, SCORES=scores, SQUARES=squares, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
         )
         offset += count
-    return out
+    return out_scores, out_squares
 
 
 @triton.jit

@@ -67,21 +67,22 @@ def post_update_reference(
 
 
 def accumulate_momentum_reference(
-    momentum: Tensor, grads: Union[Tensor, Sequence[Tensor]], decay: float, scores: bool
-) -> Optional[Tensor]:
+    momentum: Tensor, grads: Union[Tensor, Sequence[Tensor]], decay: float, scores: bool, squares: bool = False
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """momentum [N, R, C] ← decay·momentum + grads, where grads is a stacked tensor or the
     per-parameter [B_i, R, C] pieces (added through views: no stacking copy). Returns the L1
-    norm of each updated row ([N, R], at least float32) when scores is set."""
+    norm of each updated row if scores and its squared L2 norm if squares ([N, R], float32 or
+    wider: float64 momentum keeps float64), else None in their places."""
     if decay != 1.0:
         momentum.mul_(decay)
     if isinstance(grads, Tensor):
         momentum.add_(grads)
     else:
         torch._foreach_add_(list(momentum.split([g.shape[0] for g in grads])), list(grads))
-    if not scores:
-        return None
-    # float32 or wider: float64 momentum keeps float64 scores
-    return torch.linalg.vector_norm(momentum, ord=1, dim=-1, dtype=torch.promote_types(momentum.dtype, torch.float32))
+    dtype = torch.promote_types(momentum.dtype, torch.float32)
+    l1 = torch.linalg.vector_norm(momentum, ord=1, dim=-1, dtype=dtype) if scores else None
+    l2_squared = torch.linalg.vector_norm(momentum, dim=-1, dtype=dtype).square() if squares else None
+    return l1, l2_squared
 
 
 def snapshot_rows_reference(momentum: Tensor, rows: Tensor, mu: float) -> Tensor:

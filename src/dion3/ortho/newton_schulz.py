@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..kernels import scale_cast, symmetric_matmul, symmetric_speedup
+from ..kernels import contiguous_cast, scale_cast, symmetric_matmul, symmetric_speedup
 from .coefficients import CoefficientSpec, Schedule, get_schedule
 from .restarts import default_restarts
 
@@ -48,11 +48,12 @@ def default_compute_dtype(device: torch.device, method: str, input_dtype: torch.
     return torch.float16 if method == "gram" else torch.bfloat16
 
 
-def _normalized_wide(x: Tensor, schedule: Schedule, dtype: torch.dtype) -> tuple[Tensor, bool]:
+def _normalized_wide(x: Tensor, schedule: Schedule, dtype: torch.dtype, norm: Optional[Tensor] = None) -> tuple[Tensor, bool]:
     transposed = x.shape[-2] > x.shape[-1]
     if transposed:
         x = x.mT
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
+    if norm is None:
+        norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
     inverse = 1.0 / (norm * schedule.norm_scale + _NORM_EPS)
     # Out of place (never the caller's tensor), computed in x's precision and written straight
     # into the compute dtype: no float32 copy of the batch, no fp16 overflow before scaling.
@@ -104,6 +105,7 @@ def orthogonalize(
     restarts: Optional[Sequence[int]] = None,
     dtype: Optional[torch.dtype] = None,
     out_dtype: Optional[torch.dtype] = None,
+    norm: Optional[Tensor] = None,
 ) -> Tensor:
     """Approximate polar factor of x ([..., rows, cols]), returned in x's dtype.
 
@@ -113,6 +115,8 @@ def orthogonalize(
     autotuned default for the schedule (one restart).
     dtype: compute dtype; None means bf16 (NS) / fp16 (Gram) on CUDA and float32 on CPU.
     out_dtype: dtype of the result; None means x's dtype.
+    norm: the Frobenius norm of each matrix of x (shape [B, 1, 1] for the flattened batch of B
+    matrices) when the caller already knows it; None measures it.
     """
     if method not in METHODS:
         raise ValueError(f"unknown orthogonalization method {method!r}; expected one of {METHODS}")
@@ -128,14 +132,17 @@ def orthogonalize(
     batch = x.reshape(-1, rows, cols)
     if batch.shape[0] == 0 or rows == 0 or cols == 0:
         return torch.zeros_like(x, dtype=out_dtype or x.dtype)
-    wide, transposed = _normalized_wide(batch, schedule, dtype)
+    if norm is not None and norm.shape != (batch.shape[0], 1, 1):
+        raise ValueError(f"norm must have shape {(batch.shape[0], 1, 1)} (one per matrix), got {tuple(norm.shape)}")
+    wide, transposed = _normalized_wide(batch, schedule, dtype, norm)
     if method == "gram":
         if restarts is None:
             restarts = default_restarts(schedule)
         out = gram_newton_schulz(wide, schedule, restarts)
     else:
         out = newton_schulz(wide, schedule)
-    if transposed:
-        out = out.mT
-    # contiguous: the fused update kernel reads rows directly (tall inputs come back transposed)
-    return out.to(out_dtype or x.dtype, memory_format=torch.contiguous_format).reshape(*lead, rows, cols)
+    # Contiguous, also for tall inputs (whose result comes back transposed): the fused update
+    # kernel reads rows directly. (.to(memory_format=contiguous_format) would return the
+    # transposed view unchanged: a 3-D view's suggested memory format is already "contiguous".)
+    out = contiguous_cast(out.mT if transposed else out, out_dtype or x.dtype)
+    return out.reshape(*lead, rows, cols)
