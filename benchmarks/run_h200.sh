@@ -22,6 +22,12 @@ for stage in "$@"; do
     kernels)  # what the optimizer runs, then the config sweep (each variant checked against float64)
       run dion3 bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt"
       mkdir -p "$OUT/sweep" && OUT="$OUT/sweep" run timeout 300 python3 benchmarks/sweep_symmetric.py 2>&1 | tail -20 | tee "$OUT/sweep.txt" ;;
+    elementwise)  # block sizes of the memory-bound kernels
+      OUT="$OUT" run timeout 420 python3 benchmarks/sweep_elementwise.py 2>&1 | tee "$OUT/sweep-elementwise.txt" ;;
+    tall)  # the variants with tall (transposed) matrices and the Dion3 headline rows
+      run python3 -m pytest -q -m gpu tests/test_elementwise_kernels.py tests/test_kernels.py tests/test_graph.py tests/test_ortho.py 2>&1 | tee "$OUT/gpu-tests-tall.txt"
+      run dion3 bench --preset llama-8b --optimizers muon-gram,normuon,dion3-1/2,dion3-1/4 --steps 10 --warmup 4 --json "$OUT/step-llama-8b-tall.json" 2>&1 | tee "$OUT/step-llama-8b-tall.txt"
+      run dion3 bench --preset llama-1b --optimizers muon-gram,dion3-1/4 --steps 20 --json "$OUT/step-llama-1b-tall.json" 2>&1 | tee "$OUT/step-llama-1b-tall.txt" ;;
     cold)
       TRITON_CACHE_DIR=$(mktemp -d) run dion3 bench --preset llama-8b --optimizers dion3-1/4 --steps 10 --warmup 4 \
         --json "$OUT/step-llama-8b-cold.json" 2>&1 | tee "$OUT/step-llama-8b-cold.txt" ;;

@@ -18,6 +18,7 @@ from torch import Tensor
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_ROWS = 4
 BLOCK_COLS = 512
+NUM_WARPS = 4  # block sizes and warps: benchmarks/sweep_elementwise.py
 
 
 @triton.jit
@@ -81,6 +82,7 @@ def accumulate_momentum_triton(
         _accumulate_kernel[grid](
             flat_m[offset:], grad, flat_s[offset:], flat_q[offset:], float(decay), count, cols,
             HAS_DECAY=decay != 1.0, SCORES=scores, SQUARES=squares, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
+            num_warps=NUM_WARPS,
         )
         offset += count
     return out_scores, out_squares
@@ -109,5 +111,6 @@ def snapshot_rows_triton(momentum: Tensor, rows: Tensor, mu: float) -> Tensor:
     k = rows.shape[-1]
     out = torch.empty((n, k, c), dtype=momentum.dtype, device=momentum.device)
     grid = (n, triton.cdiv(k, BLOCK_ROWS), triton.cdiv(c, BLOCK_COLS))
-    _snapshot_kernel[grid](momentum, rows.contiguous(), out, float(mu), r, c, k, BLOCK_K=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
+    _snapshot_kernel[grid](momentum, rows.contiguous(), out, float(mu), r, c, k, BLOCK_K=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
+                          num_warps=NUM_WARPS)
     return out

@@ -20,6 +20,7 @@ from .reference import row_scale_column
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_ROWS = 4
 BLOCK_COLS = 512
+NUM_WARPS = 4  # block sizes and warps: benchmarks/sweep_elementwise.py
 
 _pointer_tables: dict = {}
 
@@ -138,5 +139,5 @@ def post_update_triton(
         R, C, k,
         HAS_ROWS=rows is not None, HAS_SCALE=row_scale is not None,
         DECAY_IS_POINTER=decay_is_pointer, STEP_IS_POINTER=step_is_pointer,
-        BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4,
+        BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=NUM_WARPS,
     )

@@ -14,6 +14,7 @@ from torch import Tensor
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_ROWS = 4
 BLOCK_COLS = 1024
+NUM_WARPS = 4  # block sizes and warps: benchmarks/sweep_elementwise.py
 
 
 @triton.jit
@@ -52,6 +53,6 @@ def scale_cast_triton(x: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tenso
     grid = (triton.cdiv(n * rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
     _scale_cast_kernel[grid](
         x, scale.float().contiguous(), out, n * rows, rows, cols,
-        PER_ROW=per_row, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
+        PER_ROW=per_row, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=NUM_WARPS,
     )
     return out
