@@ -7,6 +7,7 @@ restores them, and prints one table per kernel and shape plus JSON under $OUT. U
 
     PYTHONPATH=src python3 benchmarks/sweep_elementwise.py
 """
+import importlib
 import itertools
 import json
 import os
@@ -14,7 +15,8 @@ import os
 import torch
 import triton
 
-from dion3.kernels import momentum, post_update, scale
+# by module path: dion3.kernels re-exports a function named post_update over the module's name
+momentum, post_update, scale = (importlib.import_module(f"dion3.kernels.{name}") for name in ("momentum", "post_update", "scale"))
 
 # (label, params in the bucket, rows, cols): one Llama-8B gate/up-sized slice (16 of its 64
 # matrices, to keep memory small) and the Llama-1B k/v bucket (small matrices: many launches).
