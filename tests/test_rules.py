@@ -55,7 +55,7 @@ def test_pre_step_muon_momentum(nesterov):
     expected_u = mu * expected_m + grads if nesterov else expected_m
     cfg = rules.RuleConfig(fraction=None, mu=mu, nesterov=nesterov)
     # grads given as per-parameter pieces, the way the optimizer passes them
-    update, rows, norm = rules.pre_step(momentum, [grads[:1], grads[1:]], cfg, want_norm=True)
+    update, rows, norm, _ = rules.pre_step(momentum, [grads[:1], grads[1:]], cfg, want_norm=True)
     assert rows is None
     torch.testing.assert_close(momentum, expected_m, rtol=1e-14, atol=0)
     torch.testing.assert_close(update, expected_u, rtol=1e-14, atol=0)
@@ -72,7 +72,7 @@ def test_pre_step_dion3_selection_and_error_feedback():
     summed = momentum + grads
     k = selected_count(12, fraction)
     cfg = rules.RuleConfig(fraction=fraction, mu=mu)
-    update, rows, norm = rules.pre_step(momentum, grads, cfg, want_norm=True)
+    update, rows, norm, _ = rules.pre_step(momentum, grads, cfg, want_norm=True)
     assert rows.shape == (4, k)
     for b in range(4):
         scores = summed[b].abs().sum(dim=1)
@@ -88,12 +88,45 @@ def test_pre_step_dion3_selection_and_error_feedback():
         torch.testing.assert_close(momentum[b][unselected], summed[b][unselected], rtol=1e-14, atol=0)
 
 
+@pytest.mark.parametrize("method", ["newton_schulz", "gram"])
+def test_pre_step_scaled_snapshot_is_newton_schulz_input(method):
+    """With scaling, Dion3's snapshot writes U / (norm_scale·‖U‖_F + ε) (what orthogonalize
+    would make of U) and marks it normalized; the momentum changes exactly as without it, and
+    orthogonalizing the normalized snapshot gives the same O as orthogonalizing U."""
+    from dion3.ortho import input_scaling
+
+    mu, fraction = 0.8, 0.25
+    momentum = torch.randn(3, 16, 10, dtype=torch.float64)
+    grads = torch.randn(3, 16, 10, dtype=torch.float64)
+    plain_m = momentum.clone()
+    cfg = rules.RuleConfig(fraction=fraction, mu=mu)
+    u, rows, _, normalized = rules.pre_step(plain_m, grads, cfg)
+    assert not normalized
+    scaling = input_scaling(4, 10, "cpu", method, "polar_express", torch.float64)
+    assert scaling.norm_scale == 1.02 and scaling.dtype == torch.float64
+    x, rows_scaled, norm, normalized = rules.pre_step(momentum, grads, cfg, scaling=scaling)
+    assert normalized and torch.equal(rows_scaled, rows)
+    torch.testing.assert_close(momentum, plain_m, rtol=0, atol=0)
+    expected = u / (1.02 * u.square().sum(dim=(1, 2), keepdim=True).sqrt() + 1e-7)
+    torch.testing.assert_close(x, expected, rtol=1e-13, atol=0)
+    from_snapshot = rules.orthogonalize_rows(x, method, "polar_express", normalized=True)
+    from_u = rules.orthogonalize_rows(u, method, "polar_express")
+    torch.testing.assert_close(from_snapshot, from_u, rtol=1e-12, atol=1e-12)
+
+
+def test_input_scaling_none_for_tall_selections():
+    from dion3.ortho import input_scaling
+
+    assert input_scaling(12, 10, "cpu") is None  # tall: orthogonalize transposes it first
+    assert input_scaling(10, 10, "cpu") is not None
+
+
 def test_pre_step_dion3_respects_given_rows():
     momentum = torch.randn(2, 6, 4, dtype=torch.float64)
     grads = torch.randn(2, 6, 4, dtype=torch.float64)
     summed = momentum + grads
     given = torch.tensor([[0, 5], [2, 3]])
-    update, rows, norm = rules.pre_step(momentum, grads, rules.RuleConfig(fraction=0.25, mu=0.5), rows=given)
+    update, rows, norm, _ = rules.pre_step(momentum, grads, rules.RuleConfig(fraction=0.25, mu=0.5), rows=given)
     assert torch.equal(rows, given) and norm is None  # not asked for
     torch.testing.assert_close(update, torch.stack([summed[0][[0, 5]], summed[1][[2, 3]]]), rtol=0, atol=0)
 

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from .kernels import accumulate_momentum, post_update, scale_cast, snapshot_rows
 from .ortho import orthogonalize
-from .ortho.newton_schulz import default_compute_dtype, resolve_method
+from .ortho.newton_schulz import InputScaling, default_compute_dtype, input_scaling, resolve_method
 
 Grads = Union[Tensor, Sequence[Tensor]]
 ADJUST_LR = ("spectral_norm", "rms_norm", None)
@@ -77,10 +77,18 @@ def scatter_rows(x: Tensor, rows: Tensor, values: Tensor) -> None:
     x.scatter_(-2, rows.unsqueeze(-1).expand(*rows.shape, x.shape[-1]), values)
 
 
+class PreStep(NamedTuple):
+    update: Tensor  # U, or (normalized) U already scaled for Newton–Schulz in its compute dtype
+    rows: Optional[Tensor]  # selected rows [N, k] (Dion3), None for every row
+    norm: Optional[Tensor]  # ‖U‖_F per matrix [N, 1, 1] when measured on the way, else None
+    normalized: bool = False  # update is orthogonalize's normalized input (normalized=True)
+
+
 def pre_step(
-    momentum: Tensor, grads: Grads, cfg: RuleConfig, rows: Optional[Tensor] = None, want_norm: bool = False
-) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-    """Update momentum in place and return (U, selected rows, ‖U‖_F or None).
+    momentum: Tensor, grads: Grads, cfg: RuleConfig, rows: Optional[Tensor] = None, want_norm: bool = False,
+    scaling: Optional[InputScaling] = None,
+) -> PreStep:
+    """Update momentum in place and return U with the selected rows (and what else is known).
 
     Muon/NorMuon: M ← μM + G; U = M (Nesterov: U = μM + G); rows = None.
     Dion3: M ← M + G; rows = top-k rows by L1 norm (unless given, e.g. chosen globally);
@@ -88,17 +96,34 @@ def pre_step(
     want_norm: also return each matrix's Frobenius norm of U ([N, 1, 1], float32 or wider),
     summed from per-row squares that the momentum pass measures on the way (so Newton–Schulz
     need not read U again to normalize it); None for Nesterov, whose U that pass never sees.
+    scaling (Dion3 only, from ortho.input_scaling for the [N, k, C] selection): the snapshot
+    writes U already normalized in Newton–Schulz's compute dtype (normalized=True), sparing
+    the float32 copy of U and the pass that scales it.
     """
     if cfg.fraction is None:
         measure = want_norm and not cfg.nesterov
         _, squares = accumulate_momentum(momentum, grads, cfg.mu, scores=False, squares=measure)
         update = _stacked(grads).add(momentum, alpha=cfg.mu) if cfg.nesterov else momentum
-        return update, None, _frobenius(squares)
-    scores, squares = accumulate_momentum(momentum, grads, 1.0, scores=rows is None, squares=want_norm)
+        return PreStep(update, None, _frobenius(squares))
+    measure = want_norm or scaling is not None
+    scores, squares = accumulate_momentum(momentum, grads, 1.0, scores=rows is None, squares=measure)
     if rows is None:
         rows = top_rows(scores, selected_row_count(momentum.shape[-2], cfg.fraction))
-    norm = _frobenius(squares.gather(-1, rows)) if want_norm else None
-    return snapshot_rows(momentum, rows, cfg.mu), rows, norm
+    norm = _frobenius(squares.gather(-1, rows)) if measure else None
+    if scaling is None:
+        return PreStep(snapshot_rows(momentum, rows, cfg.mu), rows, norm)
+    return PreStep(snapshot_rows(momentum, rows, cfg.mu, scaling.factor(norm), scaling.dtype), rows, norm, True)
+
+
+def snapshot_scaling(momentum: Tensor, cfg: RuleConfig, group: dict) -> Optional[InputScaling]:
+    """pre_step's scaling for a Dion3 bucket with a wide selection (k ≤ cols), so that its
+    snapshot writes Newton–Schulz's normalized input; None otherwise. group supplies the
+    orthogonalizer and ns_coefficients."""
+    if cfg.fraction is None:
+        return None
+    rows, cols = momentum.shape[-2:]
+    return input_scaling(selected_row_count(rows, cfg.fraction), cols, momentum.device,
+                         group["orthogonalizer"], group["ns_coefficients"], momentum.dtype)
 
 
 def _frobenius(row_squares: Optional[Tensor]) -> Optional[Tensor]:
@@ -106,11 +131,16 @@ def _frobenius(row_squares: Optional[Tensor]) -> Optional[Tensor]:
     return None if row_squares is None else row_squares.sum(dim=-1).sqrt().view(-1, 1, 1)
 
 
-def orthogonalize_rows(update: Tensor, method: str, coefficients, norm: Optional[Tensor] = None) -> Tensor:
+def orthogonalize_rows(
+    update: Tensor, method: str, coefficients, norm: Optional[Tensor] = None, normalized: bool = False
+) -> Tensor:
     """O = Orth(U) [N, k, C], left in the orthogonalizer's compute dtype (half on GPU): the
     normalization and the fused update read it directly, with no float32 copy of O.
-    norm: ‖U‖_F per matrix when already known (pre_step's want_norm), else measured here."""
+    norm: ‖U‖_F per matrix when already known (pre_step's want_norm), else measured here;
+    normalized: update is already Newton–Schulz's normalized input (pre_step with scaling)."""
     method = resolve_method(update, method)
+    if normalized:  # already in the compute dtype
+        return orthogonalize(update, method, coefficients, dtype=update.dtype, normalized=True)
     out_dtype = default_compute_dtype(update.device, method, update.dtype)
     return orthogonalize(update, method, coefficients, out_dtype=out_dtype, norm=norm)
 

@@ -84,8 +84,8 @@ def interleave(steps: list[Iterator], depth: int, sizes: list[int] | None = None
             active.append(entry)
 
 
-def _orthogonalize(update: Tensor, group: dict, norm: Optional[Tensor] = None) -> Tensor:
-    return rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"], norm)
+def _orthogonalize(update: Tensor, group: dict, norm: Optional[Tensor] = None, normalized: bool = False) -> Tensor:
+    return rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"], norm, normalized)
 
 
 def _apply(bucket, update: Tensor, rows, group: dict, row_scale=None) -> None:
@@ -98,7 +98,7 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
     grads = [local_tensor(p.grad).reshape(1, rows_here, cols) for p in bucket.params]
     real = bucket.momentum[:, :rows_here]
     if cfg.fraction is None:  # Muon / NorMuon: every real row goes to its matrix's owner
-        update, _, _ = rules.pre_step(real, grads, cfg)
+        update = rules.pre_step(real, grads, cfg).update
         plan = all_rows_plan(bucket)
         send = update.reshape(-1, cols)
     else:  # Dion3: M ← M + G, select, snapshot the selected rows, decay them (error feedback)
@@ -197,12 +197,15 @@ def replicated_step(bucket, group: dict, cfg: rules.RuleConfig, mesh: MeshInfo, 
     from ..optim.base import matrix_view  # deferred: optim.base imports this package
 
     grads = [matrix_view(local_tensor(p.grad), group["flatten"]) for p in bucket.params]
-    update, rows, norm = rules.pre_step(bucket.momentum, grads, cfg, want_norm=True)
+    scaling = rules.snapshot_scaling(bucket.momentum, cfg, group)
+    update, rows, norm, normalized = rules.pre_step(bucket.momentum, grads, cfg, want_norm=True, scaling=scaling)
     count = update.shape[0]
     mine = owned_matrices(count, mesh.world_size, mesh.rank)
-    block = update.new_zeros((-(-count // mesh.world_size), *update.shape[1:]))
     owned_norm = None if norm is None else norm[mine.start : mine.stop]
-    block[: len(mine)] = _orthogonalize(update[mine.start : mine.stop], group, owned_norm)
+    owned = _orthogonalize(update[mine.start : mine.stop], group, owned_norm, normalized)
+    # in O's dtype (the compute dtype, the same on every rank): no wider than it on the wire
+    block = owned.new_zeros((-(-count // mesh.world_size), *update.shape[1:]))
+    block[: len(mine)] = owned
     gathered = gather_chunks(block, mesh, traffic, "rows")
     yield
 

@@ -153,12 +153,15 @@ def accumulate_momentum(momentum, grads, decay: float, scores: bool, squares: bo
     return accumulate_momentum_reference(momentum, grads, decay, scores, squares)
 
 
-def snapshot_rows(momentum, rows, mu: float):
+def snapshot_rows(momentum, rows, mu: float, scale=None, out_dtype=None):
     """Dion3's snapshot with error feedback: return U = momentum[rows] and scale those rows of
-    momentum by mu (one pass over the selected rows on CUDA). rows: [N, k] int64."""
-    if _triton_ready(momentum.device) and _momentum_kernel is not None and _momentum_kernel.fused_accumulate_supported(momentum, []):
-        return _momentum_kernel.snapshot_rows_triton(momentum, rows, mu)
-    return snapshot_rows_reference(momentum, rows, mu)
+    momentum by mu (one pass over the selected rows on CUDA). rows: [N, k] int64.
+    scale ([N, 1, 1], one factor per matrix) and out_dtype: return U·scale in out_dtype."""
+    if (_triton_ready(momentum.device) and _momentum_kernel is not None
+            and _momentum_kernel.fused_accumulate_supported(momentum, [])
+            and (out_dtype is None or out_dtype in _momentum_kernel.SUPPORTED_DTYPES)):
+        return _momentum_kernel.snapshot_rows_triton(momentum, rows, mu, scale, out_dtype)
+    return snapshot_rows_reference(momentum, rows, mu, scale, out_dtype)
 
 
 def _transposed_view(x) -> bool:

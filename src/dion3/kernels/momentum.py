@@ -92,8 +92,8 @@ def accumulate_momentum_triton(
 
 @triton.jit
 def _snapshot_kernel(
-    momentum_ptr, rows_ptr, out_ptr, mu, R, C, k,
-    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+    momentum_ptr, rows_ptr, out_ptr, scale_ptr, mu, R, C, k,
+    SCALED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     matrix = tl.program_id(0).to(tl.int64)
     slots = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -103,16 +103,25 @@ def _snapshot_kernel(
     inside = slot_inside[:, None] & (cols[None, :] < C)
     source = (matrix * R + rows[:, None]) * C + cols[None, :]
     value = tl.load(momentum_ptr + source, mask=inside, other=0.0)
-    tl.store(out_ptr + (matrix * k + slots[:, None]) * C + cols[None, :], value, mask=inside)
+    copied = value
+    if SCALED:  # float32 math, one rounding to the output dtype
+        copied = value.to(tl.float32) * tl.load(scale_ptr + matrix)
+    tl.store(out_ptr + (matrix * k + slots[:, None]) * C + cols[None, :], copied.to(out_ptr.dtype.element_ty), mask=inside)
     tl.store(momentum_ptr + source, (value.to(tl.float32) * mu).to(value.dtype), mask=inside)
 
 
-def snapshot_rows_triton(momentum: Tensor, rows: Tensor, mu: float) -> Tensor:
-    """U = momentum[rows] and momentum[rows] ← mu·momentum[rows], in one pass over the rows."""
+def snapshot_rows_triton(
+    momentum: Tensor, rows: Tensor, mu: float, scale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None
+) -> Tensor:
+    """U = momentum[rows] and momentum[rows] ← mu·momentum[rows], in one pass over the rows.
+    scale ([N, 1, 1] float32, one per matrix) and out_dtype: write U·scale in out_dtype instead
+    (Dion3 writes Newton–Schulz's normalized half-precision input directly)."""
     n, r, c = momentum.shape
     k = rows.shape[-1]
-    out = torch.empty((n, k, c), dtype=momentum.dtype, device=momentum.device)
+    out = torch.empty((n, k, c), dtype=out_dtype or momentum.dtype, device=momentum.device)
+    scale_arg = out if scale is None else scale.reshape(n).to(torch.float32).contiguous()
     grid = (n, triton.cdiv(k, BLOCK_ROWS), triton.cdiv(c, BLOCK_COLS))
-    _snapshot_kernel[grid](momentum, rows.contiguous(), out, float(mu), r, c, k, BLOCK_K=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
+    _snapshot_kernel[grid](momentum, rows.contiguous(), out, scale_arg, float(mu), r, c, k,
+                          SCALED=scale is not None, BLOCK_K=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
                           num_warps=NUM_WARPS)
     return out

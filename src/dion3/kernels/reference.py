@@ -85,12 +85,17 @@ def accumulate_momentum_reference(
     return l1, l2_squared
 
 
-def snapshot_rows_reference(momentum: Tensor, rows: Tensor, mu: float) -> Tensor:
-    """U = momentum[rows] (a copy) and momentum[rows] ← mu·momentum[rows]; rows: [N, k]."""
+def snapshot_rows_reference(
+    momentum: Tensor, rows: Tensor, mu: float, scale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None
+) -> Tensor:
+    """U = momentum[rows] (a copy) and momentum[rows] ← mu·momentum[rows]; rows: [N, k].
+    With scale ([N, 1, 1]) returns U·scale in out_dtype (default: momentum's) instead."""
     index = rows.unsqueeze(-1).expand(*rows.shape, momentum.shape[-1])
     update = momentum.gather(-2, index)
     momentum.scatter_(-2, index, update * mu)
-    return update
+    if scale is None:
+        return update if out_dtype in (None, update.dtype) else update.to(out_dtype)
+    return scale_cast_reference(update, scale, out_dtype or update.dtype)
 
 
 def scale_cast_reference(x: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:

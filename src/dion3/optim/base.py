@@ -263,11 +263,12 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             return self._partial_step(bucket, with_grad, group)
         cfg = self.rule_config(group)
         grads = [matrix_view(p.grad, group["flatten"]) for p in bucket.params]
-        update, rows, norm = rules.pre_step(bucket.momentum, grads, cfg, want_norm=True)
+        update, rows, norm, normalized = rules.pre_step(
+            bucket.momentum, grads, cfg, want_norm=True, scaling=rules.snapshot_scaling(bucket.momentum, cfg, group))
         variance = None
         if cfg.normalize:
             variance = bucket.variance if rows is None else rules.gather_rows(bucket.variance, rows)
-        ortho, row_scale, variance = self._orthogonalize(update, variance, cfg, group, norm)
+        ortho, row_scale, variance = self._orthogonalize(update, variance, cfg, group, norm, normalized)
         if variance is not None:
             if rows is None:
                 bucket.variance.copy_(variance)
@@ -278,12 +279,12 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
 
     def _orthogonalize(
         self, update: Tensor, variance: Optional[Tensor], cfg: rules.RuleConfig, group: dict,
-        norm: Optional[Tensor] = None,
+        norm: Optional[Tensor] = None, normalized: bool = False,
     ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
         """O = Orth(U) for U [N, k, cols] and, for NorMuon/Dion3, its per-row normalization
         factors and new variance: (O, row_scale or None, variance or None). The factors are
         applied inside the fused post-update, so no normalized copy of O is written."""
-        ortho = rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"], norm)
+        ortho = rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"], norm, normalized)
         if variance is None:
             return ortho, None, None
         row_scale, variance = rules.row_normalization(ortho, variance, cfg.beta2, cfg.epsilon)

@@ -1,10 +1,10 @@
 """Orthogonalization: coefficient schedules, Newton–Schulz, Gram Newton–Schulz, restarts, metrics."""
 from .coefficients import JORDAN, POLAR_EXPRESS, SCHEDULES, YOU, Schedule, get_schedule
-from .newton_schulz import choose_method, gram_newton_schulz, newton_schulz, orthogonalize
+from .newton_schulz import InputScaling, choose_method, gram_newton_schulz, input_scaling, newton_schulz, orthogonalize
 from .restarts import autotune_restarts, default_restarts, worst_condition
 
 __all__ = [
     "JORDAN", "POLAR_EXPRESS", "SCHEDULES", "YOU", "Schedule", "get_schedule",
-    "choose_method", "gram_newton_schulz", "newton_schulz", "orthogonalize",
+    "InputScaling", "choose_method", "gram_newton_schulz", "input_scaling", "newton_schulz", "orthogonalize",
     "autotune_restarts", "default_restarts", "worst_condition",
 ]

@@ -5,6 +5,7 @@ first and processed in the wide orientation (rows ≤ cols); tall inputs are tra
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -33,10 +34,13 @@ def choose_method(rows: int, cols: int, symmetric_speedup: float = 1.0) -> str:
 
 def resolve_method(x: Tensor, method: str) -> str:
     """The concrete method "auto" stands for on this input (see choose_method)."""
+    return _resolve(x.shape[-2], x.shape[-1], x.device, method)
+
+
+def _resolve(rows: int, cols: int, device: torch.device, method: str) -> str:
     if method != "auto":
         return method
-    rows, cols = x.shape[-2], x.shape[-1]
-    return choose_method(rows, cols, symmetric_speedup(x.device, min(rows, cols)))
+    return choose_method(rows, cols, symmetric_speedup(device, min(rows, cols)))
 
 
 def default_compute_dtype(device: torch.device, method: str, input_dtype: torch.dtype = torch.float32) -> torch.dtype:
@@ -48,16 +52,42 @@ def default_compute_dtype(device: torch.device, method: str, input_dtype: torch.
     return torch.float16 if method == "gram" else torch.bfloat16
 
 
-def _normalized_wide(x: Tensor, schedule: Schedule, dtype: torch.dtype, norm: Optional[Tensor] = None) -> tuple[Tensor, bool]:
+@dataclass(frozen=True)
+class InputScaling:
+    """How orthogonalize prepares a wide input x: X = x / (norm_scale·‖x‖_F + ε), written in
+    dtype. A caller that copies x anyway (Dion3's snapshot of the selected rows) can write X
+    directly and pass normalized=True, saving Newton–Schulz a pass over its input."""
+
+    dtype: torch.dtype
+    norm_scale: float
+
+    def factor(self, norm: Tensor) -> Tensor:
+        """The factor per matrix (norm: ‖x‖_F, float32 or wider)."""
+        return 1.0 / (norm * self.norm_scale + _NORM_EPS)
+
+
+def input_scaling(
+    rows: int, cols: int, device: torch.device, method: str = "auto",
+    coefficients: CoefficientSpec = "polar_express", input_dtype: torch.dtype = torch.float32,
+) -> Optional[InputScaling]:
+    """The scaling orthogonalize(x, method, coefficients) applies to a rows×cols input on this
+    device; None for tall inputs (rows > cols), which are transposed first."""
+    if rows > cols:
+        return None
+    method = _resolve(rows, cols, torch.device(device), method)
+    return InputScaling(default_compute_dtype(torch.device(device), method, input_dtype),
+                        get_schedule(coefficients).norm_scale)
+
+
+def _normalized_wide(x: Tensor, scaling: InputScaling, norm: Optional[Tensor] = None) -> tuple[Tensor, bool]:
     transposed = x.shape[-2] > x.shape[-1]
     if transposed:
         x = x.mT
     if norm is None:
         norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
-    inverse = 1.0 / (norm * schedule.norm_scale + _NORM_EPS)
     # Out of place (never the caller's tensor), computed in x's precision and written straight
     # into the compute dtype: no float32 copy of the batch, no fp16 overflow before scaling.
-    return scale_cast(x, inverse, dtype), transposed
+    return scale_cast(x, scaling.factor(norm), scaling.dtype), transposed
 
 
 def newton_schulz(x: Tensor, schedule: Schedule) -> Tensor:
@@ -106,6 +136,7 @@ def orthogonalize(
     dtype: Optional[torch.dtype] = None,
     out_dtype: Optional[torch.dtype] = None,
     norm: Optional[Tensor] = None,
+    normalized: bool = False,
 ) -> Tensor:
     """Approximate polar factor of x ([..., rows, cols]), returned in x's dtype.
 
@@ -117,6 +148,8 @@ def orthogonalize(
     out_dtype: dtype of the result; None means x's dtype.
     norm: the Frobenius norm of each matrix of x (shape [B, 1, 1] for the flattened batch of B
     matrices) when the caller already knows it; None measures it.
+    normalized: x is already wide (rows ≤ cols), divided by norm_scale·‖x‖_F + ε and in the
+    compute dtype (see input_scaling); it is then used as is.
     """
     if method not in METHODS:
         raise ValueError(f"unknown orthogonalization method {method!r}; expected one of {METHODS}")
@@ -134,7 +167,13 @@ def orthogonalize(
         return torch.zeros_like(x, dtype=out_dtype or x.dtype)
     if norm is not None and norm.shape != (batch.shape[0], 1, 1):
         raise ValueError(f"norm must have shape {(batch.shape[0], 1, 1)} (one per matrix), got {tuple(norm.shape)}")
-    wide, transposed = _normalized_wide(batch, schedule, dtype, norm)
+    if normalized:
+        if rows > cols or batch.dtype != dtype:
+            raise ValueError(f"normalized=True needs a wide input (rows ≤ cols) in the compute dtype {dtype}, "
+                             f"got {rows}×{cols} in {batch.dtype}")
+        wide, transposed = batch, False
+    else:
+        wide, transposed = _normalized_wide(batch, InputScaling(dtype, schedule.norm_scale), norm)
     if method == "gram":
         if restarts is None:
             restarts = default_restarts(schedule)
