@@ -16,10 +16,13 @@ Each row reads: for outputs with n ≥ min_n, use this config (the last matching
   tma_store          with descriptors: store tiles strictly below the diagonal and their
                      mirrors through TMA descriptors of D (unmasked); diagonal tiles and
                      unaligned outputs keep masked pointer stores
+  max_registers      cap on registers per thread (Triton's maxnreg), None for the compiler's
+                     choice; a low cap can fit two programs on one SM
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class TileConfig:
     num_stages: int
     descriptors: bool = False
     tma_store: bool = False
+    max_registers: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.block_n % self.block_m:

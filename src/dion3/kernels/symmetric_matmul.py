@@ -241,6 +241,7 @@ def symmetric_matmul_triton(
         dt_desc = d_desc if bm == bn else _descriptor(out3, bn, bm)
     c_arg = c3 if has_c else out3
     grid = (lower_tile_count(block, bm, bn), batch * panels)
+    options = {} if config.max_registers is None else {"maxnreg": config.max_registers}
     _symmetric_matmul_kernel[grid](
         a3, b3, c_arg, out3, a_desc, b_desc, d_desc, dt_desc,
         block, k, panels,
@@ -249,7 +250,7 @@ def symmetric_matmul_triton(
         HAS_C=has_c, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=b_transposed, TMA_STORE=use_tma_store,
         EVEN_K=(k % bk == 0), UPCAST_DOT=(_interpreting() and a3.dtype == torch.bfloat16),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RATIO=bn // bm,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **options,
     )
     return out
 
