@@ -126,7 +126,8 @@ def owner_blocks(shapes, world: int):
 
 
 def expected_bytes(layout, kind, scope, shapes, world, contributed) -> list[int]:
-    """Hand count of the bytes each rank sends (float32 rows, fp32 variance and scores).
+    """Hand count of the bytes each rank sends (float32 rows, fp32 variance and scores, and under
+    fsdp one float32 sum of squares per matrix all-reduced per bucket, counted as a ring).
     contributed[s][i]: rows of matrix i that rank s sends for orthogonalization (fsdp), or
     the rows per matrix of the orthogonalized block (ddp, the same on every rank)."""
     sent = [0] * world
@@ -138,6 +139,7 @@ def expected_bytes(layout, kind, scope, shapes, world, contributed) -> list[int]
         row_bytes = cols * 4 + (4 if kind != "muon" else 0)  # + one variance value per row
         chunk = -(-rows // world)
         for r in range(world):
+            sent[r] += 2 * len(members) * 4 * (world - 1) // world  # the norms' all-reduce
             if kind == "dion3" and scope == "global":  # all-gather of one score per padded row
                 sent[r] += len(members) * chunk * 4 * (world - 1)
             for i, owner in zip(members, owners):

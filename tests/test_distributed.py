@@ -88,7 +88,8 @@ def test_global_scope_moves_exactly_k_rows_of_each_matrix(results):
 
 
 def _muon_fsdp_bytes(shapes, world: int, rank: int, itemsize: int = 4) -> int:
-    """Hand count: rows of matrices owned elsewhere go out, whole matrices' other rows come back."""
+    """Hand count: rows of matrices owned elsewhere go out, whole matrices' other rows come back;
+    per bucket, one float32 sum of squares per matrix is all-reduced (a ring: 2·(W−1)/W of it)."""
     total = 0
     for shape in sorted(set(shapes), key=shapes.index):
         count, (rows, cols) = shapes.count(shape), shape
@@ -96,6 +97,7 @@ def _muon_fsdp_bytes(shapes, world: int, rank: int, itemsize: int = 4) -> int:
         owned = len(range(count)[rank * block : (rank + 1) * block])
         held = _rows_on(rows, world, rank)
         total += ((count - owned) * held + owned * (rows - held)) * cols * itemsize
+        total += 2 * count * 4 * (world - 1) // world
     return total
 
 
@@ -165,6 +167,34 @@ def test_single_rank_group_matches_single_process(tmp_path):
             error, sent, _, _ = worker.compare_to_single(layout, worker.MIXED, kind, mesh, 1, 0, **options)
             assert error <= TOLERANCE, (layout, kind, error)
             assert sent == [0]  # nothing leaves a single rank
+    finally:
+        dist.destroy_process_group()
+
+
+def test_half_precision_rows_on_the_wire_match_single_process(tmp_path, monkeypatch):
+    """With a half-precision compute dtype (as on GPU: bf16 for NS, fp16 for Gram NS) the sharded
+    step sends rows already normalized in that dtype and the owner orthogonalizes them as they
+    are; forced here on CPU for both the one-rank group and the single-process reference."""
+    import importlib
+
+    from dion3 import rules
+
+    newton_schulz = importlib.import_module("dion3.ortho.newton_schulz")  # the package re-exports a function of that name
+
+    def half(device, method, input_dtype=torch.float32):
+        return torch.float16 if method == "gram" else torch.bfloat16
+
+    monkeypatch.setattr(newton_schulz, "default_compute_dtype", half)
+    monkeypatch.setattr(rules, "default_compute_dtype", half)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (1,))
+        for kind, options in (("muon", {}), ("normuon", {}), ("dion3", {"selection_scope": "local"}),
+                              ("dion3", {"selection_scope": "global"})):
+            error, _, _, _ = worker.compare_to_single("fsdp", worker.MIXED, kind, mesh, 1, 0, **options)
+            assert error <= 3e-2, (kind, options, error)  # half-precision NS on both sides
     finally:
         dist.destroy_process_group()
 

@@ -114,11 +114,20 @@ def test_pre_step_scaled_snapshot_is_newton_schulz_input(method):
     torch.testing.assert_close(from_snapshot, from_u, rtol=1e-12, atol=1e-12)
 
 
-def test_input_scaling_none_for_tall_selections():
+def test_tall_normalized_snapshot_matches_orthogonalizing_u():
+    """A tall selection (k > cols): the normalized snapshot is transposed inside orthogonalize."""
     from dion3.ortho import input_scaling
 
-    assert input_scaling(12, 10, "cpu") is None  # tall: orthogonalize transposes it first
-    assert input_scaling(10, 10, "cpu") is not None
+    momentum = torch.randn(2, 40, 8, dtype=torch.float64)
+    grads = torch.randn(2, 40, 8, dtype=torch.float64)
+    cfg = rules.RuleConfig(fraction=0.5, mu=0.9)
+    u, rows, _, _ = rules.pre_step(momentum.clone(), grads, cfg)
+    scaling = input_scaling(20, 8, "cpu", "newton_schulz", "polar_express", torch.float64)
+    x, _, _, normalized = rules.pre_step(momentum, grads, cfg, scaling=scaling)
+    assert normalized and x.shape == (2, 20, 8)
+    got = rules.orthogonalize_rows(x, "newton_schulz", "polar_express", normalized=True)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, rules.orthogonalize_rows(u, "newton_schulz", "polar_express"), rtol=1e-12, atol=1e-12)
 
 
 def test_pre_step_dion3_respects_given_rows():

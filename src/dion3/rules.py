@@ -116,9 +116,9 @@ def pre_step(
 
 
 def snapshot_scaling(momentum: Tensor, cfg: RuleConfig, group: dict) -> Optional[InputScaling]:
-    """pre_step's scaling for a Dion3 bucket with a wide selection (k ≤ cols), so that its
-    snapshot writes Newton–Schulz's normalized input; None otherwise. group supplies the
-    orthogonalizer and ns_coefficients."""
+    """pre_step's scaling for a Dion3 bucket, so that its snapshot writes Newton–Schulz's
+    normalized input; None for Muon/NorMuon (their U is the momentum itself, no copy to fuse
+    into). group supplies the orthogonalizer and ns_coefficients."""
     if cfg.fraction is None:
         return None
     rows, cols = momentum.shape[-2:]

@@ -79,6 +79,14 @@ def gather_chunks(chunk: Tensor, mesh: MeshInfo, traffic: Traffic, kind: str) ->
     return Pending(work, out, lambda gathered: gathered.view(mesh.world_size, *chunk.shape))
 
 
+def sum_across(values: Tensor, mesh: MeshInfo, traffic: Traffic, kind: str) -> Pending:
+    """All-reduce (sum) of a small tensor over the ranks (counted as a ring: 2·(W−1)/W of it)."""
+    values = values.contiguous()
+    traffic.add(kind, 2 * values.numel() * values.element_size() * (mesh.world_size - 1) // max(mesh.world_size, 1))
+    work = dist.all_reduce(values, op=dist.ReduceOp.SUM, group=mesh.group, async_op=True)
+    return Pending(work, values)
+
+
 def owner_slots(counts_mine: Tensor, per_matrix: int) -> Tensor:
     """Where each received row belongs in the owner's [n, K, ...] matrices.
 

@@ -15,14 +15,15 @@ Replicated (DDP): identical pre-step everywhere → each rank orthogonalizes its
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
 
 from .. import rules
-from ..kernels import accumulate_momentum
-from .exchange import Traffic, exchange_rows, gather_chunks
+from ..kernels import accumulate_momentum, scale_cast
+from ..ortho import input_scaling
+from .exchange import Traffic, exchange_rows, gather_chunks, sum_across
 from .mesh import MeshInfo, local_tensor
 from .plan import ShardedBucket, bucket_subset, owned_matrices, write_back_subset
 from .selection import all_rows_plan, global_plan, local_plan, padded_scores
@@ -97,12 +98,18 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
     rows_here, cols, chunk, count = bucket.local_rows, bucket.shape[1], bucket.chunk, bucket.count
     grads = [local_tensor(p.grad).reshape(1, rows_here, cols) for p in bucket.params]
     real = bucket.momentum[:, :rows_here]
+    # Rows travel already normalized for Newton–Schulz, in its half-precision compute dtype (half
+    # the bytes of float32 rows): each rank sums the squares of the rows it contributes per
+    # matrix, one small all-reduce gives every matrix's ‖U‖_F, and every rank scales its own rows.
     if cfg.fraction is None:  # Muon / NorMuon: every real row goes to its matrix's owner
-        update = rules.pre_step(real, grads, cfg).update
+        update, _, norm, _ = rules.pre_step(real, grads, cfg, want_norm=True)
         plan = all_rows_plan(bucket)
-        send = update.reshape(-1, cols)
+        if norm is None:  # Nesterov's U = μM + G is not seen by the momentum pass
+            norm = torch.linalg.vector_norm(update, dim=(-2, -1), dtype=torch.float32)
+        partial = norm.reshape(count).square()
+        unscaled, row_matrix = update, None
     else:  # Dion3: M ← M + G, select, snapshot the selected rows, decay them (error feedback)
-        accumulate_momentum(real, grads, 1.0, scores=False)  # scores come from the plan
+        _, squares = accumulate_momentum(real, grads, 1.0, scores=False, squares=True)  # scores: the plan's
         if group["selection_scope"] == "local":
             plan = local_plan(bucket, real, cfg.fraction)
         else:
@@ -110,8 +117,22 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
             yield
             plan = global_plan(bucket, scores.wait(), cfg.fraction)
         flat = bucket.momentum.view(-1, cols)
-        send = flat.index_select(0, plan.rows)
-        flat.index_copy_(0, plan.rows, send * cfg.mu)
+        unscaled = flat.index_select(0, plan.rows)
+        flat.index_copy_(0, plan.rows, unscaled * cfg.mu)
+        row_matrix = torch.div(plan.rows, chunk, rounding_mode="floor")
+        padded_squares = squares.new_zeros((count, chunk))
+        padded_squares[:, :rows_here] = squares
+        partial = torch.zeros(count, dtype=squares.dtype, device=squares.device).index_add_(
+            0, row_matrix, padded_squares.view(-1).index_select(0, plan.rows))
+    scaling = input_scaling(plan.per_matrix(), cols, real.device, group["orthogonalizer"], group["ns_coefficients"],
+                            real.dtype)
+    total = sum_across(partial, mesh, traffic, "norms")
+    yield
+    factor = scaling.factor(total.wait().sqrt())  # [count]
+    if row_matrix is None:
+        send = scale_cast(unscaled, factor.view(count, 1, 1), scaling.dtype).view(-1, cols)
+    else:
+        send = scale_cast(unscaled.unsqueeze(0), factor.index_select(0, row_matrix).view(1, -1, 1), scaling.dtype)[0]
     variance = None
     if cfg.normalize:
         variance = bucket.variance[:, :rows_here].reshape(-1, 1) if plan.rows is None else (
@@ -122,7 +143,7 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
     sent_rows = exchange_rows(send, to_owner, from_owner, mesh, traffic, "rows")
     sent_variance = variance is not None and exchange_rows(variance, to_owner, from_owner, mesh, traffic, "variance")
     # The collectives keep what they send alive; this bucket's own references need not wait.
-    send = update = variance = None
+    send = update = unscaled = variance = None
     yield
 
     # Owner: whole matrices (or their selected rows), in ascending global row order.
@@ -131,7 +152,7 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
     # One rank receives its own rows in matrix order: the placement is the identity.
     slots = None if mesh.world_size == 1 else slots
     matrices = _place(sent_rows.wait(), slots, (owned, per_matrix, cols))
-    ortho = _orthogonalize(matrices, group)
+    ortho = _orthogonalize(matrices, group, normalized=True)
     del matrices  # the bucket's received rows (a placed copy or the receive buffer itself)
     if sent_variance:
         old = _place(sent_variance.wait(), slots, (owned, per_matrix, 1))

@@ -69,11 +69,9 @@ class InputScaling:
 def input_scaling(
     rows: int, cols: int, device: torch.device, method: str = "auto",
     coefficients: CoefficientSpec = "polar_express", input_dtype: torch.dtype = torch.float32,
-) -> Optional[InputScaling]:
+) -> InputScaling:
     """The scaling orthogonalize(x, method, coefficients) applies to a rows×cols input on this
-    device; None for tall inputs (rows > cols), which are transposed first."""
-    if rows > cols:
-        return None
+    device (tall inputs are scaled the same way, then transposed)."""
     method = _resolve(rows, cols, torch.device(device), method)
     return InputScaling(default_compute_dtype(torch.device(device), method, input_dtype),
                         get_schedule(coefficients).norm_scale)
@@ -148,8 +146,8 @@ def orthogonalize(
     out_dtype: dtype of the result; None means x's dtype.
     norm: the Frobenius norm of each matrix of x (shape [B, 1, 1] for the flattened batch of B
     matrices) when the caller already knows it; None measures it.
-    normalized: x is already wide (rows ≤ cols), divided by norm_scale·‖x‖_F + ε and in the
-    compute dtype (see input_scaling); it is then used as is.
+    normalized: x is already divided by norm_scale·‖x‖_F + ε and in the compute dtype (see
+    input_scaling); it is used as is (a tall x is copied into the wide orientation).
     """
     if method not in METHODS:
         raise ValueError(f"unknown orthogonalization method {method!r}; expected one of {METHODS}")
@@ -168,10 +166,10 @@ def orthogonalize(
     if norm is not None and norm.shape != (batch.shape[0], 1, 1):
         raise ValueError(f"norm must have shape {(batch.shape[0], 1, 1)} (one per matrix), got {tuple(norm.shape)}")
     if normalized:
-        if rows > cols or batch.dtype != dtype:
-            raise ValueError(f"normalized=True needs a wide input (rows ≤ cols) in the compute dtype {dtype}, "
-                             f"got {rows}×{cols} in {batch.dtype}")
-        wide, transposed = batch, False
+        if batch.dtype != dtype:
+            raise ValueError(f"normalized=True needs an input in the compute dtype {dtype}, got {batch.dtype}")
+        transposed = rows > cols
+        wide = contiguous_cast(batch.mT, dtype) if transposed else batch
     else:
         wide, transposed = _normalized_wide(batch, InputScaling(dtype, schedule.norm_scale), norm)
     if method == "gram":
