@@ -6,7 +6,8 @@ Every rank runs the same buckets in the same order and every bucket issues the s
 collectives on every rank (also ranks holding zero rows), so collectives always match.
 
 Row-sharded (FSDP2 Shard(0)):  pre-step on local rows → [Dion3 global: all-gather row scores]
-  → all-to-all of the contributed rows (+ their variances) to each matrix's owner → owner
+  → all-reduce of per-matrix squared norms → all-to-all of the contributed rows, normalized in
+  Newton–Schulz's compute dtype (+ their variances), to each matrix's owner → owner
   orthogonalizes its whole matrices as one batch (+ NorMuon normalization) → all-to-all back
   → apply locally with the global shape's lr scale.
 Replicated (DDP): identical pre-step everywhere → each rank orthogonalizes its 1/W of the
