@@ -62,22 +62,24 @@ def local_select_count(bucket: ShardedBucket, fraction: float, rank: int) -> int
     return min(rules.selected_row_count(bucket.chunk, fraction), bucket.rows_of(rank))
 
 
-def local_plan(bucket: ShardedBucket, real_momentum: Tensor, fraction: float) -> RowPlan:
-    """Each rank's own top rows by L1 norm; counts are static, so no host sync is needed."""
+def local_plan(bucket: ShardedBucket, scores: Tensor, fraction: float) -> RowPlan:
+    """Each rank's own top rows by L1 norm (scores: [N, local rows], from the momentum pass);
+    counts are static, so no host sync is needed."""
     counts = [[local_select_count(bucket, fraction, s)] * bucket.count for s in range(bucket.world_size)]
     slots = _static_slots(bucket, ("local", fraction), counts)
     k = counts[bucket.rank][0]
     if k == 0:
-        return RowPlan(counts, real_momentum.new_empty((0,), dtype=torch.long), slots)
-    rows = rules.top_rows(rules.row_scores(real_momentum), k)
+        return RowPlan(counts, scores.new_empty((0,), dtype=torch.long), slots)
+    rows = rules.top_rows(scores, k)
     return RowPlan(counts, _flatten_rows(rows, bucket.chunk), slots)
 
 
-def padded_scores(bucket: ShardedBucket, real_momentum: Tensor) -> Tensor:
-    """[N, chunk] float32 scores of this rank's rows; padding rows score −1 (real scores are ≥ 0)."""
-    scores = real_momentum.new_full((bucket.count, bucket.chunk), -1.0, dtype=torch.float32)
-    scores[:, : bucket.local_rows] = rules.row_scores(real_momentum)
-    return scores
+def padded_scores(bucket: ShardedBucket, scores: Tensor) -> Tensor:
+    """[N, chunk] float32 scores of this rank's rows (scores: [N, local rows] L1 norms);
+    padding rows score −1 (real scores are ≥ 0)."""
+    padded = scores.new_full((bucket.count, bucket.chunk), -1.0, dtype=torch.float32)
+    padded[:, : bucket.local_rows] = scores
+    return padded
 
 
 def global_plan(bucket: ShardedBucket, gathered_scores: Tensor, fraction: float) -> RowPlan:

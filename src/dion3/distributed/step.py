@@ -110,11 +110,11 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
         partial = norm.reshape(count).square()
         unscaled, row_matrix = update, None
     else:  # Dion3: M ← M + G, select, snapshot the selected rows, decay them (error feedback)
-        _, squares = accumulate_momentum(real, grads, 1.0, scores=False, squares=True)  # scores: the plan's
+        scores, squares = accumulate_momentum(real, grads, 1.0, scores=True, squares=True)
         if group["selection_scope"] == "local":
-            plan = local_plan(bucket, real, cfg.fraction)
+            plan = local_plan(bucket, scores, cfg.fraction)
         else:
-            scores = gather_chunks(padded_scores(bucket, real), mesh, traffic, "scores")
+            scores = gather_chunks(padded_scores(bucket, scores), mesh, traffic, "scores")
             yield
             plan = global_plan(bucket, scores.wait(), cfg.fraction)
         flat = bucket.momentum.view(-1, cols)
