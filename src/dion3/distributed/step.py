@@ -106,7 +106,7 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
         update, _, norm, _ = rules.pre_step(real, grads, cfg, want_norm=True)
         plan = all_rows_plan(bucket)
         if norm is None:  # Nesterov's U = μM + G is not seen by the momentum pass
-            norm = torch.linalg.vector_norm(update, dim=(-2, -1), dtype=torch.float32)
+            norm = torch.linalg.vector_norm(update, dim=(-2, -1), dtype=torch.promote_types(update.dtype, torch.float32))
         partial = norm.reshape(count).square()
         unscaled, row_matrix = update, None
     else:  # Dion3: M ← M + G, select, snapshot the selected rows, decay them (error feedback)

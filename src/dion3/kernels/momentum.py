@@ -95,8 +95,9 @@ def _snapshot_kernel(
     momentum_ptr, rows_ptr, out_ptr, scale_ptr, mu, R, C, k,
     SCALED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    matrix = tl.program_id(0).to(tl.int64)
-    slots = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    # row blocks on grid axis 0 (up to 2³¹ − 1 programs; axes 1 and 2 stop at 65535)
+    slots = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    matrix = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     slot_inside = slots < k
     rows = tl.load(rows_ptr + matrix * k + slots, mask=slot_inside, other=0)
@@ -120,7 +121,7 @@ def snapshot_rows_triton(
     k = rows.shape[-1]
     out = torch.empty((n, k, c), dtype=out_dtype or momentum.dtype, device=momentum.device)
     scale_arg = out if scale is None else scale.reshape(n).to(torch.float32).contiguous()
-    grid = (n, triton.cdiv(k, BLOCK_ROWS), triton.cdiv(c, BLOCK_COLS))
+    grid = (triton.cdiv(k, BLOCK_ROWS), n, triton.cdiv(c, BLOCK_COLS))
     _snapshot_kernel[grid](momentum, rows.contiguous(), out, scale_arg, float(mu), r, c, k,
                           SCALED=scale is not None, BLOCK_K=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
                           num_warps=NUM_WARPS)

@@ -42,8 +42,9 @@ def _post_update_kernel(
     DECAY_IS_POINTER: tl.constexpr, STEP_IS_POINTER: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    matrix = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    # row blocks on grid axis 0 (up to 2³¹ − 1 programs; axes 1 and 2 stop at 65535)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    matrix = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     inside = (rows[:, None] < R) & (cols[None, :] < C)
     param = tl.load(pointer_table + matrix).to(tl.pointer_type(dtype_probe.dtype.element_ty))
@@ -132,7 +133,7 @@ def post_update_triton(
         position.scatter_(1, rows.long(), order)
     decay_is_pointer = isinstance(decay, Tensor)
     step_is_pointer = isinstance(step, Tensor)
-    grid = (total, triton.cdiv(R, BLOCK_ROWS), triton.cdiv(C, BLOCK_COLS))
+    grid = (triton.cdiv(R, BLOCK_ROWS), total, triton.cdiv(C, BLOCK_COLS))
     _post_update_kernel[grid](
         _pointer_table(params, update.device), params[0], update, position, scale,
         decay if decay_is_pointer else float(decay), step if step_is_pointer else float(step),
