@@ -120,11 +120,9 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
         flat = bucket.momentum.view(-1, cols)
         unscaled = flat.index_select(0, plan.rows)
         flat.index_copy_(0, plan.rows, unscaled * cfg.mu)
-        row_matrix = torch.div(plan.rows, chunk, rounding_mode="floor")
-        padded_squares = squares.new_zeros((count, chunk))
-        padded_squares[:, :rows_here] = squares
-        partial = torch.zeros(count, dtype=squares.dtype, device=squares.device).index_add_(
-            0, row_matrix, padded_squares.view(-1).index_select(0, plan.rows))
+        row_matrix = torch.div(plan.rows, chunk, rounding_mode="floor")  # plan.rows index [N·chunk]
+        picked = squares[row_matrix, plan.rows - row_matrix * chunk]  # padding rows are never picked
+        partial = squares.new_zeros(count).index_add_(0, row_matrix, picked)
     scaling = input_scaling(plan.per_matrix(), cols, real.device, group["orthogonalizer"], group["ns_coefficients"],
                             real.dtype)
     total = sum_across(partial, mesh, traffic, "norms")
