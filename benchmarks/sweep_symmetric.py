@@ -53,8 +53,10 @@ def _cfg(bm, bn, stages=3, **flags):
 # can share an SM and one's epilogue overlaps the other's main loop.
 STORE = _cfg(128, 128, tma_store=True)
 VARIANTS = {  # name: (diagonal/whole-product config, split)
-    "store": (STORE, False),  # the table's config
-    "reg128": (_cfg(128, 128, tma_store=True, max_registers=128), False),
+    "store": (STORE, False),  # the table's config before the register cap
+    "reg128": (_cfg(128, 128, tma_store=True, max_registers=128), False),  # the table's config now
+    "reg112": (_cfg(128, 128, tma_store=True, max_registers=112), False),
+    "reg144": (_cfg(128, 128, tma_store=True, max_registers=144), False),
     "reg128_s2": (_cfg(128, 128, stages=2, tma_store=True, max_registers=128), False),
     "s4": (_cfg(128, 128, stages=4, tma_store=True), False),
     "split": (STORE, True),
@@ -202,6 +204,23 @@ def time_shapes(usable, device, dry):
     return rows
 
 
+def compiled_resources() -> list[dict]:
+    """Registers, spills and shared memory of every compiled symmetric-kernel variant (which
+    tells whether two programs fit on one SM: 65536 registers and ~227 KB shared per SM)."""
+    from dion3.kernels.symmetric_matmul import _symmetric_matmul_kernel
+
+    found = []
+    try:
+        for caches in _symmetric_matmul_kernel.device_caches.values():
+            for compiled in caches[0].values():
+                meta = compiled.metadata
+                found.append(dict(warps=meta.num_warps, stages=meta.num_stages, maxnreg=getattr(meta, "maxnreg", None),
+                                  regs=compiled.n_regs, spills=compiled.n_spills, shared=meta.shared))
+    except Exception as error:  # Triton internals differ between versions: report, don't fail
+        found.append(dict(error=f"{type(error).__name__}: {error}"[:200]))
+    return found
+
+
 def table(checks, rows):
     names = list(VARIANTS)
     lines = ["variants: " + "; ".join(f"{n}={cfg.block_m}x{cfg.block_n} s{cfg.num_stages}"
@@ -274,8 +293,11 @@ def main():
         pytest_tail = pytest_tail[0]
     usable = [c["variant"] for c in checks if "error" not in c]
     rows = time_shapes(usable, device, args.dry)
+    resources = compiled_resources()
+    for entry in resources:
+        print(json.dumps(entry))
     with open(os.path.join(out_dir, "sweep.json"), "w") as f:
-        json.dump(dict(env=env, checks=checks, rows=rows, pytest=pytest_tail,
+        json.dump(dict(env=env, checks=checks, rows=rows, pytest=pytest_tail, resources=resources,
                        variants={n: dict(asdict(VARIANTS[n][0]), split=VARIANTS[n][1]) for n in names}), f, indent=1)
     print(json.dumps(env))
     print(f"pytest tests/test_kernels.py: {pytest_tail}")
