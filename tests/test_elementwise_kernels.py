@@ -57,11 +57,12 @@ CASES = textwrap.dedent(
                             snapshot_exact=bool(torch.equal(update.double().cpu(), expected_u)),
                             value_ulps=scaled_err / ulp, score_rel=0.0, no_scores=True))
     # scaled snapshot: U·s per matrix written in half precision (Newton–Schulz's input)
-    for dst in (torch.bfloat16, torch.float16):
+    # (one factor per matrix, or one per selected row as the sharded step uses)
+    for dst, per_row in ((torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)):
         n, rows, cols, k = 3, 9, 700, 4
         m0 = torch.randn(n, rows, cols, generator=gen, dtype=torch.float64).float()
         picks = torch.stack([torch.randperm(rows, generator=gen)[:k].sort().values for _ in range(n)])
-        s = torch.rand(n, 1, 1, generator=gen) * 0.01 + 1e-4
+        s = torch.rand(n, k if per_row else 1, 1, generator=gen) * 0.01 + 1e-4
         momentum = m0.clone().to(device)
         x = snapshot_rows_triton(momentum, picks.to(device), 0.9, s.to(device), dst)
         exact = torch.stack([m0[i, picks[i]] for i in range(n)]).double() * s.double()
@@ -71,7 +72,7 @@ CASES = textwrap.dedent(
         expected_m = m0.clone()
         for i in range(n):
             expected_m[i, picks[i]] = m0[i, picks[i]] * torch.tensor(0.9, dtype=torch.float32)  # fp32 math, as the kernel
-        results.append(dict(case=f"scaled snapshot ->{dst}", value_ulps=err, score_rel=0.0,
+        results.append(dict(case=f"scaled snapshot ->{dst} per_row={per_row}", value_ulps=err, score_rel=0.0,
                             no_scores=x.dtype == dst, snapshot_exact=bool(torch.equal(momentum.cpu(), expected_m))))
     # scale-and-cast: per-matrix and per-row float32 scales, one rounding to the output dtype
     for n, rows, cols, per_row, src, dst in [(3, 5, 1100, False, torch.float32, torch.float16),
@@ -99,7 +100,7 @@ def _run(device, env):
 
 
 def _check(results):
-    assert len(results) == 11
+    assert len(results) == 12
     for r in results:
         # fp32 scale and add (decay itself rounded to fp32), then one rounding to the dtype;
         # the interpreter's bf16 conversion truncates: at most ~2 ulps of the terms' magnitude

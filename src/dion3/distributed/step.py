@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .. import rules
-from ..kernels import accumulate_momentum, scale_cast
+from ..kernels import accumulate_momentum, scale_cast, snapshot_rows
 from ..ortho import input_scaling
 from .exchange import Traffic, exchange_rows, gather_chunks, sum_across
 from .mesh import MeshInfo, local_tensor
@@ -117,12 +117,10 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
             scores = gather_chunks(padded_scores(bucket, scores), mesh, traffic, "scores")
             yield
             plan = global_plan(bucket, scores.wait(), cfg.fraction)
-        flat = bucket.momentum.view(-1, cols)
-        unscaled = flat.index_select(0, plan.rows)
-        flat.index_copy_(0, plan.rows, unscaled * cfg.mu)
         row_matrix = torch.div(plan.rows, chunk, rounding_mode="floor")  # plan.rows index [N·chunk]
         picked = squares[row_matrix, plan.rows - row_matrix * chunk]  # padding rows are never picked
         partial = squares.new_zeros(count).index_add_(0, row_matrix, picked)
+        unscaled = None  # the snapshot happens below, scaled, once the norms are known
     scaling = input_scaling(plan.per_matrix(), cols, real.device, group["orthogonalizer"], group["ns_coefficients"],
                             real.dtype)
     total = sum_across(partial, mesh, traffic, "norms")
@@ -130,8 +128,10 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
     factor = scaling.factor(total.wait().sqrt())  # [count]
     if row_matrix is None:
         send = scale_cast(unscaled, factor.view(count, 1, 1), scaling.dtype).view(-1, cols)
-    else:
-        send = scale_cast(unscaled.unsqueeze(0), factor.index_select(0, row_matrix).view(1, -1, 1), scaling.dtype)[0]
+    else:  # Dion3: U = M[S] scaled per row, M[S] ← μ·M[S], in one pass (the same fused snapshot as on one device)
+        flat = bucket.momentum.view(1, -1, cols)
+        row_factor = factor.index_select(0, row_matrix).view(1, -1, 1)
+        send = snapshot_rows(flat, plan.rows.view(1, -1), cfg.mu, row_factor, scaling.dtype)[0]
     variance = None
     if cfg.normalize:
         variance = bucket.variance[:, :rows_here].reshape(-1, 1) if plan.rows is None else (

@@ -156,7 +156,8 @@ def accumulate_momentum(momentum, grads, decay: float, scores: bool, squares: bo
 def snapshot_rows(momentum, rows, mu: float, scale=None, out_dtype=None):
     """Dion3's snapshot with error feedback: return U = momentum[rows] and scale those rows of
     momentum by mu (one pass over the selected rows on CUDA). rows: [N, k] int64.
-    scale ([N, 1, 1], one factor per matrix) and out_dtype: return U·scale in out_dtype."""
+    scale ([N, 1, 1] per matrix or [N, k, 1] per selected row) and out_dtype: return U·scale
+    in out_dtype."""
     if (_triton_ready(momentum.device) and _momentum_kernel is not None
             and _momentum_kernel.fused_accumulate_supported(momentum, [])
             and (out_dtype is None or out_dtype in _momentum_kernel.SUPPORTED_DTYPES)):

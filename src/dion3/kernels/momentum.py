@@ -93,7 +93,7 @@ def accumulate_momentum_triton(
 @triton.jit
 def _snapshot_kernel(
     momentum_ptr, rows_ptr, out_ptr, scale_ptr, mu, R, C, k,
-    SCALED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+    SCALED: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     # row blocks on grid axis 0 (up to 2³¹ − 1 programs; axes 1 and 2 stop at 65535)
     slots = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -106,7 +106,11 @@ def _snapshot_kernel(
     value = tl.load(momentum_ptr + source, mask=inside, other=0.0)
     copied = value
     if SCALED:  # float32 math, one rounding to the output dtype
-        copied = value.to(tl.float32) * tl.load(scale_ptr + matrix)
+        if PER_ROW:
+            factor = tl.load(scale_ptr + matrix * k + slots, mask=slot_inside, other=0.0)
+            copied = value.to(tl.float32) * factor[:, None]
+        else:
+            copied = value.to(tl.float32) * tl.load(scale_ptr + matrix)
     tl.store(out_ptr + (matrix * k + slots[:, None]) * C + cols[None, :], copied.to(out_ptr.dtype.element_ty), mask=inside)
     tl.store(momentum_ptr + source, (value.to(tl.float32) * mu).to(value.dtype), mask=inside)
 
@@ -115,14 +119,16 @@ def snapshot_rows_triton(
     momentum: Tensor, rows: Tensor, mu: float, scale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None
 ) -> Tensor:
     """U = momentum[rows] and momentum[rows] ← mu·momentum[rows], in one pass over the rows.
-    scale ([N, 1, 1] float32, one per matrix) and out_dtype: write U·scale in out_dtype instead
-    (Dion3 writes Newton–Schulz's normalized half-precision input directly)."""
+    scale ([N, 1, 1] one per matrix, or [N, k, 1] one per selected row; float32 math) and
+    out_dtype: write U·scale in out_dtype instead (Dion3 writes Newton–Schulz's normalized
+    half-precision input directly)."""
     n, r, c = momentum.shape
     k = rows.shape[-1]
     out = torch.empty((n, k, c), dtype=out_dtype or momentum.dtype, device=momentum.device)
-    scale_arg = out if scale is None else scale.reshape(n).to(torch.float32).contiguous()
+    per_row = scale is not None and scale.numel() == n * k and k > 1
+    scale_arg = out if scale is None else scale.reshape(-1).to(torch.float32).contiguous()
     grid = (triton.cdiv(k, BLOCK_ROWS), n, triton.cdiv(c, BLOCK_COLS))
     _snapshot_kernel[grid](momentum, rows.contiguous(), out, scale_arg, float(mu), r, c, k,
-                          SCALED=scale is not None, BLOCK_K=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
+                          SCALED=scale is not None, PER_ROW=per_row, BLOCK_K=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
                           num_warps=NUM_WARPS)
     return out

@@ -89,7 +89,8 @@ def snapshot_rows_reference(
     momentum: Tensor, rows: Tensor, mu: float, scale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None
 ) -> Tensor:
     """U = momentum[rows] (a copy) and momentum[rows] ← mu·momentum[rows]; rows: [N, k].
-    With scale ([N, 1, 1]) returns U·scale in out_dtype (default: momentum's) instead."""
+    With scale ([N, 1, 1] per matrix or [N, k, 1] per row) returns U·scale in out_dtype
+    (default: momentum's) instead."""
     index = rows.unsqueeze(-1).expand(*rows.shape, momentum.shape[-1])
     update = momentum.gather(-2, index)
     momentum.scatter_(-2, index, update * mu)
