@@ -188,6 +188,21 @@ def test_empty_reduction_fills_only_the_diagonal_blocks_it_owns():
     assert torch.equal(symmetric_matmul_triton(a[0], a[0].mT), torch.zeros(8, 8, dtype=torch.float16))
 
 
+def test_hopper_kernel_builds_for_sm90_without_a_gpu():
+    """The Gluon kernel's four specializations (K-major/row-major B, with/without C, bf16/fp16)
+    compile to sm_90a with the installed Triton and ptxas (benchmarks/compile_sm90.py): catches
+    drift in Triton's experimental Gluon API on machines without a Hopper GPU."""
+    from dion3.kernels.symmetric_matmul_hopper import GLUON_AVAILABLE
+
+    if not GLUON_AVAILABLE:
+        pytest.skip(f"Triton {triton.__version__} has no Gluon Hopper API: the Triton kernel runs instead")
+    script = HERE.parent / "benchmarks" / "compile_sm90.py"
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src"))
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if " ok: " in line or "FAILED" in line]
+    assert done.returncode == 0 and len(lines) == 4 and all(" ok: " in line for line in lines), done.stdout[-3000:]
+
+
 # ----------------------------------------------------------------------------- GPU only
 @needs_cuda
 def test_gpu_kernel_cases_match_float64():
@@ -302,3 +317,44 @@ def test_gpu_tall_inputs_and_normalized_snapshots_stay_accurate(method):
     from_snapshot = rules.orthogonalize_rows(snapshot, method, "polar_express", normalized=True)
     reference = float64_newton_schulz(u)
     assert float((from_snapshot.double() - reference).norm() / reference.norm()) < 2e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch,n,k,product,panels", [(3, 512, 320, "gram", 1), (2, 768, 256, "square", 1),
+                                                      (2, 1024, 448, "gram_c", 1), (2, 1024, 512, "contig", 1),
+                                                      (2, 1024, 384, "square", 2), (1, 2048, 1024, "gram", 2)])
+def test_gpu_hopper_kernel_matches_float64(dtype, batch, n, k, product, panels):
+    """The warp-specialized Gluon kernel (Hopper only): every element written once (NaN-poisoned
+    output), exactly symmetric, error ≤ 2× cuBLAS's against float64, for K-major and row-major
+    B, with and without C, whole and on the diagonal blocks only (the rest left untouched)."""
+    from dion3.kernels.symmetric_matmul_hopper import GLUON_AVAILABLE, symmetric_matmul_hopper
+
+    if torch.cuda.get_device_capability()[0] != 9 or not GLUON_AVAILABLE:
+        pytest.skip("the Gluon kernel runs on sm90 with a Triton that has Gluon")
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    c, alpha, beta = None, 1.0, 0.0
+    if product == "square":  # 0.8·R·R − 1.5·R with R symmetric, B = R row-major
+        x = torch.randn(batch, n, n, device="cuda", generator=g, dtype=torch.float64)
+        a = b = c = ((x + x.mT) / n ** 0.5).to(dtype)
+        alpha, beta = 0.8, -1.5
+    else:
+        a = (torch.randn(batch, n, k, device="cuda", generator=g) / k ** 0.5).to(dtype)
+        b = a.mT.contiguous() if product == "contig" else a.mT
+        if product == "gram_c":
+            s = torch.randn(batch, n, n, device="cuda", generator=g)
+            c, alpha, beta = (s + s.mT).to(dtype), 0.5, 2.0
+    out = torch.full((batch, n, n), float("nan"), dtype=dtype, device="cuda")
+    assert symmetric_matmul_hopper(a, b, c, alpha, beta, out, panels)
+    exact = alpha * (a.double() @ b.double()) + (0 if c is None else beta * c.double())
+    cublas = torch.baddbmm(c, a, b, alpha=alpha, beta=beta) if c is not None else torch.matmul(a, b)
+    size = n // panels
+    for p in range(panels):
+        block = slice(p * size, (p + 1) * size)
+        ours = out[:, block, block]
+        assert torch.isfinite(ours).all() and torch.equal(ours, ours.mT)
+        error = (ours.double() - exact[:, block, block]).abs().max()
+        cublas_error = (cublas[:, block, block].double() - exact[:, block, block]).abs().max()
+        assert error <= 2 * cublas_error, (float(error), float(cublas_error))
+    if panels > 1:  # outside the diagonal blocks nothing was written
+        assert torch.isnan(out[:, size:, :size]).all() and torch.isnan(out[:, :size, size:]).all()

@@ -20,6 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .configs import TileConfig, pick_config
+from .symmetric_matmul_hopper import symmetric_matmul_hopper
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -183,8 +184,9 @@ def symmetric_matmul_triton(
     """D = alpha·a·b + beta·c with only the lower-triangle tiles computed (D must be symmetric).
 
     a: [B, n, k] or [n, k]; b: [B, k, n] or [k, n] (any strides); c: [B, n, n] or [n, n], or None.
-    config: tile config; None picks one from configs.py for this device, the block size
-    n/panels, the reduction length k and whether there is a C term.
+    config: tile config; None runs the Hopper Gluon kernel where it fits
+    (symmetric_matmul_hopper.py), else picks a config from configs.py for this device, the
+    block size n/panels, the reduction length k and whether there is a C term.
     panels > 1: compute only the panels diagonal blocks of size n/panels (each symmetric) into
     out, leaving the rest of out untouched (kernels/split.py fills it with dense products).
     """
@@ -216,6 +218,9 @@ def symmetric_matmul_triton(
         for p in range(panels):
             square = (slice(None), slice(p * block, (p + 1) * block), slice(p * block, (p + 1) * block))
             out3[square] = c3[square] * beta if has_c else 0
+        return out
+    # On Hopper, the warp-specialized Gluon kernel takes the products it fits (no explicit config).
+    if config is None and symmetric_matmul_hopper(a3, b3, c3 if has_c else None, alpha, beta, out3, panels):
         return out
     if config is None:
         major = None if a3.device.type != "cuda" else torch.cuda.get_device_capability(a3.device)[0]

@@ -1,0 +1,289 @@
+"""Hopper (sm90) symmetric GEMM in Gluon: warp-specialized, 128×256 output tiles.
+
+Same contract as kernels/symmetric_matmul.py (D = alpha·A·B + beta·C, only tiles touching the
+lower triangle computed, each stored with its mirror) for the layouts the optimizer produces on
+an H100/H200: contiguous half-precision operands whose sizes are multiples of the tile. The
+Triton kernel reaches ~80% of cuBLAS's per-tile rate there; the gap is what warp
+specialization and 128×256 tiles are for:
+
+- one producer warp streams A and B blocks through a ring of shared-memory stages with TMA
+  (mbarrier "ready"/"empty" pairs), so loads never wait behind the math;
+- two consumer warpgroups (the default partition, 8 warps) each run 64×256 wgmma on the tile,
+  keeping one MMA in flight and freeing a stage as soon as the MMA that read it retires;
+- the epilogue reuses the stage buffers: C (if any) is loaded by TMA into the A stages, the
+  tile and its transpose are written through two halves of the B stages and TMA stores. Tiles
+  that cross the diagonal store their lower part and mirror through masked stores instead.
+
+Callers go through `symmetric_matmul_hopper(...)`, which returns False when the operands do not
+fit this kernel's requirements (see `hopper_kernel_fits`); the Triton kernel handles those.
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+
+try:  # Gluon is experimental; a Triton without it (or without Hopper support) uses the other kernel
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # The experimental API moves between releases: Triton 3.6 (the GPU machines) names these
+    # thread_barrier / async_copy_global_to_shared / async_copy_shared_to_global, 3.9 barrier /
+    # async_load / async_store (the old names raise there).
+    _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    GLUON_AVAILABLE = True
+except Exception:  # pragma: no cover - depends on the installed Triton
+    GLUON_AVAILABLE = False
+
+BLOCK_M = 128
+BLOCK_N = 256
+BLOCK_K = 64
+STAGES = 4  # 4 × (16 + 32) KB = 192 KB of the H200's 227 KB; the epilogue reuses them
+CONSUMER_WARPS = 8  # two warpgroups, 64 rows of the tile each
+PRODUCER_REGISTERS = 24
+# Registers per thread for the whole kernel: (8 consumer + 4 producer-group warps) × 32 threads ×
+# 168 ≤ 65536. The producer gives back down to 24, the consumers get the rest (240).
+KERNEL_REGISTERS = 168
+EPILOGUE_ROWS = 32  # rows per masked-store chunk on diagonal tiles
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+# DION3_HOPPER_KERNEL=0 keeps every product on the Triton kernel (A/B runs, or a Triton whose
+# experimental Gluon API misbehaves).
+ENABLED = os.environ.get("DION3_HOPPER_KERNEL", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+@lru_cache(maxsize=None)
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def hopper_kernel_fits(a3: Tensor, b3: Tensor, c3: Optional[Tensor], out3: Tensor, block: int) -> bool:
+    """Whether this kernel can run the product: an sm90 device, contiguous operands (B either
+    K-major like A.mT of a contiguous A, or a contiguous [B, K, n]), a contiguous output and C,
+    the block size a multiple of the 256-column tile and K a multiple of 64 (the flattened TMA
+    descriptors then never read across matrices)."""
+    if not (ENABLED and GLUON_AVAILABLE) or a3.device.type != "cuda" or a3.dtype not in SUPPORTED_DTYPES:
+        return False
+    if not _is_sm90(a3.device.index if a3.device.index is not None else torch.cuda.current_device()):
+        return False
+    k = a3.shape[2]
+    if block % BLOCK_N or k % BLOCK_K or not a3.is_contiguous() or not out3.is_contiguous():
+        return False
+    if not (b3.is_contiguous() or b3.mT.is_contiguous()):
+        return False
+    if c3 is not None and not c3.is_contiguous():
+        return False
+    return all(t.data_ptr() % 16 == 0 for t in (a3, b3, out3) + (() if c3 is None else (c3,)))
+
+
+if GLUON_AVAILABLE:
+    _REINTERPRET_IS_PUBLIC = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # Triton ≥ 3.7
+
+    @gluon.jit
+    def _reinterpret(buffer, desc, ROWS: gl.constexpr, COLS: gl.constexpr):
+        """The same shared memory seen as a [ROWS, COLS] buffer in desc's dtype and layout."""
+        if _REINTERPRET_IS_PUBLIC:
+            return buffer.reinterpret(desc.dtype, [ROWS, COLS], desc.layout)
+        else:
+            return buffer._reinterpret(desc.dtype, [ROWS, COLS], desc.layout)
+
+    @gluon.jit
+    def _tile_coordinates(t, RATIO: gl.constexpr):
+        """Linear tile index → (row block, column block) over the lower-triangle tiles in
+        row-block order: the same map as _tile_coordinates in symmetric_matmul.py (a Gluon
+        kernel cannot call a Triton function)."""
+        p = ((gl.sqrt(8.0 * t.to(gl.float32) / RATIO + 1.0) - 1.0) * 0.5).to(gl.int32)
+        p = gl.where(RATIO * p * (p + 1) // 2 > t, p - 1, p)
+        p = gl.where(RATIO * (p + 1) * (p + 2) // 2 <= t, p + 1, p)
+        rem = t - RATIO * p * (p + 1) // 2
+        return RATIO * p + rem // (p + 1), rem % (p + 1)
+
+    @gluon.jit
+    def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, a_row, b_row, b_col, steps,
+                        B_KMAJOR: gl.constexpr):
+        """Producer (1 warp): fill stage s once the consumers released it, signal ready[s]."""
+        stages: gl.constexpr = a_bufs.shape[0]
+        block_k: gl.constexpr = a_desc.block_type.shape[1]
+        for step in range(steps):
+            s = step % stages
+            # empty barriers start "phase 1 complete": the first pass over the ring never waits
+            mbarrier.wait(empty.index(s), ((step // stages) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            k0 = step * block_k
+            _tma_load(a_desc, [a_row, k0], bar, a_bufs.index(s))
+            if B_KMAJOR:
+                _tma_load(b_desc, [b_row, b_col + k0], bar, b_bufs.index(s))
+            else:
+                _tma_load(b_desc, [b_row + k0, b_col], bar, b_bufs.index(s))
+
+    @gluon.jit
+    def _mma_partition(a_bufs, b_bufs, ready, empty, steps, B_KMAJOR: gl.constexpr,
+                       BLOCK_N_: gl.constexpr, num_warps: gl.constexpr):
+        """Consumers (default partition): accumulate the tile in fp32 registers."""
+        stages: gl.constexpr = a_bufs.shape[0]
+        block_m: gl.constexpr = a_bufs.shape[1]
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N_, 16])
+        acc = gl.zeros((block_m, BLOCK_N_), gl.float32, layout)
+        for step in range(steps):
+            s = step % stages
+            mbarrier.wait(ready.index(s), (step // stages) & 1)
+            if B_KMAJOR:
+                b = b_bufs.index(s).permute((1, 0))
+            else:
+                b = b_bufs.index(s)
+            acc = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
+            # One MMA stays in flight; the one before it has retired in both warpgroups once
+            # every warp passes the barrier, so its stage can go back to the producer.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            _partition_barrier()
+            mbarrier.arrive(empty.index((step + stages - 1) % stages), count=1, pred=step > 0)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        return (acc,)  # warp_specialize passes on the default partition's results as a tuple
+
+    @gluon.jit
+    def _masked_mirror_store(tile, d_base, row0, col0, stride_dm, CHUNK: gl.constexpr, num_warps: gl.constexpr):
+        """Diagonal tile (in shared memory, [BLOCK_M, BLOCK_N]): its lower part (diagonal
+        included) in place, its strictly-lower part transposed, both through coalesced masked
+        stores, CHUNK rows (then CHUNK columns) at a time."""
+        block_m: gl.constexpr = tile.shape[0]
+        block_n: gl.constexpr = tile.shape[1]
+        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        for r in gl.static_range(0, block_m, CHUNK):
+            part = tile.slice(r, CHUNK, dim=0).load(blocked)
+            rows = row0 + r + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, blocked))
+            cols = col0 + gl.arange(0, block_n, layout=gl.SliceLayout(0, blocked))
+            gl.store(d_base + rows[:, None].to(gl.int64) * stride_dm + cols[None, :], part,
+                     mask=rows[:, None] >= cols[None, :])
+        transposed = tile.permute((1, 0))  # [BLOCK_N, BLOCK_M] view: row c holds column c of the tile
+        for c in gl.static_range(0, block_n, CHUNK):
+            part = transposed.slice(c, CHUNK, dim=0).load(blocked)
+            rows = col0 + c + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, blocked))  # D rows = tile columns
+            cols = row0 + gl.arange(0, block_m, layout=gl.SliceLayout(0, blocked))
+            gl.store(d_base + rows[:, None].to(gl.int64) * stride_dm + cols[None, :], part,
+                     mask=rows[:, None] < cols[None, :])
+
+    @gluon.jit
+    def _symmetric_matmul_hopper_kernel(
+        a_desc, b_desc, c_desc, d_desc, dt_desc, d_ptr,
+        n, K, panels, alpha, beta,
+        HAS_C: gl.constexpr, B_KMAJOR: gl.constexpr, RATIO: gl.constexpr, CHUNK: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        # Grid axis 0: lower-triangle tile; axis 1: matrix of the batch × diagonal block.
+        block_m: gl.constexpr = a_desc.block_type.shape[0]
+        block_k: gl.constexpr = a_desc.block_type.shape[1]
+        block_n: gl.constexpr = d_desc.block_type.shape[1]
+        dtype: gl.constexpr = a_desc.dtype
+        i, j = _tile_coordinates(gl.program_id(0), RATIO)
+        batch = gl.program_id(1) // panels
+        offset = (gl.program_id(1) % panels) * n  # the diagonal block's first row/column
+        n_full = n * panels
+        row0 = i * block_m
+        col0 = j * block_n
+        matrix_row = batch * n_full + offset  # row of the flattened [B·n, ·] operands and D
+
+        a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(c_ready, count=1)
+
+        if B_KMAJOR:  # B's columns are rows of a [B·n, K] tensor
+            b_row = matrix_row + col0
+            b_col = 0
+        else:  # B is a [B·K, n] tensor
+            b_row = batch * K
+            b_col = offset + col0
+        steps = gl.cdiv(K, block_k)
+        results = gl.warp_specialize([
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, steps, B_KMAJOR, block_n, num_warps)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, matrix_row + row0, b_row, b_col,
+                               steps, B_KMAJOR)),
+        ], [1], [PRODUCER_REGS])
+        acc = results[0]
+        # Both warpgroups are past their last MMA before anyone reuses the stages.
+        _partition_barrier()
+
+        # Every stage is idle now: A's stages take C, B's stages take the output tile(s).
+        acc = acc * alpha
+        if HAS_C:
+            c_tile = _reinterpret(a_bufs, c_desc, block_m, block_n)
+            mbarrier.expect(c_ready, c_desc.block_type.nbytes)
+            _tma_load(c_desc, [matrix_row + row0, offset + col0], c_ready, c_tile)
+            mbarrier.wait(c_ready, 0)
+            acc = acc + beta * c_tile.load(acc.type.layout).to(gl.float32)
+        out = acc.to(dtype)
+        # (two block_m×block_n halves of the B ring: the tile, then its transpose)
+        tile = _reinterpret(b_bufs, d_desc, 2 * block_m, block_n).slice(0, block_m)
+        tile.store(out)
+        if col0 + block_n <= row0:  # strictly below the diagonal: whole tile and its transpose by TMA
+            tile_t = _reinterpret(b_bufs, dt_desc, 2 * block_n, block_m).slice(block_n, block_n)
+            tile_t.store(gl.permute(out, (1, 0)))
+            fence_async_shared()
+            _tma_store(d_desc, [matrix_row + row0, offset + col0], tile)
+            _tma_store(dt_desc, [matrix_row + col0, offset + row0], tile_t)
+            tma.store_wait(0)
+        else:
+            _partition_barrier()
+            d_base = d_ptr + matrix_row.to(gl.int64) * n_full + offset
+            _masked_mirror_store(tile, d_base, row0, col0, n_full, CHUNK, num_warps)
+        for s in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(ready.index(s))
+            mbarrier.invalidate(empty.index(s))
+        mbarrier.invalidate(c_ready)
+
+
+def _flat_descriptor(t: Tensor, rows: int, block_shape):
+    """TMA descriptor of a contiguous batched tensor viewed as 2-D [batch·rows, cols]."""
+    flat = t.reshape(-1, t.shape[-1])
+    layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), gl.bfloat16 if t.dtype == torch.bfloat16
+                                                 else gl.float16)
+    return TensorDescriptor.from_tensor(flat, list(block_shape), layout)
+
+
+def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha: float, beta: float,
+                            out3: Tensor, panels: int = 1) -> bool:
+    """Run D = alpha·A·B + beta·C on this kernel if it fits (see hopper_kernel_fits); return
+    whether it ran. Shapes are already checked by the caller: a3 [B, n, K], b3 [B, K, n],
+    c3 [B, n, n] or None, out3 [B, n, n]; panels > 1 fills only the diagonal blocks."""
+    batch, n, k = a3.shape
+    block = n // panels
+    if not hopper_kernel_fits(a3, b3, c3, out3, block):
+        return False
+    b_kmajor = not b3.is_contiguous()
+    a_desc = _flat_descriptor(a3, n, (BLOCK_M, BLOCK_K))
+    b_desc = (_flat_descriptor(b3.mT, n, (BLOCK_N, BLOCK_K)) if b_kmajor
+              else _flat_descriptor(b3, k, (BLOCK_K, BLOCK_N)))
+    d_desc = _flat_descriptor(out3, n, (BLOCK_M, BLOCK_N))
+    dt_desc = _flat_descriptor(out3, n, (BLOCK_N, BLOCK_M))
+    c_desc = _flat_descriptor(c3, n, (BLOCK_M, BLOCK_N)) if c3 is not None else d_desc
+    ratio = BLOCK_N // BLOCK_M
+    tiles = sum(i // ratio + 1 for i in range(block // BLOCK_M))
+    _symmetric_matmul_hopper_kernel[(tiles, batch * panels)](
+        a_desc, b_desc, c_desc, d_desc, dt_desc, out3,
+        block, k, panels, float(alpha), float(beta),
+        HAS_C=c3 is not None, B_KMAJOR=b_kmajor, RATIO=ratio, CHUNK=EPILOGUE_ROWS,
+        PRODUCER_REGS=PRODUCER_REGISTERS, NUM_STAGES=STAGES, num_warps=CONSUMER_WARPS, maxnreg=KERNEL_REGISTERS,
+    )
+    return True
