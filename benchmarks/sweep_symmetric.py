@@ -282,16 +282,22 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dry", action="store_true", help="CPU interpreter run on tiny shapes (logic check)")
     parser.add_argument("--only", default="", help="comma list of variants")
+    parser.add_argument("--shapes", default="", help="comma list of substrings: time only the matching shapes")
+    parser.add_argument("--no-tests", action="store_true", help="skip the background tests/test_kernels.py run")
     args = parser.parse_args()
+    global TIMED_SHAPES
+    if args.shapes:
+        TIMED_SHAPES = tuple(s for s in TIMED_SHAPES if any(part in s[0] for part in args.shapes.split(",")))
     out_dir = os.environ.get("OUT", "/tmp/sweep_out")
     os.makedirs(out_dir, exist_ok=True)
     device = "cpu" if args.dry else "cuda"
     names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
     tests = None
-    if not args.dry:
+    if not args.dry and not args.no_tests:
         log = open(os.path.join(out_dir, "pytest.log"), "w")
         tests = subprocess.Popen([sys.executable, "-m", "pytest", "tests/test_kernels.py", "-q", "-p", "no:cacheprovider"],
                                  stdout=log, stderr=subprocess.STDOUT)
+    if not args.dry:
         import triton
 
         props = torch.cuda.get_device_properties(0)
