@@ -123,7 +123,7 @@ class NotFitting(Exception):
 
 
 def _gluon_fill(a, b, c, alpha, beta, out, panels):
-    if not symmetric_matmul_hopper(a, b, c, alpha, beta, out, panels):
+    if not symmetric_matmul_hopper(a, b, c, alpha, beta, out, panels, any_size=True):
         raise NotFitting(f"{tuple(a.shape)} panels={panels}")
 
 

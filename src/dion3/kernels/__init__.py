@@ -26,8 +26,9 @@ from .split import split_symmetric_matmul
 try:  # Triton is optional: CPU-only and non-Linux installs use the reference path.
     from . import post_update as _post_update_kernel
     from . import symmetric_matmul as _symmetric_kernel
+    from . import symmetric_matmul_hopper as _hopper_kernel
 except ImportError:  # pragma: no cover - depends on the install
-    _post_update_kernel = _symmetric_kernel = None
+    _post_update_kernel = _symmetric_kernel = _hopper_kernel = None
 try:
     from . import transpose as _transpose_kernel
 except ImportError:  # pragma: no cover - depends on the install
@@ -96,10 +97,15 @@ def _symmetric_worth_it(a) -> bool:
     )
 
 
-def split_worth_it(a, has_c: bool) -> bool:
-    """Whether symmetric_matmul splits this product (kernels/split.py); a is [B, n, k] or [n, k] on CUDA."""
+def split_worth_it(a, has_c: bool, b=None) -> bool:
+    """Whether symmetric_matmul splits this product (kernels/split.py); a is [B, n, k] or [n, k]
+    on CUDA, b its partner ([B, k, n]; None: a.mT)."""
     n = a.shape[-2]
     if has_c or _transpose_kernel is None or n < SPLIT_MIN_N or n % 256:  # halves: whole 128-row tiles
+        return False
+    a3 = a if a.dim() == 3 else a.unsqueeze(0)
+    b3 = a3.mT if b is None else (b if b.dim() == 3 else b.unsqueeze(0))
+    if _hopper_kernel.hopper_kernel_fits(a3, b3, None, None, n):  # the whole product on it wins
         return False
     major = torch.cuda.get_device_capability(a.device)[0]
     if uses_long_reduction_config(n, a.shape[-1], has_c, major):  # the whole 4-stage product wins
@@ -118,7 +124,7 @@ def symmetric_matmul(a, b, c=None, alpha: float = 1.0, beta: float = 0.0, split:
     if not (_symmetric_worth_it(a) and b.dtype == a.dtype):
         return symmetric_matmul_reference(a, b, c, alpha, beta)
     if split is None:
-        split = split_worth_it(a, c is not None and beta != 0.0)
+        split = split_worth_it(a, c is not None and beta != 0.0, b)
     if not split:
         return _symmetric_kernel.symmetric_matmul_triton(a, b, c, alpha, beta)
     squeeze = a.dim() == 2

@@ -10,8 +10,8 @@ specialization and 128×256 tiles are for:
   (mbarrier "ready"/"empty" pairs), so loads never wait behind the math;
 - two consumer warpgroups (the default partition, 8 warps) each run 64×256 wgmma on the tile,
   keeping one MMA in flight and freeing a stage as soon as the MMA that read it retires;
-- the epilogue reuses the stage buffers: C (if any) is loaded by TMA into the A stages, the
-  tile and its transpose are written through two halves of the B stages and TMA stores. Tiles
+- the epilogue reuses the stage buffers: C (if any) is loaded by TMA into the A stages, then
+  the tile goes out through the B stages and its transpose through the A stages, by TMA stores. Tiles
   that cross the diagonal store their lower part and mirror through masked stores instead.
 
 Callers go through `symmetric_matmul_hopper(...)`, which returns False when the operands do not
@@ -59,6 +59,12 @@ PRODUCER_REGISTERS = 24
 # 168 ≤ 65536. The producer gives back down to 24, the consumers get the rest (240).
 KERNEL_REGISTERS = 168
 EPILOGUE_ROWS = 32  # rows per masked-store chunk on diagonal tiles
+# Where it wins (H200 sweep, kernels-h200-2026-11-29.md "Fifth run"): blocks of ≥ 2048 rows with
+# at least 4 waves of tiles. Smaller blocks spend too much on the masked diagonal tiles
+# (40% of the tiles at n = 1024) and a few waves (one 4096² output: 2.1) leave SMs idle at
+# the tail of this one-tile-per-program launch; the Triton kernel takes those.
+MIN_BLOCK = 2048
+MIN_WAVES = 4
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -68,27 +74,43 @@ ENABLED = os.environ.get("DION3_HOPPER_KERNEL", "1").strip().lower() not in ("0"
 
 
 @lru_cache(maxsize=None)
-def _is_sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
+def _sm90_count(device_index: int) -> int:
+    """Streaming multiprocessors of an sm90 device, 0 for any other device."""
+    if torch.cuda.get_device_capability(device_index)[0] != 9:
+        return 0
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def hopper_kernel_fits(a3: Tensor, b3: Tensor, c3: Optional[Tensor], out3: Tensor, block: int) -> bool:
-    """Whether this kernel can run the product: an sm90 device, contiguous operands (B either
+def lower_tile_count(block: int) -> int:
+    """BLOCK_M×BLOCK_N tiles touching the lower triangle of a block×block output."""
+    ratio = BLOCK_N // BLOCK_M
+    return sum(i // ratio + 1 for i in range(block // BLOCK_M))
+
+
+def hopper_kernel_fits(a3: Tensor, b3: Tensor, c3: Optional[Tensor], out3: Optional[Tensor], block: int,
+                       any_size: bool = False) -> bool:
+    """Whether this kernel runs the product: an sm90 device, contiguous operands (B either
     K-major like A.mT of a contiguous A, or a contiguous [B, K, n]), a contiguous output and C,
     the block size a multiple of the 256-column tile and K a multiple of 64 (the flattened TMA
-    descriptors then never read across matrices)."""
+    descriptors then never read across matrices), and a product large enough to win
+    (MIN_BLOCK, MIN_WAVES; any_size=True skips this last rule, for tests and sweeps).
+    out3 None: a freshly allocated output (contiguous, aligned)."""
     if not (ENABLED and GLUON_AVAILABLE) or a3.device.type != "cuda" or a3.dtype not in SUPPORTED_DTYPES:
         return False
-    if not _is_sm90(a3.device.index if a3.device.index is not None else torch.cuda.current_device()):
+    sms = _sm90_count(a3.device.index if a3.device.index is not None else torch.cuda.current_device())
+    if not sms:
         return False
     k = a3.shape[2]
-    if block % BLOCK_N or k % BLOCK_K or not a3.is_contiguous() or not out3.is_contiguous():
+    if block % BLOCK_N or k % BLOCK_K or not a3.is_contiguous() or not (out3 is None or out3.is_contiguous()):
+        return False
+    tiles = a3.shape[0] * (a3.shape[1] // block) * lower_tile_count(block)
+    if not any_size and (block < MIN_BLOCK or tiles < MIN_WAVES * sms):
         return False
     if not (b3.is_contiguous() or b3.mT.is_contiguous()):
         return False
     if c3 is not None and not c3.is_contiguous():
         return False
-    return all(t.data_ptr() % 16 == 0 for t in (a3, b3, out3) + (() if c3 is None else (c3,)))
+    return all(t.data_ptr() % 16 == 0 for t in (a3, b3, out3, c3) if t is not None)
 
 
 if GLUON_AVAILABLE:
@@ -225,7 +247,7 @@ if GLUON_AVAILABLE:
         # Both warpgroups are past their last MMA before anyone reuses the stages.
         _partition_barrier()
 
-        # Every stage is idle now: A's stages take C, B's stages take the output tile(s).
+        # Every stage is idle now: A's stages take C, then the transposed tile; B's the tile.
         acc = acc * alpha
         if HAS_C:
             c_tile = _reinterpret(a_bufs, c_desc, block_m, block_n)
@@ -233,12 +255,14 @@ if GLUON_AVAILABLE:
             _tma_load(c_desc, [matrix_row + row0, offset + col0], c_ready, c_tile)
             mbarrier.wait(c_ready, 0)
             acc = acc + beta * c_tile.load(acc.type.layout).to(gl.float32)
+            _partition_barrier()  # all of C is read before the A ring takes the transposed tile
         out = acc.to(dtype)
-        # (two block_m×block_n halves of the B ring: the tile, then its transpose)
-        tile = _reinterpret(b_bufs, d_desc, 2 * block_m, block_n).slice(0, block_m)
+        # Whole (unsliced) buffers: a TMA store reads its source densely from the base address,
+        # so a row slice of a wider swizzled buffer would be scrambled.
+        tile = _reinterpret(b_bufs, d_desc, block_m, block_n)  # the first half of the B ring
         tile.store(out)
         if col0 + block_n <= row0:  # strictly below the diagonal: whole tile and its transpose by TMA
-            tile_t = _reinterpret(b_bufs, dt_desc, 2 * block_n, block_m).slice(block_n, block_n)
+            tile_t = _reinterpret(a_bufs, dt_desc, block_n, block_m)  # the A ring, exactly its size
             tile_t.store(gl.permute(out, (1, 0)))
             fence_async_shared()
             _tma_store(d_desc, [matrix_row + row0, offset + col0], tile)
@@ -263,13 +287,14 @@ def _flat_descriptor(t: Tensor, rows: int, block_shape):
 
 
 def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha: float, beta: float,
-                            out3: Tensor, panels: int = 1) -> bool:
+                            out3: Tensor, panels: int = 1, any_size: bool = False) -> bool:
     """Run D = alpha·A·B + beta·C on this kernel if it fits (see hopper_kernel_fits); return
     whether it ran. Shapes are already checked by the caller: a3 [B, n, K], b3 [B, K, n],
-    c3 [B, n, n] or None, out3 [B, n, n]; panels > 1 fills only the diagonal blocks."""
+    c3 [B, n, n] or None, out3 [B, n, n]; panels > 1 fills only the diagonal blocks; any_size:
+    run whenever the layout fits, even where the Triton kernel is faster (tests, sweeps)."""
     batch, n, k = a3.shape
     block = n // panels
-    if not hopper_kernel_fits(a3, b3, c3, out3, block):
+    if not hopper_kernel_fits(a3, b3, c3, out3, block, any_size):
         return False
     b_kmajor = not b3.is_contiguous()
     a_desc = _flat_descriptor(a3, n, (BLOCK_M, BLOCK_K))
@@ -278,12 +303,10 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
     d_desc = _flat_descriptor(out3, n, (BLOCK_M, BLOCK_N))
     dt_desc = _flat_descriptor(out3, n, (BLOCK_N, BLOCK_M))
     c_desc = _flat_descriptor(c3, n, (BLOCK_M, BLOCK_N)) if c3 is not None else d_desc
-    ratio = BLOCK_N // BLOCK_M
-    tiles = sum(i // ratio + 1 for i in range(block // BLOCK_M))
-    _symmetric_matmul_hopper_kernel[(tiles, batch * panels)](
+    _symmetric_matmul_hopper_kernel[(lower_tile_count(block), batch * panels)](
         a_desc, b_desc, c_desc, d_desc, dt_desc, out3,
         block, k, panels, float(alpha), float(beta),
-        HAS_C=c3 is not None, B_KMAJOR=b_kmajor, RATIO=ratio, CHUNK=EPILOGUE_ROWS,
+        HAS_C=c3 is not None, B_KMAJOR=b_kmajor, RATIO=BLOCK_N // BLOCK_M, CHUNK=EPILOGUE_ROWS,
         PRODUCER_REGS=PRODUCER_REGISTERS, NUM_STAGES=STAGES, num_warps=CONSUMER_WARPS, maxnreg=KERNEL_REGISTERS,
     )
     return True
