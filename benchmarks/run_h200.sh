@@ -2,8 +2,8 @@
 # One device call = one or more stages; results under $OUT (the device tool's output folder).
 #   bash benchmarks/run_h200.sh check step cold      # GPU tests, step-time tables, cold first step
 #   bash benchmarks/run_h200.sh train dist            # gpu-small comparison, NCCL distributed script
-#   bash benchmarks/run_h200.sh kernels               # dion3 bench kernels + symmetric-kernel config sweep
-#   bash benchmarks/run_h200.sh gluon ab              # Hopper Gluon kernel: sweep; step A/B (DION3_HOPPER_KERNEL)
+#   bash benchmarks/run_h200.sh kernels               # dion3 bench kernels + sweep (Gluon vs Triton kernels)
+#   bash benchmarks/run_h200.sh ab                    # whole steps with the Hopper Gluon kernel off/on
 set -uo pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 FINAL=${OUT:-/tmp/dion3-out}; OUT=$(mktemp -d)  # everything lands in $FINAL/results.tgz (the tool returns few files)
@@ -22,9 +22,7 @@ for stage in "$@"; do
       run dion3 bench --preset llama-1b --optimizers muon,dion3-1/4,dion3-1/8 --steps 20 --json "$OUT/step-llama-1b-quick.json" 2>&1 | tee "$OUT/step-llama-1b-quick.txt" ;;
     kernels)  # what the optimizer runs, then the config sweep (each variant checked against float64)
       run dion3 bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt"
-      mkdir -p "$OUT/sweep" && OUT="$OUT/sweep" run timeout 300 python3 benchmarks/sweep_symmetric.py 2>&1 | tail -20 | tee "$OUT/sweep.txt" ;;
-    gluon)  # the warp-specialized Hopper kernel: checks + sweep against the Triton kernel
-      mkdir -p "$OUT/sweep" && OUT="$OUT/sweep" run timeout 330 python3 benchmarks/sweep_symmetric.py --only gluon,gluon_split,reg128,split_r128 2>&1 | tail -20 | tee "$OUT/sweep.txt" ;;
+      mkdir -p "$OUT/sweep" && OUT="$OUT/sweep" run timeout 330 python3 benchmarks/sweep_symmetric.py --only gluon,gluon_np,reg128,split_r128 2>&1 | tail -20 | tee "$OUT/sweep.txt" ;;
     ab)  # whole steps with the Hopper kernel off (0) and on (1), alternating
       for flag in 0 1; do
         DION3_HOPPER_KERNEL=$flag run timeout 150 python3 -m dion3.cli bench --preset llama-8b --optimizers dion3-1/4,muon-gram --steps 10 --warmup 4 --json "$OUT/step-llama-8b-hopper$flag.json" 2>&1 | tail -8 | tee "$OUT/step-llama-8b-hopper$flag.txt"

@@ -21,7 +21,8 @@ import sys
 import time
 import zlib
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from typing import Optional
 
 import torch
 
@@ -53,12 +54,20 @@ def _cfg(bm, bn, stages=3, **flags):
 # Fourth run (third session): a register cap of 128 per thread, so that two 8-warp programs
 # can share an SM and one's epilogue overlaps the other's main loop.
 # Fifth run (fourth session): the warp-specialized Gluon kernel (kernels/symmetric_matmul_hopper.py,
-# 128×256 tiles, one TMA producer warp, two consumer warpgroups), whole and split.
-GLUON = None  # config slot of a Gluon variant (its tiles are fixed in its module)
+# 128×256 tiles, one TMA producer warp, two consumer warpgroups), persistent (one program per SM)
+# or one program per tile, whole and split.
+@dataclass(frozen=True)
+class Gluon:
+    """Config slot of a Gluon variant (its tiles are fixed in its module): persistent programs
+    per SM, or None for one program per tile."""
+    programs_per_sm: Optional[int] = 1
+
+
 STORE = _cfg(128, 128, tma_store=True)
 VARIANTS = {
-    "gluon": (GLUON, False),
-    "gluon_split": (GLUON, True),  # name: (diagonal/whole-product config, split)
+    "gluon": (Gluon(1), False),
+    "gluon_np": (Gluon(None), False),
+    "gluon_split": (Gluon(1), True),  # name: (diagonal/whole-product config, split)
     "store": (STORE, False),  # the table's config before the register cap
     "reg128": (_cfg(128, 128, tma_store=True, max_registers=128), False),  # the table's config now
     "reg112": (_cfg(128, 128, tma_store=True, max_registers=112), False),
@@ -122,19 +131,22 @@ class NotFitting(Exception):
     """The Gluon kernel does not take this product (sizes or layout); the variant skips it."""
 
 
-def _gluon_fill(a, b, c, alpha, beta, out, panels):
-    if not symmetric_matmul_hopper(a, b, c, alpha, beta, out, panels, any_size=True):
-        raise NotFitting(f"{tuple(a.shape)} panels={panels}")
+def _gluon_fill(variant):
+    def fill(a, b, c, alpha, beta, out, panels):
+        if not symmetric_matmul_hopper(a, b, c, alpha, beta, out, panels, any_size=True,
+                                       programs_per_sm=variant.programs_per_sm):
+            raise NotFitting(f"{tuple(a.shape)} panels={panels}")
+    return fill
 
 
 def variant_product(name, a, b, c, alpha, beta):
     """Variant `name`'s D = alpha·a·b + beta·c (split variants need an even n; odd n runs whole)."""
     config, split = VARIANTS[name]
-    if config is GLUON:
+    if isinstance(config, Gluon):
         if split and a.shape[1] % 2 == 0:
-            return split_symmetric_matmul(a, b, c, alpha, beta, _gluon_fill, transpose_into_triton)
+            return split_symmetric_matmul(a, b, c, alpha, beta, _gluon_fill(config), transpose_into_triton)
         out = torch.empty(a.shape[0], a.shape[1], a.shape[1], dtype=a.dtype, device=a.device)
-        _gluon_fill(a, b, c, alpha, beta, out, 1)
+        _gluon_fill(config)(a, b, c, alpha, beta, out, 1)
         return out
     if not split or a.shape[1] % 2:
         return symmetric_matmul_triton(a, b, c, alpha, beta, config=config)
@@ -250,7 +262,8 @@ def table(checks, rows):
     names = list(VARIANTS)
     lines = ["variants: " + "; ".join(f"{n}={cfg.block_m}x{cfg.block_n} s{cfg.num_stages}"
                                       f"{' st' if cfg.tma_store else ''}{' split' if split else ''}"
-                                      if cfg is not GLUON else f"{n}=gluon 128x256 ws{' split' if split else ''}"
+                                      if not isinstance(cfg, Gluon) else
+                                      f"{n}=gluon 128x256 ws {cfg.programs_per_sm or 'per-tile'}{' split' if split else ''}"
                                       for n, (cfg, split) in VARIANTS.items())]
     lines.append("checks: " + "  ".join(f"{c['variant']}={'ok' if c['ok'] else 'FAIL'}" for c in checks))
     for c in checks:
@@ -330,7 +343,7 @@ def main():
         print(json.dumps(entry))
     with open(os.path.join(out_dir, "sweep.json"), "w") as f:
         json.dump(dict(env=env, checks=checks, rows=rows, pytest=pytest_tail, resources=resources,
-                       variants={n: dict(asdict(VARIANTS[n][0]) if VARIANTS[n][0] is not GLUON else dict(kernel="gluon"),
+                       variants={n: dict(asdict(VARIANTS[n][0]), kernel=type(VARIANTS[n][0]).__name__,
                                    split=VARIANTS[n][1]) for n in names}), f, indent=1)
     print(json.dumps(env))
     print(f"pytest tests/test_kernels.py: {pytest_tail}")

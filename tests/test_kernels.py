@@ -327,10 +327,12 @@ def test_gpu_tall_inputs_and_normalized_snapshots_stay_accurate(method):
 @pytest.mark.parametrize("batch,n,k,product,panels", [(3, 512, 320, "gram", 1), (2, 768, 256, "square", 1),
                                                       (2, 1024, 448, "gram_c", 1), (2, 1024, 512, "contig", 1),
                                                       (2, 1024, 384, "square", 2), (1, 2048, 1024, "gram", 2)])
-def test_gpu_hopper_kernel_matches_float64(dtype, batch, n, k, product, panels):
+@pytest.mark.parametrize("programs_per_sm", [None, 1])
+def test_gpu_hopper_kernel_matches_float64(dtype, batch, n, k, product, panels, programs_per_sm):
     """The warp-specialized Gluon kernel (Hopper only): every element written once (NaN-poisoned
     output), exactly symmetric, error ≤ 2× cuBLAS's against float64, for K-major and row-major
-    B, with and without C, whole and on the diagonal blocks only (the rest left untouched)."""
+    B, with and without C, whole and on the diagonal blocks only (the rest left untouched), one
+    program per tile and persistent (programs looping over tiles)."""
     from dion3.kernels.symmetric_matmul_hopper import GLUON_AVAILABLE, symmetric_matmul_hopper
 
     if torch.cuda.get_device_capability()[0] != 9 or not GLUON_AVAILABLE:
@@ -348,7 +350,7 @@ def test_gpu_hopper_kernel_matches_float64(dtype, batch, n, k, product, panels):
             s = torch.randn(batch, n, n, device="cuda", generator=g)
             c, alpha, beta = (s + s.mT).to(dtype), 0.5, 2.0
     out = torch.full((batch, n, n), float("nan"), dtype=dtype, device="cuda")
-    assert symmetric_matmul_hopper(a, b, c, alpha, beta, out, panels, any_size=True)
+    assert symmetric_matmul_hopper(a, b, c, alpha, beta, out, panels, any_size=True, programs_per_sm=programs_per_sm)
     exact = alpha * (a.double() @ b.double()) + (0 if c is None else beta * c.double())
     cublas = torch.baddbmm(c, a, b, alpha=alpha, beta=beta) if c is not None else torch.matmul(a, b)
     size = n // panels

@@ -52,7 +52,7 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 BLOCK_M = 128
 BLOCK_N = 256
 BLOCK_K = 64
-STAGES = 4  # 4 × (16 + 32) KB = 192 KB of the H200's 227 KB; the epilogue reuses them
+STAGES = 3  # 3 × (16 + 32) KB + a 64 KB epilogue tile = 208 KB of the H200's 227 KB
 CONSUMER_WARPS = 8  # two warpgroups, 64 rows of the tile each
 PRODUCER_REGISTERS = 24
 # Registers per thread for the whole kernel: (8 consumer + 4 producer-group warps) × 32 threads ×
@@ -136,48 +136,41 @@ if GLUON_AVAILABLE:
         return RATIO * p + rem // (p + 1), rem % (p + 1)
 
     @gluon.jit
-    def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, a_row, b_row, b_col, steps,
-                        B_KMAJOR: gl.constexpr):
-        """Producer (1 warp): fill stage s once the consumers released it, signal ready[s]."""
-        stages: gl.constexpr = a_bufs.shape[0]
-        block_k: gl.constexpr = a_desc.block_type.shape[1]
-        for step in range(steps):
-            s = step % stages
-            # empty barriers start "phase 1 complete": the first pass over the ring never waits
-            mbarrier.wait(empty.index(s), ((step // stages) & 1) ^ 1)
-            bar = ready.index(s)
-            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            k0 = step * block_k
-            _tma_load(a_desc, [a_row, k0], bar, a_bufs.index(s))
-            if B_KMAJOR:
-                _tma_load(b_desc, [b_row, b_col + k0], bar, b_bufs.index(s))
-            else:
-                _tma_load(b_desc, [b_row + k0, b_col], bar, b_bufs.index(s))
+    def _work_item(w, tiles, n, panels, RATIO: gl.constexpr, BLOCK_M_: gl.constexpr, BLOCK_N_: gl.constexpr):
+        """Work item w → (first row of its matrix's block in the flattened operands/D, first
+        row/column of the block in D, tile row, tile column, matrix index). Items run tile-major
+        within a matrix, so concurrent programs share A panels in L2."""
+        i, j = _tile_coordinates(w % tiles, RATIO)
+        block_index = w // tiles
+        batch = block_index // panels
+        offset = (block_index % panels) * n
+        return batch * n * panels + offset, offset, i * BLOCK_M_, j * BLOCK_N_, batch
 
     @gluon.jit
-    def _mma_partition(a_bufs, b_bufs, ready, empty, steps, B_KMAJOR: gl.constexpr,
-                       BLOCK_N_: gl.constexpr, num_warps: gl.constexpr):
-        """Consumers (default partition): accumulate the tile in fp32 registers."""
+    def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, n, K, panels, tiles, total,
+                        B_KMAJOR: gl.constexpr, RATIO: gl.constexpr):
+        """Producer (1 warp): fill stage s once the consumers released it, signal ready[s];
+        runs ahead into the next work item while the consumers finish the current one."""
         stages: gl.constexpr = a_bufs.shape[0]
-        block_m: gl.constexpr = a_bufs.shape[1]
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BLOCK_N_, 16])
-        acc = gl.zeros((block_m, BLOCK_N_), gl.float32, layout)
-        for step in range(steps):
-            s = step % stages
-            mbarrier.wait(ready.index(s), (step // stages) & 1)
-            if B_KMAJOR:
-                b = b_bufs.index(s).permute((1, 0))
-            else:
-                b = b_bufs.index(s)
-            acc = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
-            # One MMA stays in flight; the one before it has retired in both warpgroups once
-            # every warp passes the barrier, so its stage can go back to the producer.
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            _partition_barrier()
-            mbarrier.arrive(empty.index((step + stages - 1) % stages), count=1, pred=step > 0)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        return (acc,)  # warp_specialize passes on the default partition's results as a tuple
+        block_m: gl.constexpr = a_desc.block_type.shape[0]
+        block_k: gl.constexpr = a_desc.block_type.shape[1]
+        block_n: gl.constexpr = a_desc.block_type.shape[0] * RATIO
+        counter = 0
+        for w in range(gl.program_id(0), total, gl.num_programs(0)):
+            matrix_row, offset, row0, col0, batch = _work_item(w, tiles, n, panels, RATIO, block_m, block_n)
+            for step in range(gl.cdiv(K, block_k)):
+                s = counter % stages
+                # empty barriers start "phase 1 complete": the first pass over the ring never waits
+                mbarrier.wait(empty.index(s), ((counter // stages) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                k0 = step * block_k
+                _tma_load(a_desc, [matrix_row + row0, k0], bar, a_bufs.index(s))
+                if B_KMAJOR:  # B's columns are rows of a [B·n, K] tensor
+                    _tma_load(b_desc, [matrix_row + col0, k0], bar, b_bufs.index(s))
+                else:  # B is a [B·K, n] tensor
+                    _tma_load(b_desc, [batch * K + k0, offset + col0], bar, b_bufs.index(s))
+                counter += 1
 
     @gluon.jit
     def _masked_mirror_store(tile, d_base, row0, col0, stride_dm, CHUNK: gl.constexpr, num_warps: gl.constexpr):
@@ -202,27 +195,84 @@ if GLUON_AVAILABLE:
                      mask=rows[:, None] < cols[None, :])
 
     @gluon.jit
+    def _mma_partition(a_bufs, b_bufs, epi, ready, empty, c_ready, c_desc, d_desc, dt_desc, d_ptr,
+                       n, K, panels, tiles, total, alpha, beta,
+                       HAS_C: gl.constexpr, B_KMAJOR: gl.constexpr, RATIO: gl.constexpr,
+                       CHUNK: gl.constexpr, num_warps: gl.constexpr):
+        """Consumers (default partition, two warpgroups): accumulate each tile in fp32 registers,
+        then write it and its mirror; meanwhile the producer already loads the next tile."""
+        stages: gl.constexpr = a_bufs.shape[0]
+        block_m: gl.constexpr = a_bufs.shape[1]
+        block_k: gl.constexpr = a_bufs.shape[2]
+        block_n: gl.constexpr = block_m * RATIO
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, block_n, 16])
+        n_full = n * panels
+        counter = 0
+        c_phase = 0
+        for w in range(gl.program_id(0), total, gl.num_programs(0)):
+            matrix_row, offset, row0, col0, batch = _work_item(w, tiles, n, panels, RATIO, block_m, block_n)
+            acc = gl.zeros((block_m, block_n), gl.float32, layout)
+            for step in range(gl.cdiv(K, block_k)):
+                s = counter % stages
+                mbarrier.wait(ready.index(s), (counter // stages) & 1)
+                if B_KMAJOR:
+                    b = b_bufs.index(s).permute((1, 0))
+                else:
+                    b = b_bufs.index(s)
+                acc = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
+                # One MMA stays in flight; the one before it has retired in both warpgroups once
+                # every warp passes the barrier, so its stage can go back to the producer.
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                _partition_barrier()
+                mbarrier.arrive(empty.index((counter + stages - 1) % stages), count=1, pred=step > 0)
+                counter += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _partition_barrier()
+            mbarrier.arrive(empty.index((counter + stages - 1) % stages), count=1)  # the tile's last stage
+
+            # Epilogue through one tile-sized buffer. The previous tile's last TMA store (issued
+            # by one thread) must have read it before anyone writes it again.
+            tma.store_wait(0)
+            _partition_barrier()
+            acc = acc * alpha
+            if HAS_C:
+                mbarrier.expect(c_ready, c_desc.block_type.nbytes)
+                _tma_load(c_desc, [matrix_row + row0, offset + col0], c_ready, epi)
+                mbarrier.wait(c_ready, c_phase)
+                c_phase ^= 1
+                acc = acc + beta * epi.load(layout).to(gl.float32)
+                _partition_barrier()  # all of C is read before the tile overwrites it
+            out = acc.to(epi.dtype)
+            epi.store(out)
+            if col0 + block_n <= row0:  # strictly below the diagonal: the tile, then its transpose, by TMA
+                fence_async_shared()
+                _tma_store(d_desc, [matrix_row + row0, offset + col0], epi)
+                tma.store_wait(0)
+                _partition_barrier()
+                epi_t = _reinterpret(epi, dt_desc, block_n, block_m)
+                epi_t.store(gl.permute(out, (1, 0)))
+                fence_async_shared()
+                _tma_store(dt_desc, [matrix_row + col0, offset + row0], epi_t)  # waited for next tile
+            else:
+                _partition_barrier()
+                d_base = d_ptr + matrix_row.to(gl.int64) * n_full + offset
+                _masked_mirror_store(epi, d_base, row0, col0, n_full, CHUNK, num_warps)
+        tma.store_wait(0)
+
+    @gluon.jit
     def _symmetric_matmul_hopper_kernel(
         a_desc, b_desc, c_desc, d_desc, dt_desc, d_ptr,
-        n, K, panels, alpha, beta,
+        n, K, panels, tiles, total, alpha, beta,
         HAS_C: gl.constexpr, B_KMAJOR: gl.constexpr, RATIO: gl.constexpr, CHUNK: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):
-        # Grid axis 0: lower-triangle tile; axis 1: matrix of the batch × diagonal block.
-        block_m: gl.constexpr = a_desc.block_type.shape[0]
-        block_k: gl.constexpr = a_desc.block_type.shape[1]
-        block_n: gl.constexpr = d_desc.block_type.shape[1]
+        # Persistent: program p takes work items p, p + programs, ... of the `total` =
+        # tiles × matrices × diagonal blocks (tiles: the lower-triangle tiles of one n×n block).
         dtype: gl.constexpr = a_desc.dtype
-        i, j = _tile_coordinates(gl.program_id(0), RATIO)
-        batch = gl.program_id(1) // panels
-        offset = (gl.program_id(1) % panels) * n  # the diagonal block's first row/column
-        n_full = n * panels
-        row0 = i * block_m
-        col0 = j * block_n
-        matrix_row = batch * n_full + offset  # row of the flattened [B·n, ·] operands and D
-
         a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+        epi = gl.allocate_shared_memory(dtype, d_desc.block_type.shape, d_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -230,48 +280,12 @@ if GLUON_AVAILABLE:
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
         mbarrier.init(c_ready, count=1)
-
-        if B_KMAJOR:  # B's columns are rows of a [B·n, K] tensor
-            b_row = matrix_row + col0
-            b_col = 0
-        else:  # B is a [B·K, n] tensor
-            b_row = batch * K
-            b_col = offset + col0
-        steps = gl.cdiv(K, block_k)
-        results = gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, steps, B_KMAJOR, block_n, num_warps)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, matrix_row + row0, b_row, b_col,
-                               steps, B_KMAJOR)),
+        gl.warp_specialize([
+            (_mma_partition, (a_bufs, b_bufs, epi, ready, empty, c_ready, c_desc, d_desc, dt_desc, d_ptr,
+                              n, K, panels, tiles, total, alpha, beta, HAS_C, B_KMAJOR, RATIO, CHUNK, num_warps)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, n, K, panels, tiles, total,
+                               B_KMAJOR, RATIO)),
         ], [1], [PRODUCER_REGS])
-        acc = results[0]
-        # Both warpgroups are past their last MMA before anyone reuses the stages.
-        _partition_barrier()
-
-        # Every stage is idle now: A's stages take C, then the transposed tile; B's the tile.
-        acc = acc * alpha
-        if HAS_C:
-            c_tile = _reinterpret(a_bufs, c_desc, block_m, block_n)
-            mbarrier.expect(c_ready, c_desc.block_type.nbytes)
-            _tma_load(c_desc, [matrix_row + row0, offset + col0], c_ready, c_tile)
-            mbarrier.wait(c_ready, 0)
-            acc = acc + beta * c_tile.load(acc.type.layout).to(gl.float32)
-            _partition_barrier()  # all of C is read before the A ring takes the transposed tile
-        out = acc.to(dtype)
-        # Whole (unsliced) buffers: a TMA store reads its source densely from the base address,
-        # so a row slice of a wider swizzled buffer would be scrambled.
-        tile = _reinterpret(b_bufs, d_desc, block_m, block_n)  # the first half of the B ring
-        tile.store(out)
-        if col0 + block_n <= row0:  # strictly below the diagonal: whole tile and its transpose by TMA
-            tile_t = _reinterpret(a_bufs, dt_desc, block_n, block_m)  # the A ring, exactly its size
-            tile_t.store(gl.permute(out, (1, 0)))
-            fence_async_shared()
-            _tma_store(d_desc, [matrix_row + row0, offset + col0], tile)
-            _tma_store(dt_desc, [matrix_row + col0, offset + row0], tile_t)
-            tma.store_wait(0)
-        else:
-            _partition_barrier()
-            d_base = d_ptr + matrix_row.to(gl.int64) * n_full + offset
-            _masked_mirror_store(tile, d_base, row0, col0, n_full, CHUNK, num_warps)
         for s in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(s))
             mbarrier.invalidate(empty.index(s))
@@ -287,11 +301,16 @@ def _flat_descriptor(t: Tensor, rows: int, block_shape):
 
 
 def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha: float, beta: float,
-                            out3: Tensor, panels: int = 1, any_size: bool = False) -> bool:
+                            out3: Tensor, panels: int = 1, any_size: bool = False,
+                            programs_per_sm: Optional[int] = None) -> bool:
     """Run D = alpha·A·B + beta·C on this kernel if it fits (see hopper_kernel_fits); return
     whether it ran. Shapes are already checked by the caller: a3 [B, n, K], b3 [B, K, n],
     c3 [B, n, n] or None, out3 [B, n, n]; panels > 1 fills only the diagonal blocks; any_size:
-    run whenever the layout fits, even where the Triton kernel is faster (tests, sweeps)."""
+    run whenever the layout fits, even where the Triton kernel is faster (tests, sweeps);
+    programs_per_sm: persistent programs per SM, None (the default): one program per tile.
+    Persistent launches let the producer load the next tile during the epilogue, but on the
+    H200 they lost on every batched product (64×3584×4096 1.33× cuBLAS vs 1.64× per tile) and
+    won only on one 8192² output (1.78× vs 1.62×): kernels-h200-2026-11-29.md, "Fifth run"."""
     batch, n, k = a3.shape
     block = n // panels
     if not hopper_kernel_fits(a3, b3, c3, out3, block, any_size):
@@ -303,9 +322,12 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
     d_desc = _flat_descriptor(out3, n, (BLOCK_M, BLOCK_N))
     dt_desc = _flat_descriptor(out3, n, (BLOCK_N, BLOCK_M))
     c_desc = _flat_descriptor(c3, n, (BLOCK_M, BLOCK_N)) if c3 is not None else d_desc
-    _symmetric_matmul_hopper_kernel[(lower_tile_count(block), batch * panels)](
+    tiles = lower_tile_count(block)
+    total = tiles * batch * panels
+    programs = total if programs_per_sm is None else min(total, programs_per_sm * _sm90_count(a3.device.index))
+    _symmetric_matmul_hopper_kernel[(programs,)](
         a_desc, b_desc, c_desc, d_desc, dt_desc, out3,
-        block, k, panels, float(alpha), float(beta),
+        block, k, panels, tiles, total, float(alpha), float(beta),
         HAS_C=c3 is not None, B_KMAJOR=b_kmajor, RATIO=BLOCK_N // BLOCK_M, CHUNK=EPILOGUE_ROWS,
         PRODUCER_REGS=PRODUCER_REGISTERS, NUM_STAGES=STAGES, num_warps=CONSUMER_WARPS, maxnreg=KERNEL_REGISTERS,
     )
