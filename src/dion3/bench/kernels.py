@@ -73,6 +73,7 @@ def _symmetric_inputs(batch: int, n: int, k: int, product: str, dtype: torch.dty
 
 def bench_symmetric(dtype: torch.dtype, configs, shapes=SYMMETRIC_SHAPES) -> list[dict]:
     from ..kernels.symmetric_matmul import symmetric_matmul_triton
+    from ..kernels.symmetric_matmul_hopper import hopper_kernel_fits
 
     major = torch.cuda.get_device_capability()[0]
     rows = []
@@ -88,10 +89,11 @@ def bench_symmetric(dtype: torch.dtype, configs, shapes=SYMMETRIC_SHAPES) -> lis
         has_c = c is not None and beta != 0.0
         on_kernel = bool(configs) or (kernels.kernels_enabled() and kernels.symmetric_kernels_available(a.device, n))
         split = not configs and on_kernel and kernels.split_worth_it(a, has_c)
-        path = "split" if split else "whole" if on_kernel else "cublas"
+        hopper = not configs and on_kernel and not split and hopper_kernel_fits(a, b, c if has_c else None, None, n)
+        path = "split" if split else "hopper" if hopper else "whole" if on_kernel else "cublas"
         for config in configs or (pick_config(n // 2 if split else n, major, k, has_c),):
             row = dict(shape=label, batch=batch, n=n, k=k, product=product, dtype=str(dtype),
-                       config=asdict(config) if on_kernel else None, path=path, cublas_ms=cublas_ms,
+                       config=asdict(config) if on_kernel and not hopper else None, path=path, cublas_ms=cublas_ms,
                        cublas_max_rel_err=cublas_err, cublas_tflops=full_flops / cublas_ms / 1e9)
             try:
                 if configs:
@@ -114,7 +116,9 @@ def bench_symmetric(dtype: torch.dtype, configs, shapes=SYMMETRIC_SHAPES) -> lis
 
 def _format_symmetric(row: dict) -> str:
     cfg = row["config"]
-    if cfg is None:
+    if row.get("path") == "hopper":
+        tag = "gluon 128x256 ws"
+    elif cfg is None:
         tag = "cuBLAS (dispatch)"
     else:
         tag = f"{cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
