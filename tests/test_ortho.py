@@ -212,6 +212,24 @@ def test_given_norm_matches_measured_and_tall_results_come_back_contiguous(metho
         orthogonalize(scaled.float(), method, dtype=torch.float64, normalized=True)
 
 
+@pytest.mark.parametrize("restarts", [(), (2,)])
+def test_gram_tall_result_is_the_transpose_without_a_copy(restarts):
+    """Gram NS's tall result Xᵀ·Q equals (Q·X)ᵀ (Q is symmetric) and is contiguous; through
+    orthogonalize, a tall input's Gram result matches the transposed wide problem's."""
+    from dion3.ortho.newton_schulz import gram_newton_schulz
+
+    schedule = get_schedule("polar_express")
+    x = torch.randn(3, 12, 40, dtype=torch.float64)
+    x = x / (1.02 * torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True))
+    wide = gram_newton_schulz(x, schedule, restarts)
+    tall = gram_newton_schulz(x, schedule, restarts, tall_result=True)
+    assert tall.shape == (3, 40, 12) and tall.is_contiguous()
+    torch.testing.assert_close(tall, wide.mT, rtol=1e-12, atol=1e-12)
+    y = torch.randn(2, 40, 12, dtype=torch.float64)
+    torch.testing.assert_close(orthogonalize(y, "gram"), orthogonalize(y.mT.contiguous(), "gram").mT,
+                               rtol=1e-12, atol=1e-12)
+
+
 def test_orthogonalize_rejects_bad_input():
     with pytest.raises(ValueError, match="method"):
         orthogonalize(torch.randn(4, 4), "svd")

@@ -97,10 +97,12 @@ def newton_schulz(x: Tensor, schedule: Schedule) -> Tensor:
     return x
 
 
-def gram_newton_schulz(x: Tensor, schedule: Schedule, restarts: Sequence[int]) -> Tensor:
+def gram_newton_schulz(x: Tensor, schedule: Schedule, restarts: Sequence[int], tall_result: bool = False) -> Tensor:
     """Gram NS on a normalized wide batch [B, n, m]: iterate on R = XXᵀ (n×n) and accumulate
     Q with X_T = Q·X. Each step: Z = bR + cR², Q ← QZ + aQ, P = RZ + aR, R ← ZP + aP.
-    A restart after step s sets X ← QX, R ← XXᵀ, Q ← I (clears half-precision drift in R)."""
+    A restart after step s sets X ← QX, R ← XXᵀ, Q ← I (clears half-precision drift in R).
+    tall_result: return X_Tᵀ [B, m, n], contiguous, as Xᵀ·Q (Q is symmetric): a tall input
+    comes back in its own orientation without a transposed copy."""
     steps = len(schedule)
     restart_after = set(int(s) for s in restarts)
     if any(s < 1 or s >= steps for s in restart_after):
@@ -123,7 +125,9 @@ def gram_newton_schulz(x: Tensor, schedule: Schedule, restarts: Sequence[int]) -
             continue
         p = symmetric_matmul(r, z, r, alpha=1.0, beta=a)
         r = symmetric_matmul(z, p, p, alpha=1.0, beta=a)
-    return x if q is None else torch.bmm(q, x)
+    if q is None:
+        return x.mT if tall_result else x
+    return torch.bmm(x.mT, q) if tall_result else torch.bmm(q, x)
 
 
 def orthogonalize(
@@ -175,11 +179,12 @@ def orthogonalize(
     if method == "gram":
         if restarts is None:
             restarts = default_restarts(schedule)
-        out = gram_newton_schulz(wide, schedule, restarts)
+        out = gram_newton_schulz(wide, schedule, restarts, tall_result=transposed)
     else:
         out = newton_schulz(wide, schedule)
-    # Contiguous, also for tall inputs (whose result comes back transposed): the fused update
-    # kernel reads rows directly. (.to(memory_format=contiguous_format) would return the
+        out = out.mT if transposed else out
+    # Contiguous, also for tall inputs (standard NS's result comes back transposed): the fused
+    # update kernel reads rows directly. (.to(memory_format=contiguous_format) would return the
     # transposed view unchanged: a 3-D view's suggested memory format is already "contiguous".)
-    out = contiguous_cast(out.mT if transposed else out, out_dtype or x.dtype)
+    out = contiguous_cast(out, out_dtype or x.dtype)
     return out.reshape(*lead, rows, cols)
