@@ -105,7 +105,9 @@ def split_worth_it(a, has_c: bool, b=None) -> bool:
         return False
     a3 = a if a.dim() == 3 else a.unsqueeze(0)
     b3 = a3.mT if b is None else (b if b.dim() == 3 else b.unsqueeze(0))
-    if _hopper_kernel.hopper_kernel_fits(a3, b3, None, None, n):  # the whole product on it wins
+    # Where the Hopper kernel takes the whole product, keep one launch: H200 sweeps found no
+    # consistent winner between it and the split (kernels-h200-2026-11-29.md, "Fifth run").
+    if _hopper_kernel is not None and _hopper_kernel.hopper_kernel_fits(a3, b3, None, None, n):
         return False
     major = torch.cuda.get_device_capability(a.device)[0]
     if uses_long_reduction_config(n, a.shape[-1], has_c, major):  # the whole 4-stage product wins
