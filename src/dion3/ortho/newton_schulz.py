@@ -111,20 +111,22 @@ def gram_newton_schulz(x: Tensor, schedule: Schedule, restarts: Sequence[int], t
     q: Optional[Tensor] = None  # None stands for the identity
     for i, (a, b, c) in enumerate(schedule.steps, start=1):
         z = symmetric_matmul(r, r, r, alpha=c, beta=b)
-        if q is None:
-            q = z.clone()  # Q = I·Z + a·I; z itself is still needed for P and R
+        carry_on = i < steps and i not in restart_after
+        if carry_on:  # P and R first: they are the last readers of Z
+            p = symmetric_matmul(r, z, r, alpha=1.0, beta=a)
+            r = symmetric_matmul(z, p, p, alpha=1.0, beta=a)
+        if q is None:  # Q = I·Z + a·I, built in Z's own memory (no copy)
+            q = z
             q.diagonal(dim1=-2, dim2=-1).add_(a)
         else:
             q = symmetric_matmul(q, z, q, alpha=1.0, beta=a)
+        if carry_on:
+            continue
         if i == steps:
             break
-        if i in restart_after:
-            x = torch.bmm(q, x)
-            r = symmetric_matmul(x, x.mT)
-            q = None
-            continue
-        p = symmetric_matmul(r, z, r, alpha=1.0, beta=a)
-        r = symmetric_matmul(z, p, p, alpha=1.0, beta=a)
+        x = torch.bmm(q, x)  # restart
+        r = symmetric_matmul(x, x.mT)
+        q = None
     if q is None:
         return x.mT if tall_result else x
     return torch.bmm(x.mT, q) if tall_result else torch.bmm(q, x)
