@@ -10,9 +10,13 @@ specialization and 128×256 tiles are for:
   (mbarrier "ready"/"empty" pairs), so loads never wait behind the math;
 - two consumer warpgroups (the default partition, 8 warps) each run 64×256 wgmma on the tile,
   keeping one MMA in flight and freeing a stage as soon as the MMA that read it retires;
-- the epilogue reuses the stage buffers: C (if any) is loaded by TMA into the A stages, then
-  the tile goes out through the B stages and its transpose through the A stages, by TMA stores. Tiles
-  that cross the diagonal store their lower part and mirror through masked stores instead.
+- the epilogue goes through one tile-sized shared buffer: C (if any) comes in by TMA, the tile
+  and then its transpose go out by TMA stores. Tiles that cross the diagonal store their lower
+  part and its mirror through masked stores instead.
+
+Programs walk the work items (tile × matrix × diagonal block) with a grid stride: one program
+per item by default, or a persistent grid (programs_per_sm) in which the producer loads the
+next item's stages during the epilogue.
 
 Callers go through `symmetric_matmul_hopper(...)`, which returns False when the operands do not
 fit this kernel's requirements (see `hopper_kernel_fits`); the Triton kernel handles those.
@@ -24,7 +28,6 @@ from functools import lru_cache
 from typing import Optional
 
 import torch
-import triton
 from torch import Tensor
 
 try:  # Gluon is experimental; a Triton without it (or without Hopper support) uses the other kernel
@@ -101,7 +104,9 @@ def hopper_kernel_fits(a3: Tensor, b3: Tensor, c3: Optional[Tensor], out3: Optio
     if not sms:
         return False
     k = a3.shape[2]
-    if block % BLOCK_N or k % BLOCK_K or not a3.is_contiguous() or not (out3 is None or out3.is_contiguous()):
+    if block % BLOCK_N or k % BLOCK_K or not a3.is_contiguous():
+        return False
+    if out3 is not None and not out3.is_contiguous():
         return False
     tiles = a3.shape[0] * (a3.shape[1] // block) * lower_tile_count(block)
     if not any_size and (block < MIN_BLOCK or tiles < MIN_WAVES * sms):
@@ -267,8 +272,9 @@ if GLUON_AVAILABLE:
         HAS_C: gl.constexpr, B_KMAJOR: gl.constexpr, RATIO: gl.constexpr, CHUNK: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):
-        # Persistent: program p takes work items p, p + programs, ... of the `total` =
-        # tiles × matrices × diagonal blocks (tiles: the lower-triangle tiles of one n×n block).
+        # Program p takes work items p, p + programs, ... of the `total` = tiles × matrices ×
+        # diagonal blocks (tiles: the lower-triangle tiles of one n×n block); programs = total
+        # (one item each) unless the launch is persistent.
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -292,8 +298,8 @@ if GLUON_AVAILABLE:
         mbarrier.invalidate(c_ready)
 
 
-def _flat_descriptor(t: Tensor, rows: int, block_shape):
-    """TMA descriptor of a contiguous batched tensor viewed as 2-D [batch·rows, cols]."""
+def _flat_descriptor(t: Tensor, block_shape):
+    """TMA descriptor of a contiguous batched tensor [B, rows, cols] viewed as 2-D [B·rows, cols]."""
     flat = t.reshape(-1, t.shape[-1])
     layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), gl.bfloat16 if t.dtype == torch.bfloat16
                                                  else gl.float16)
@@ -316,12 +322,12 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
     if not hopper_kernel_fits(a3, b3, c3, out3, block, any_size):
         return False
     b_kmajor = not b3.is_contiguous()
-    a_desc = _flat_descriptor(a3, n, (BLOCK_M, BLOCK_K))
-    b_desc = (_flat_descriptor(b3.mT, n, (BLOCK_N, BLOCK_K)) if b_kmajor
-              else _flat_descriptor(b3, k, (BLOCK_K, BLOCK_N)))
-    d_desc = _flat_descriptor(out3, n, (BLOCK_M, BLOCK_N))
-    dt_desc = _flat_descriptor(out3, n, (BLOCK_N, BLOCK_M))
-    c_desc = _flat_descriptor(c3, n, (BLOCK_M, BLOCK_N)) if c3 is not None else d_desc
+    a_desc = _flat_descriptor(a3, (BLOCK_M, BLOCK_K))
+    b_desc = (_flat_descriptor(b3.mT, (BLOCK_N, BLOCK_K)) if b_kmajor
+              else _flat_descriptor(b3, (BLOCK_K, BLOCK_N)))
+    d_desc = _flat_descriptor(out3, (BLOCK_M, BLOCK_N))
+    dt_desc = _flat_descriptor(out3, (BLOCK_N, BLOCK_M))
+    c_desc = _flat_descriptor(c3, (BLOCK_M, BLOCK_N)) if c3 is not None else d_desc
     tiles = lower_tile_count(block)
     total = tiles * batch * panels
     programs = total if programs_per_sm is None else min(total, programs_per_sm * _sm90_count(a3.device.index))
