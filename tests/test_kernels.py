@@ -203,6 +203,27 @@ def test_hopper_kernel_builds_for_sm90_without_a_gpu():
     assert done.returncode == 0 and len(lines) == 4 and all(" ok: " in line for line in lines), done.stdout[-3000:]
 
 
+def test_hopper_kernel_failing_to_build_falls_back_once_with_a_warning(monkeypatch):
+    """A Gluon specialization that fails on first use (an untested Triton release) switches the
+    kernel off with one RuntimeWarning and reports False, so the caller runs the Triton kernel;
+    a specialization that already ran re-raises its errors instead of hiding them."""
+    from dion3.kernels import symmetric_matmul_hopper as hopper
+
+    monkeypatch.setattr(hopper, "ENABLED", True)
+    monkeypatch.setattr(hopper, "_launched", set())
+    calls = []
+    assert hopper._launch_or_fall_back("good", lambda: calls.append("good")) and calls == ["good"]
+
+    def broken():
+        raise RuntimeError("PassManager::run failed")
+
+    with pytest.warns(RuntimeWarning, match="Triton kernel from now on"):
+        assert hopper._launch_or_fall_back("new", broken) is False
+    assert hopper.ENABLED is False and "new" not in hopper._launched
+    with pytest.raises(RuntimeError, match="PassManager"):
+        hopper._launch_or_fall_back("good", broken)
+
+
 # ----------------------------------------------------------------------------- GPU only
 @needs_cuda
 def test_gpu_kernel_cases_match_float64():

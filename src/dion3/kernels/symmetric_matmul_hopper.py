@@ -24,13 +24,22 @@ fit this kernel's requirements (see `hopper_kernel_fits`); the Triton kernel han
 from __future__ import annotations
 
 import os
+import warnings
 from functools import lru_cache
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
+# The Gluon API this module is written against: run on GPUs with Triton 3.6, compiled for sm_90a
+# with Triton 3.9 (benchmarks/compile_sm90.py). Older releases spell warp_specialize differently.
+MIN_TRITON = (3, 6)
+
 try:  # Gluon is experimental; a Triton without it (or without Hopper support) uses the other kernel
+    import triton
+
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < MIN_TRITON:
+        raise ImportError(f"Triton {triton.__version__} is older than {MIN_TRITON}")
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -74,6 +83,30 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # DION3_HOPPER_KERNEL=0 keeps every product on the Triton kernel (A/B runs, or a Triton whose
 # experimental Gluon API misbehaves).
 ENABLED = os.environ.get("DION3_HOPPER_KERNEL", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+_launched: set = set()  # kernel specializations that built and ran
+
+
+def _launch_or_fall_back(key, launch: Callable[[], None]) -> bool:
+    """Run launch(); return True. If a specialization that never ran fails (the experimental
+    Gluon API of an untested Triton release, a ptxas refusal), warn once, switch this kernel off
+    for the process and return False: the caller falls back to the Triton kernel. Failures of
+    a specialization that already ran are real errors and propagate."""
+    global ENABLED
+    if key in _launched:
+        launch()
+        return True
+    try:
+        launch()
+    except Exception as error:
+        ENABLED = False
+        warnings.warn(f"dion3: the Hopper Gluon symmetric-matmul kernel failed to build or launch "
+                      f"({type(error).__name__}: {str(error)[:200]}); using the Triton kernel from now on",
+                      RuntimeWarning, stacklevel=3)
+        return False
+    _launched.add(key)
+    return True
 
 
 @lru_cache(maxsize=None)
@@ -310,7 +343,7 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
                             out3: Tensor, panels: int = 1, any_size: bool = False,
                             programs_per_sm: Optional[int] = None) -> bool:
     """Run D = alpha·A·B + beta·C on this kernel if it fits (see hopper_kernel_fits); return
-    whether it ran. Shapes are already checked by the caller: a3 [B, n, K], b3 [B, K, n],
+    whether it ran (False also when it fails to build: see _launch_or_fall_back). Shapes are already checked by the caller: a3 [B, n, K], b3 [B, K, n],
     c3 [B, n, n] or None, out3 [B, n, n]; panels > 1 fills only the diagonal blocks; any_size:
     run whenever the layout fits, even where the Triton kernel is faster (tests, sweeps);
     programs_per_sm: persistent programs per SM, None (the default): one program per tile.
@@ -331,10 +364,14 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
     tiles = lower_tile_count(block)
     total = tiles * batch * panels
     programs = total if programs_per_sm is None else min(total, programs_per_sm * _sm90_count(a3.device.index))
-    _symmetric_matmul_hopper_kernel[(programs,)](
-        a_desc, b_desc, c_desc, d_desc, dt_desc, out3,
-        block, k, panels, tiles, total, float(alpha), float(beta),
-        HAS_C=c3 is not None, B_KMAJOR=b_kmajor, RATIO=BLOCK_N // BLOCK_M, CHUNK=EPILOGUE_ROWS,
-        PRODUCER_REGS=PRODUCER_REGISTERS, NUM_STAGES=STAGES, num_warps=CONSUMER_WARPS, maxnreg=KERNEL_REGISTERS,
-    )
-    return True
+
+    def launch() -> None:
+        _symmetric_matmul_hopper_kernel[(programs,)](
+            a_desc, b_desc, c_desc, d_desc, dt_desc, out3,
+            block, k, panels, tiles, total, float(alpha), float(beta),
+            HAS_C=c3 is not None, B_KMAJOR=b_kmajor, RATIO=BLOCK_N // BLOCK_M, CHUNK=EPILOGUE_ROWS,
+            PRODUCER_REGS=PRODUCER_REGISTERS, NUM_STAGES=STAGES, num_warps=CONSUMER_WARPS,
+            maxnreg=KERNEL_REGISTERS,
+        )
+
+    return _launch_or_fall_back((a3.dtype, c3 is not None, b_kmajor, a3.device.index), launch)
