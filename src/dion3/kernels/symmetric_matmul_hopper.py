@@ -31,6 +31,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from .tile_order import _tile_coordinates, lower_tile_count
+
 # The Gluon API this module is written against: run on GPUs with Triton 3.6, compiled for sm_90a
 # with Triton 3.9 (benchmarks/compile_sm90.py). Older releases spell warp_specialize differently.
 MIN_TRITON = (3, 6)
@@ -117,12 +119,6 @@ def _sm90_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def lower_tile_count(block: int) -> int:
-    """BLOCK_M×BLOCK_N tiles touching the lower triangle of a block×block output."""
-    ratio = BLOCK_N // BLOCK_M
-    return sum(i // ratio + 1 for i in range(block // BLOCK_M))
-
-
 def hopper_kernel_fits(a3: Tensor, b3: Tensor, c3: Optional[Tensor], out3: Optional[Tensor], block: int,
                        any_size: bool = False) -> bool:
     """Whether this kernel runs the product: an sm90 device, contiguous operands (B either
@@ -141,7 +137,7 @@ def hopper_kernel_fits(a3: Tensor, b3: Tensor, c3: Optional[Tensor], out3: Optio
         return False
     if out3 is not None and not out3.is_contiguous():
         return False
-    tiles = a3.shape[0] * (a3.shape[1] // block) * lower_tile_count(block)
+    tiles = a3.shape[0] * (a3.shape[1] // block) * lower_tile_count(block, BLOCK_M, BLOCK_N)
     if not any_size and (block < MIN_BLOCK or tiles < MIN_WAVES * sms):
         return False
     if not (b3.is_contiguous() or b3.mT.is_contiguous()):
@@ -161,17 +157,6 @@ if GLUON_AVAILABLE:
             return buffer.reinterpret(desc.dtype, [ROWS, COLS], desc.layout)
         else:
             return buffer._reinterpret(desc.dtype, [ROWS, COLS], desc.layout)
-
-    @gluon.jit
-    def _tile_coordinates(t, RATIO: gl.constexpr):
-        """Linear tile index → (row block, column block) over the lower-triangle tiles in
-        row-block order: the same map as _tile_coordinates in symmetric_matmul.py (a Gluon
-        kernel cannot call a Triton function)."""
-        p = ((gl.sqrt(8.0 * t.to(gl.float32) / RATIO + 1.0) - 1.0) * 0.5).to(gl.int32)
-        p = gl.where(RATIO * p * (p + 1) // 2 > t, p - 1, p)
-        p = gl.where(RATIO * (p + 1) * (p + 2) // 2 <= t, p + 1, p)
-        rem = t - RATIO * p * (p + 1) // 2
-        return RATIO * p + rem // (p + 1), rem % (p + 1)
 
     @gluon.jit
     def _work_item(w, tiles, n, panels, RATIO: gl.constexpr, BLOCK_M_: gl.constexpr, BLOCK_N_: gl.constexpr):
@@ -361,7 +346,7 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
     d_desc = _flat_descriptor(out3, (BLOCK_M, BLOCK_N))
     dt_desc = _flat_descriptor(out3, (BLOCK_N, BLOCK_M))
     c_desc = _flat_descriptor(c3, (BLOCK_M, BLOCK_N)) if c3 is not None else d_desc
-    tiles = lower_tile_count(block)
+    tiles = lower_tile_count(block, BLOCK_M, BLOCK_N)
     total = tiles * batch * panels
     programs = total if programs_per_sm is None else min(total, programs_per_sm * _sm90_count(a3.device.index))
 
