@@ -3,7 +3,8 @@
     PYTHONPATH=src python3 benchmarks/compile_sm90.py [--dump DIR]
 
 Use it before spending GPU time: it builds every specialization the optimizer launches (A·Aᵀ
-with K-major B, R·R + C with row-major B, bf16 and fp16) with the installed Triton and ptxas,
+with K-major B, R·R + C with row-major B, bf16 and fp16, 3- and 4-stage rings) with the
+installed Triton and ptxas,
 and prints each kernel's registers, spills and shared memory. Nothing runs: a stand-in driver
 reports an sm_90 target and the launches stop after compilation (JITFunction.warmup). Use the
 Triton version of the GPU machine (3.6 there) to catch API drift in the experimental Gluon API.
@@ -78,10 +79,13 @@ def main() -> int:
     hopper._sm90_count = lambda index: 132  # an H100/H200
     hopper._launch_or_fall_back = lambda key, launch: launch() or True  # report build errors, no fallback
     failures = 0
-    cases = [("AAt bf16", torch.bfloat16, "gram", False), ("RR+C fp16", torch.float16, "square", True),
-             ("AAt fp16 +C", torch.float16, "gram", True), ("RR bf16", torch.bfloat16, "square", False)]
-    for label, dtype, product, has_c in cases:
-        n, k = 512, 512
+    long_k = hopper.RING_EPILOGUE_MIN_K  # the 4-stage ring with the epilogue in it
+    cases = [("AAt bf16", torch.bfloat16, "gram", False, 512), ("RR+C fp16", torch.float16, "square", True, 512),
+             ("AAt fp16 +C", torch.float16, "gram", True, 512), ("RR bf16", torch.bfloat16, "square", False, 512),
+             ("AAt bf16 4st", torch.bfloat16, "gram", False, long_k),
+             ("AAt f16 +C 4st", torch.float16, "gram", True, long_k)]
+    for label, dtype, product, has_c, k in cases:
+        n = 512
         a = torch.zeros(2, n, k, dtype=dtype)
         b = a.mT if product == "gram" else torch.zeros(2, k, n, dtype=dtype)
         c = torch.zeros(2, n, n, dtype=dtype) if has_c else None

@@ -2,7 +2,7 @@
 # One device call = one or more stages; results under $OUT (the device tool's output folder).
 #   bash benchmarks/run_h200.sh check step cold      # GPU tests, step-time tables, cold first step
 #   bash benchmarks/run_h200.sh train dist            # gpu-small comparison, NCCL distributed script
-#   bash benchmarks/run_h200.sh kernels               # dion3 bench kernels + sweep (Gluon vs Triton kernels)
+#   bash benchmarks/run_h200.sh kernels sweep         # dion3 bench kernels; variant sweep (VARIANTS=a,b,c: which ones)
 #   bash benchmarks/run_h200.sh ab                    # whole steps with the Hopper Gluon kernel off/on
 set -uo pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -18,11 +18,12 @@ for stage in "$@"; do
       run dion3 bench --preset llama-8b --skip adamw --steps 10 --warmup 4 --json "$OUT/step-llama-8b.json" 2>&1 | tee "$OUT/step-llama-8b.txt" ;;
     quick)  # the headline rows only: baseline and Dion3, both presets
       run python3 -m pytest -q -m gpu tests/test_elementwise_kernels.py tests/test_graph.py 2>&1 | tee "$OUT/gpu-tests-quick.txt"
-      run dion3 bench --preset llama-8b --optimizers muon,dion3-1/4,dion3-1/8 --steps 10 --warmup 4 --json "$OUT/step-llama-8b-quick.json" 2>&1 | tee "$OUT/step-llama-8b-quick.txt"
-      run dion3 bench --preset llama-1b --optimizers muon,dion3-1/4,dion3-1/8 --steps 20 --json "$OUT/step-llama-1b-quick.json" 2>&1 | tee "$OUT/step-llama-1b-quick.txt" ;;
-    kernels)  # what the optimizer runs, then the config sweep (each variant checked against float64)
-      run dion3 bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt"
-      mkdir -p "$OUT/sweep" && OUT="$OUT/sweep" run timeout 330 python3 benchmarks/sweep_symmetric.py --only gluon,gluon_np,reg128,split_r128 2>&1 | tail -20 | tee "$OUT/sweep.txt" ;;
+      run dion3 bench --preset llama-8b --optimizers muon,muon-gram,dion3-1/4 --steps 10 --warmup 4 --json "$OUT/step-llama-8b-quick.json" 2>&1 | tee "$OUT/step-llama-8b-quick.txt"
+      run dion3 bench --preset llama-1b --optimizers muon,muon-gram,dion3-1/4 --steps 20 --json "$OUT/step-llama-1b-quick.json" 2>&1 | tee "$OUT/step-llama-1b-quick.txt" ;;
+    kernels)  # what the optimizer runs: issue 3's table
+      run dion3 bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" ;;
+    sweep)  # symmetric-kernel variants, each checked against float64 first
+      mkdir -p "$OUT/sweep" && OUT="$OUT/sweep" run timeout 330 python3 benchmarks/sweep_symmetric.py --only ${VARIANTS:-gluon,gluon3,gluon4,reg128} 2>&1 | tail -20 | tee "$OUT/sweep.txt" ;;
     ab)  # whole steps with the Hopper kernel off (0) and on (1), alternating
       for flag in 0 1; do
         DION3_HOPPER_KERNEL=$flag run timeout 150 python3 -m dion3.cli bench --preset llama-8b --optimizers dion3-1/4,muon-gram --steps 10 --warmup 4 --json "$OUT/step-llama-8b-hopper$flag.json" 2>&1 | tail -8 | tee "$OUT/step-llama-8b-hopper$flag.txt"

@@ -56,18 +56,24 @@ def _cfg(bm, bn, stages=3, **flags):
 # Fifth run (fourth session): the warp-specialized Gluon kernel (kernels/symmetric_matmul_hopper.py,
 # 128×256 tiles, one TMA producer warp, two consumer warpgroups), persistent (one program per SM)
 # or one program per tile, whole and split.
+# Sixth run (fifth session): a 4-stage ring whose A stages hold the epilogue tile against the
+# fourth session's 3 stages and separate tile (both per tile). Then the persistent launch was
+# removed, and the epilogue reworked (transposed tile in a drained ring, both stores issued
+# together, diagonal tiles by TMA, C loaded during the main loop): gluon3 / gluon4 force the
+# ring depth, gluon picks it from K.
 @dataclass(frozen=True)
 class Gluon:
-    """Config slot of a Gluon variant (its tiles are fixed in its module): persistent programs
-    per SM, or None for one program per tile."""
-    programs_per_sm: Optional[int] = 1
+    """Config slot of a Gluon variant (its tiles are fixed in its module): the ring's stages
+    (None: the module's choice from K)."""
+    stages: Optional[int] = None
 
 
 STORE = _cfg(128, 128, tma_store=True)
 VARIANTS = {
-    "gluon": (Gluon(1), False),
-    "gluon_np": (Gluon(None), False),
-    "gluon_split": (Gluon(1), True),  # name: (diagonal/whole-product config, split)
+    "gluon": (Gluon(), False),  # name: (diagonal/whole-product config, split)
+    "gluon3": (Gluon(3), False),
+    "gluon4": (Gluon(4), False),
+    "gluon_split": (Gluon(), True),
     "store": (STORE, False),  # the table's config before the register cap
     "reg128": (_cfg(128, 128, tma_store=True, max_registers=128), False),  # the table's config now
     "reg112": (_cfg(128, 128, tma_store=True, max_registers=112), False),
@@ -134,7 +140,7 @@ class NotFitting(Exception):
 def _gluon_fill(variant):
     def fill(a, b, c, alpha, beta, out, panels):
         if not symmetric_matmul_hopper(a, b, c, alpha, beta, out, panels, any_size=True,
-                                       programs_per_sm=variant.programs_per_sm):
+                                       stages=variant.stages):
             raise NotFitting(f"{tuple(a.shape)} panels={panels}")
     return fill
 
@@ -263,7 +269,7 @@ def table(checks, rows):
     lines = ["variants: " + "; ".join(f"{n}={cfg.block_m}x{cfg.block_n} s{cfg.num_stages}"
                                       f"{' st' if cfg.tma_store else ''}{' split' if split else ''}"
                                       if not isinstance(cfg, Gluon) else
-                                      f"{n}=gluon 128x256 ws {cfg.programs_per_sm or 'per-tile'}{' split' if split else ''}"
+                                      f"{n}=gluon 128x256 ws stages {cfg.stages or 'by K'}{' split' if split else ''}"
                                       for n, (cfg, split) in VARIANTS.items())]
     lines.append("checks: " + "  ".join(f"{c['variant']}={'ok' if c['ok'] else 'FAIL'}" for c in checks))
     for c in checks:

@@ -10,13 +10,16 @@ specialization and 128×256 tiles are for:
   (mbarrier "ready"/"empty" pairs), so loads never wait behind the math;
 - two consumer warpgroups (the default partition, 8 warps) each run 64×256 wgmma on the tile,
   keeping one MMA in flight and freeing a stage as soon as the MMA that read it retires;
-- the epilogue goes through one tile-sized shared buffer: C (if any) comes in by TMA, the tile
-  and then its transpose go out by TMA stores. Tiles that cross the diagonal store their lower
-  part and its mirror through masked stores instead.
+- the epilogue writes the tile and its transpose into shared memory (the drained rings, or a
+  tile of its own into which C's tile arrived by TMA during the main loop) and sends both out
+  by TMA stores issued together. Tiles that cross the diagonal send their strictly-lower half
+  and its transpose, and their diagonal block made exactly symmetric in shared memory, as
+  [128, 64] blocks, also by TMA.
 
-Programs walk the work items (tile × matrix × diagonal block) with a grid stride: one program
-per item by default, or a persistent grid (programs_per_sm) in which the producer loads the
-next item's stages during the epilogue.
+One program per work item (tile × matrix × diagonal block). A persistent launch (one program
+per SM looping over tiles, the producer loading the next tile during the epilogue) lost
+10–20% on batched products on the H200 and was removed (benchmarks/README.md, "Tried and
+rejected").
 
 Callers go through `symmetric_matmul_hopper(...)`, which returns False when the operands do not
 fit this kernel's requirements (see `hopper_kernel_fits`); the Triton kernel handles those.
@@ -66,13 +69,22 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 BLOCK_M = 128
 BLOCK_N = 256
 BLOCK_K = 64
-STAGES = 3  # 3 × (16 + 32) KB + a 64 KB epilogue tile = 208 KB of the H200's 227 KB
+# The ring: 4 stages × (16 + 32) KB = 192 KB for long reductions without C (K ≥
+# RING_EPILOGUE_MIN_K), the epilogue then using the drained rings; otherwise 3 stages and a tile
+# of the epilogue's own (224 KB), into which C's tile arrives during the main loop. H200 sweeps
+# (kernels-h200-2026-11-29.md, "Sixth run"): with a late C (the 4-stage layout) 0.9·R·R − 1.7·R
+# at 64×3584 ran at 1.41× cuBLAS against 1.79–1.81× with C loaded early; on C-free products
+# 4 stages won at K ≥ 8192 with the fourth session's epilogue (8192² 1.84× vs 1.69×) and are
+# within the run-to-run spread (±5–10%) of 3 stages with the current one.
+STAGES = 4
+SHORT_K_STAGES = 3
+RING_EPILOGUE_MIN_K = 8192
 CONSUMER_WARPS = 8  # two warpgroups, 64 rows of the tile each
 PRODUCER_REGISTERS = 24
 # Registers per thread for the whole kernel: (8 consumer + 4 producer-group warps) × 32 threads ×
 # 168 ≤ 65536. The producer gives back down to 24, the consumers get the rest (240).
 KERNEL_REGISTERS = 168
-EPILOGUE_ROWS = 32  # rows per masked-store chunk on diagonal tiles
+EPILOGUE_ROWS = 32  # rows per chunk when diagonal tiles mirror their diagonal block
 # Where it wins (H200 sweep, kernels-h200-2026-11-29.md "Fifth run"): blocks of ≥ 2048 rows with
 # at least 4 waves of tiles. Smaller blocks spend too much on the masked diagonal tiles
 # (40% of the tiles at n = 1024) and a few waves (one 4096² output: 2.1) leave SMs idle at
@@ -151,12 +163,20 @@ if GLUON_AVAILABLE:
     _REINTERPRET_IS_PUBLIC = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # Triton ≥ 3.7
 
     @gluon.jit
-    def _reinterpret(buffer, desc, ROWS: gl.constexpr, COLS: gl.constexpr):
-        """The same shared memory seen as a [ROWS, COLS] buffer in desc's dtype and layout."""
-        if _REINTERPRET_IS_PUBLIC:
-            return buffer.reinterpret(desc.dtype, [ROWS, COLS], desc.layout)
+    def _reinterpret(buffer, dtype: gl.constexpr, layout: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr,
+                     D2: gl.constexpr = 0):
+        """The same shared memory seen as a [D0, D1] buffer, or (D2 > 0) as D0 buffers of
+        [D1, D2], in dtype and layout (of that rank)."""
+        if D2 > 0:
+            if _REINTERPRET_IS_PUBLIC:
+                return buffer.reinterpret(dtype, [D0, D1, D2], layout)
+            else:
+                return buffer._reinterpret(dtype, [D0, D1, D2], layout)
         else:
-            return buffer._reinterpret(desc.dtype, [ROWS, COLS], desc.layout)
+            if _REINTERPRET_IS_PUBLIC:
+                return buffer.reinterpret(dtype, [D0, D1], layout)
+            else:
+                return buffer._reinterpret(dtype, [D0, D1], layout)
 
     @gluon.jit
     def _work_item(w, tiles, n, panels, RATIO: gl.constexpr, BLOCK_M_: gl.constexpr, BLOCK_N_: gl.constexpr):
@@ -170,133 +190,144 @@ if GLUON_AVAILABLE:
         return batch * n * panels + offset, offset, i * BLOCK_M_, j * BLOCK_N_, batch
 
     @gluon.jit
-    def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, n, K, panels, tiles, total,
-                        B_KMAJOR: gl.constexpr, RATIO: gl.constexpr):
-        """Producer (1 warp): fill stage s once the consumers released it, signal ready[s];
-        runs ahead into the next work item while the consumers finish the current one."""
-        stages: gl.constexpr = a_bufs.shape[0]
+    def _load_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, epi, ready, empty, c_ready, n, K, panels, tiles,
+                        B_KMAJOR: gl.constexpr, RATIO: gl.constexpr, C_EARLY: gl.constexpr):
+        """Producer (1 warp): C's tile first when it has its own buffer (C_EARLY), then the A and
+        B blocks: fill stage s once the consumers released it, signal ready[s]."""
+        stages: gl.constexpr = b_bufs.shape[0]
         block_m: gl.constexpr = a_desc.block_type.shape[0]
         block_k: gl.constexpr = a_desc.block_type.shape[1]
         block_n: gl.constexpr = a_desc.block_type.shape[0] * RATIO
-        counter = 0
-        for w in range(gl.program_id(0), total, gl.num_programs(0)):
-            matrix_row, offset, row0, col0, batch = _work_item(w, tiles, n, panels, RATIO, block_m, block_n)
-            for step in range(gl.cdiv(K, block_k)):
-                s = counter % stages
-                # empty barriers start "phase 1 complete": the first pass over the ring never waits
-                mbarrier.wait(empty.index(s), ((counter // stages) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                k0 = step * block_k
-                _tma_load(a_desc, [matrix_row + row0, k0], bar, a_bufs.index(s))
-                if B_KMAJOR:  # B's columns are rows of a [B·n, K] tensor
-                    _tma_load(b_desc, [matrix_row + col0, k0], bar, b_bufs.index(s))
-                else:  # B is a [B·K, n] tensor
-                    _tma_load(b_desc, [batch * K + k0, offset + col0], bar, b_bufs.index(s))
-                counter += 1
+        matrix_row, offset, row0, col0, batch = _work_item(gl.program_id(0), tiles, n, panels, RATIO, block_m, block_n)
+        if C_EARLY:
+            mbarrier.expect(c_ready, c_desc.block_type.nbytes)
+            _tma_load(c_desc, [matrix_row + row0, offset + col0], c_ready, epi)
+        for step in range(gl.cdiv(K, block_k)):
+            s = step % stages
+            # empty barriers start "phase 1 complete": the first pass over the ring never waits
+            mbarrier.wait(empty.index(s), ((step // stages) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            k0 = step * block_k
+            _tma_load(a_desc, [matrix_row + row0, k0], bar, a_bufs.index(s))
+            if B_KMAJOR:  # B's columns are rows of a [B·n, K] tensor
+                _tma_load(b_desc, [matrix_row + col0, k0], bar, b_bufs.index(s))
+            else:  # B is a [B·K, n] tensor
+                _tma_load(b_desc, [batch * K + k0, offset + col0], bar, b_bufs.index(s))
 
     @gluon.jit
-    def _masked_mirror_store(tile, d_base, row0, col0, stride_dm, CHUNK: gl.constexpr, num_warps: gl.constexpr):
-        """Diagonal tile (in shared memory, [BLOCK_M, BLOCK_N]): its lower part (diagonal
-        included) in place, its strictly-lower part transposed, both through coalesced masked
-        stores, CHUNK rows (then CHUNK columns) at a time."""
-        block_m: gl.constexpr = tile.shape[0]
-        block_n: gl.constexpr = tile.shape[1]
+    def _symmetric_block(lower, upper, col0, CHUNK: gl.constexpr, num_warps: gl.constexpr):
+        """Columns col0 + [0, 64) of a tile's diagonal block, in place in `lower` ([M, 64]): the
+        entries above the diagonal become the mirror of those below it, read from `upper` (the
+        same block of the transposed tile), so D is exactly symmetric, not up to rounding."""
+        size: gl.constexpr = lower.shape[0]
+        width: gl.constexpr = lower.shape[1]
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        for r in gl.static_range(0, block_m, CHUNK):
-            part = tile.slice(r, CHUNK, dim=0).load(blocked)
-            rows = row0 + r + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, blocked))
-            cols = col0 + gl.arange(0, block_n, layout=gl.SliceLayout(0, blocked))
-            gl.store(d_base + rows[:, None].to(gl.int64) * stride_dm + cols[None, :], part,
-                     mask=rows[:, None] >= cols[None, :])
-        transposed = tile.permute((1, 0))  # [BLOCK_N, BLOCK_M] view: row c holds column c of the tile
-        for c in gl.static_range(0, block_n, CHUNK):
-            part = transposed.slice(c, CHUNK, dim=0).load(blocked)
-            rows = col0 + c + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, blocked))  # D rows = tile columns
-            cols = row0 + gl.arange(0, block_m, layout=gl.SliceLayout(0, blocked))
-            gl.store(d_base + rows[:, None].to(gl.int64) * stride_dm + cols[None, :], part,
-                     mask=rows[:, None] < cols[None, :])
+        for r in gl.static_range(0, size, CHUNK):
+            below = lower.slice(r, CHUNK, dim=0).load(blocked)
+            mirror = upper.slice(r, CHUNK, dim=0).load(blocked)
+            rows = r + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, blocked))
+            cols = col0 + gl.arange(0, width, layout=gl.SliceLayout(0, blocked))
+            lower.slice(r, CHUNK, dim=0).store(gl.where(rows[:, None] >= cols[None, :], below, mirror))
 
     @gluon.jit
-    def _mma_partition(a_bufs, b_bufs, epi, ready, empty, c_ready, c_desc, d_desc, dt_desc, d_ptr,
-                       n, K, panels, tiles, total, alpha, beta,
-                       HAS_C: gl.constexpr, B_KMAJOR: gl.constexpr, RATIO: gl.constexpr,
+    def _mma_partition(a_bufs, b_bufs, epi, epi_t, tile_blocks, transposed_blocks, ready, empty, c_ready,
+                       c_desc, d_desc, dt_desc, dq_desc, n, K, panels, tiles, alpha, beta,
+                       HAS_C: gl.constexpr, C_EARLY: gl.constexpr, B_KMAJOR: gl.constexpr, RATIO: gl.constexpr,
                        CHUNK: gl.constexpr, num_warps: gl.constexpr):
-        """Consumers (default partition, two warpgroups): accumulate each tile in fp32 registers,
-        then write it and its mirror; meanwhile the producer already loads the next tile."""
-        stages: gl.constexpr = a_bufs.shape[0]
+        """Consumers (default partition, two warpgroups): accumulate the tile in fp32 registers,
+        then write it and its transpose to shared memory and from there to D by TMA stores."""
+        stages: gl.constexpr = b_bufs.shape[0]
         block_m: gl.constexpr = a_bufs.shape[1]
         block_k: gl.constexpr = a_bufs.shape[2]
         block_n: gl.constexpr = block_m * RATIO
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, block_n, 16])
-        n_full = n * panels
-        counter = 0
-        c_phase = 0
-        for w in range(gl.program_id(0), total, gl.num_programs(0)):
-            matrix_row, offset, row0, col0, batch = _work_item(w, tiles, n, panels, RATIO, block_m, block_n)
-            acc = gl.zeros((block_m, block_n), gl.float32, layout)
-            for step in range(gl.cdiv(K, block_k)):
-                s = counter % stages
-                mbarrier.wait(ready.index(s), (counter // stages) & 1)
-                if B_KMAJOR:
-                    b = b_bufs.index(s).permute((1, 0))
-                else:
-                    b = b_bufs.index(s)
-                acc = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
-                # One MMA stays in flight; the one before it has retired in both warpgroups once
-                # every warp passes the barrier, so its stage can go back to the producer.
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                _partition_barrier()
-                mbarrier.arrive(empty.index((counter + stages - 1) % stages), count=1, pred=step > 0)
-                counter += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        matrix_row, offset, row0, col0, batch = _work_item(gl.program_id(0), tiles, n, panels, RATIO, block_m, block_n)
+        acc = gl.zeros((block_m, block_n), gl.float32, layout)
+        for step in range(gl.cdiv(K, block_k)):
+            s = step % stages
+            mbarrier.wait(ready.index(s), (step // stages) & 1)
+            if B_KMAJOR:
+                b = b_bufs.index(s).permute((1, 0))
+            else:
+                b = b_bufs.index(s)
+            acc = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
+            # One MMA stays in flight; the one before it has retired in both warpgroups once
+            # every warp passes the barrier, so its stage can go back to the producer.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             _partition_barrier()
-            mbarrier.arrive(empty.index((counter + stages - 1) % stages), count=1)  # the tile's last stage
+            mbarrier.arrive(empty.index((step + stages - 1) % stages), count=1, pred=step > 0)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _partition_barrier()  # every MMA has read its stages: the rings are free for the epilogue
 
-            # Epilogue through one tile-sized buffer. The previous tile's last TMA store (issued
-            # by one thread) must have read it before anyone writes it again.
-            tma.store_wait(0)
-            _partition_barrier()
-            acc = acc * alpha
-            if HAS_C:
+        acc = acc * alpha
+        if HAS_C:
+            if not C_EARLY:  # epi is the A ring: C can come in only now
                 mbarrier.expect(c_ready, c_desc.block_type.nbytes)
                 _tma_load(c_desc, [matrix_row + row0, offset + col0], c_ready, epi)
-                mbarrier.wait(c_ready, c_phase)
-                c_phase ^= 1
-                acc = acc + beta * epi.load(layout).to(gl.float32)
-                _partition_barrier()  # all of C is read before the tile overwrites it
-            out = acc.to(epi.dtype)
-            epi.store(out)
-            if col0 + block_n <= row0:  # strictly below the diagonal: the tile, then its transpose, by TMA
-                fence_async_shared()
-                _tma_store(d_desc, [matrix_row + row0, offset + col0], epi)
-                tma.store_wait(0)
-                _partition_barrier()
-                epi_t = _reinterpret(epi, dt_desc, block_n, block_m)
-                epi_t.store(gl.permute(out, (1, 0)))
-                fence_async_shared()
-                _tma_store(dt_desc, [matrix_row + col0, offset + row0], epi_t)  # waited for next tile
-            else:
-                _partition_barrier()
-                d_base = d_ptr + matrix_row.to(gl.int64) * n_full + offset
-                _masked_mirror_store(epi, d_base, row0, col0, n_full, CHUNK, num_warps)
-        tma.store_wait(0)
+            mbarrier.wait(c_ready, 0)
+            acc = acc + beta * epi.load(layout).to(gl.float32)
+            _partition_barrier()  # all of C is read before the tile overwrites it
+        out = acc.to(epi.dtype)
+        epi.store(out)
+        epi_t.store(gl.permute(out, (1, 0)))
+        fence_async_shared()
+        _partition_barrier()
+        d_row = matrix_row + row0  # the tile's first row in the flattened D
+        if col0 + block_n <= row0:  # strictly below the diagonal: the tile and its transpose
+            _tma_store(d_desc, [d_row, offset + col0], epi)
+            _tma_store(dt_desc, [matrix_row + col0, offset + row0], epi_t)
+        else:
+            # A diagonal tile: the columns of its half h are its rows (the diagonal block); the
+            # other half lies strictly below (h = 1) or above (h = 0: another tile mirrors it).
+            # Both go out as [M, 64] blocks: block j of the tile, and block 2q + r of the
+            # transposed tile (its rows r·M.. of column block q).
+            groups: gl.constexpr = block_m // block_k
+            h = (row0 - col0) // block_m
+            if h == 1:
+                for q in gl.static_range(groups):
+                    _tma_store(dq_desc, [d_row, offset + col0 + q * block_k], tile_blocks.index(q))
+                    _tma_store(dq_desc, [matrix_row + col0, offset + row0 + q * block_k],
+                               transposed_blocks.index(RATIO * q))
+            for q in gl.static_range(groups):
+                _symmetric_block(tile_blocks.index(h * groups + q), transposed_blocks.index(RATIO * q + h),
+                                 q * block_k, CHUNK, num_warps)
+            fence_async_shared()
+            _partition_barrier()
+            for q in gl.static_range(groups):
+                _tma_store(dq_desc, [d_row, offset + row0 + q * block_k], tile_blocks.index(h * groups + q))
+        tma.store_wait(0)  # shared memory stays valid until the stores have read it
 
     @gluon.jit
     def _symmetric_matmul_hopper_kernel(
-        a_desc, b_desc, c_desc, d_desc, dt_desc, d_ptr,
-        n, K, panels, tiles, total, alpha, beta,
+        a_desc, b_desc, c_desc, d_desc, dt_desc, dq_desc,
+        n, K, panels, tiles, alpha, beta,
         HAS_C: gl.constexpr, B_KMAJOR: gl.constexpr, RATIO: gl.constexpr, CHUNK: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, NUM_STAGES: gl.constexpr, EPILOGUE_IN_RING: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
-        # Program p takes work items p, p + programs, ... of the `total` = tiles × matrices ×
-        # diagonal blocks (tiles: the lower-triangle tiles of one n×n block); programs = total
-        # (one item each) unless the launch is persistent.
+        # Program w computes work item w of tiles × matrices × diagonal blocks (tiles: the
+        # lower-triangle tiles of one n×n block).
         dtype: gl.constexpr = a_desc.dtype
-        a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
+        block_m: gl.constexpr = a_desc.block_type.shape[0]
+        block_k: gl.constexpr = a_desc.block_type.shape[1]
+        block_n: gl.constexpr = block_m * RATIO
+        # The epilogue writes the tile ([M, N]) and its transpose ([N, M]) into shared memory the
+        # main loop no longer needs; each is also seen as a stack of [M, 64] blocks (the A
+        # ring's shape), which diagonal tiles store one by one.
+        blocks: gl.constexpr = RATIO * block_m // block_k
+        a_bufs = gl.allocate_shared_memory(dtype, [blocks] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
-        epi = gl.allocate_shared_memory(dtype, d_desc.block_type.shape, d_desc.layout)
+        if EPILOGUE_IN_RING:  # 4 stages: the tile in the drained A ring, its transpose in the B ring
+            tile_blocks = a_bufs
+            transposed_blocks = _reinterpret(b_bufs, dtype, gl.constexpr(a_desc.layout), 2 * blocks, block_m, block_k)
+            epi_t = _reinterpret(b_bufs, dtype, gl.constexpr(dt_desc.layout), 2, block_n, block_m).index(0)
+        else:  # 3 stages (A ring sized for 4): the tile has its own buffer, C arrives there early
+            tile_blocks = gl.allocate_shared_memory(dtype, [blocks] + a_desc.block_type.shape, a_desc.layout)
+            transposed_blocks = a_bufs
+            epi_t = _reinterpret(a_bufs, dtype, gl.constexpr(dt_desc.layout), block_n, block_m)
+        epi = _reinterpret(tile_blocks, dtype, gl.constexpr(d_desc.layout), block_m, block_n)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -304,11 +335,13 @@ if GLUON_AVAILABLE:
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
         mbarrier.init(c_ready, count=1)
+        c_early: gl.constexpr = HAS_C and not EPILOGUE_IN_RING
         gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, epi, ready, empty, c_ready, c_desc, d_desc, dt_desc, d_ptr,
-                              n, K, panels, tiles, total, alpha, beta, HAS_C, B_KMAJOR, RATIO, CHUNK, num_warps)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, n, K, panels, tiles, total,
-                               B_KMAJOR, RATIO)),
+            (_mma_partition, (a_bufs, b_bufs, epi, epi_t, tile_blocks, transposed_blocks, ready, empty, c_ready,
+                              c_desc, d_desc, dt_desc, dq_desc, n, K, panels, tiles, alpha, beta, HAS_C, c_early,
+                              B_KMAJOR, RATIO, CHUNK, num_warps)),
+            (_load_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, epi, ready, empty, c_ready, n, K, panels,
+                               tiles, B_KMAJOR, RATIO, c_early)),
         ], [1], [PRODUCER_REGS])
         for s in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(s))
@@ -316,47 +349,50 @@ if GLUON_AVAILABLE:
         mbarrier.invalidate(c_ready)
 
 
+def _shared_layout(shape, dtype: torch.dtype):
+    """The swizzled shared-memory layout TMA uses for a block (or a stack of blocks) of shape."""
+    return gl.NVMMASharedLayout.get_default_for(list(shape), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def _flat_descriptor(t: Tensor, block_shape):
     """TMA descriptor of a contiguous batched tensor [B, rows, cols] viewed as 2-D [B·rows, cols]."""
     flat = t.reshape(-1, t.shape[-1])
-    layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), gl.bfloat16 if t.dtype == torch.bfloat16
-                                                 else gl.float16)
-    return TensorDescriptor.from_tensor(flat, list(block_shape), layout)
+    return TensorDescriptor.from_tensor(flat, list(block_shape), _shared_layout(block_shape, t.dtype))
 
 
 def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha: float, beta: float,
                             out3: Tensor, panels: int = 1, any_size: bool = False,
-                            programs_per_sm: Optional[int] = None) -> bool:
+                            stages: Optional[int] = None) -> bool:
     """Run D = alpha·A·B + beta·C on this kernel if it fits (see hopper_kernel_fits); return
-    whether it ran (False also when it fails to build: see _launch_or_fall_back). Shapes are already checked by the caller: a3 [B, n, K], b3 [B, K, n],
-    c3 [B, n, n] or None, out3 [B, n, n]; panels > 1 fills only the diagonal blocks; any_size:
-    run whenever the layout fits, even where the Triton kernel is faster (tests, sweeps);
-    programs_per_sm: persistent programs per SM, None (the default): one program per tile.
-    Persistent launches let the producer load the next tile during the epilogue, but on the
-    H200 they lost on every batched product (64×3584×4096 1.33× cuBLAS vs 1.64× per tile) and
-    won only on one 8192² output (1.78× vs 1.62×): kernels-h200-2026-11-29.md, "Fifth run"."""
+    whether it ran (False also when it fails to build: see _launch_or_fall_back). Shapes are
+    already checked by the caller: a3 [B, n, K], b3 [B, K, n], c3 [B, n, n] or None, out3
+    [B, n, n]; panels > 1 fills only the diagonal blocks; any_size: run whenever the layout
+    fits, even where the Triton kernel is faster (tests, sweeps); stages: ring depth, 3 or 4
+    (None: from K, see RING_EPILOGUE_MIN_K; for sweeps)."""
     batch, n, k = a3.shape
     block = n // panels
     if not hopper_kernel_fits(a3, b3, c3, out3, block, any_size):
         return False
+    stages = stages or (STAGES if k >= RING_EPILOGUE_MIN_K and c3 is None else SHORT_K_STAGES)
+    if stages not in (STAGES, SHORT_K_STAGES):
+        raise ValueError(f"stages must be {SHORT_K_STAGES} or {STAGES}, got {stages}")
     b_kmajor = not b3.is_contiguous()
     a_desc = _flat_descriptor(a3, (BLOCK_M, BLOCK_K))
     b_desc = (_flat_descriptor(b3.mT, (BLOCK_N, BLOCK_K)) if b_kmajor
               else _flat_descriptor(b3, (BLOCK_K, BLOCK_N)))
     d_desc = _flat_descriptor(out3, (BLOCK_M, BLOCK_N))
     dt_desc = _flat_descriptor(out3, (BLOCK_N, BLOCK_M))
+    dq_desc = _flat_descriptor(out3, (BLOCK_M, BLOCK_K))  # diagonal tiles go out as [M, 64] blocks
     c_desc = _flat_descriptor(c3, (BLOCK_M, BLOCK_N)) if c3 is not None else d_desc
     tiles = lower_tile_count(block, BLOCK_M, BLOCK_N)
-    total = tiles * batch * panels
-    programs = total if programs_per_sm is None else min(total, programs_per_sm * _sm90_count(a3.device.index))
 
     def launch() -> None:
-        _symmetric_matmul_hopper_kernel[(programs,)](
-            a_desc, b_desc, c_desc, d_desc, dt_desc, out3,
-            block, k, panels, tiles, total, float(alpha), float(beta),
+        _symmetric_matmul_hopper_kernel[(tiles * batch * panels,)](
+            a_desc, b_desc, c_desc, d_desc, dt_desc, dq_desc,
+            block, k, panels, tiles, float(alpha), float(beta),
             HAS_C=c3 is not None, B_KMAJOR=b_kmajor, RATIO=BLOCK_N // BLOCK_M, CHUNK=EPILOGUE_ROWS,
-            PRODUCER_REGS=PRODUCER_REGISTERS, NUM_STAGES=STAGES, num_warps=CONSUMER_WARPS,
-            maxnreg=KERNEL_REGISTERS,
+            PRODUCER_REGS=PRODUCER_REGISTERS, NUM_STAGES=stages, EPILOGUE_IN_RING=stages == STAGES,
+            num_warps=CONSUMER_WARPS, maxnreg=KERNEL_REGISTERS,
         )
 
-    return _launch_or_fall_back((a3.dtype, c3 is not None, b_kmajor, a3.device.index), launch)
+    return _launch_or_fall_back((a3.dtype, c3 is not None, b_kmajor, stages, a3.device.index), launch)
