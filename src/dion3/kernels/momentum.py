@@ -46,10 +46,13 @@ def _accumulate_kernel(
     row_inside = rows < n_rows
     if POINTER_TABLE:
         # grad_ptr is the first piece, read only for its element type; grad_table holds each
-        # piece's address (16-byte aligned, checked by the launcher), piece_rows rows apiece
+        # piece's address, piece_rows rows apiece. The launcher checked that every piece is
+        # 16-byte aligned: said of the pointers (a hint on the int64 addresses does not reach
+        # them), it lets Triton vectorize the gradient loads as for a pointer argument.
         piece = rows // piece_rows
-        address = tl.multiple_of(tl.load(grad_table + piece, mask=row_inside, other=0), 16)
-        grad_rows = address.to(tl.pointer_type(grad_ptr.dtype.element_ty)) + (rows - piece * piece_rows) * C
+        address = tl.load(grad_table + piece, mask=row_inside, other=0)
+        piece_start = tl.multiple_of(address.to(tl.pointer_type(grad_ptr.dtype.element_ty)), 16)
+        grad_rows = piece_start + (rows - piece * piece_rows) * C
     else:
         grad_rows = grad_ptr + rows * C
     total = tl.zeros([BLOCK_R], dtype=tl.float32)
