@@ -3,11 +3,16 @@ norm (Dion3's selection score) and squared L2 norm (summed into the Frobenius no
 Newton–Schulz normalizes by) in the same pass — one read of M and G and one write of M, where
 the PyTorch path needs separate passes for scaling, adding, scoring and the norm.
 
-One launch per parameter (gradients are separate tensors and may be replaced between steps,
-so no pointer table is cached for them); inside a captured graph the launches cost nothing.
+One launch per call when the gradient pieces share shape and dtype and are contiguous and
+16-byte aligned (the usual bucket): a device table of the pieces' data pointers, cached by
+(device, dtype, addresses) in a small bounded cache, tells each row where its gradient lives.
+A replaced gradient has a new address, hence a new key and table; while a CUDA graph is being
+captured a missing table cannot be copied to the device, so that call (and any other bucket:
+a single piece, mixed shapes or dtypes, strided or unaligned pieces) launches once per piece.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
@@ -22,15 +27,34 @@ BLOCK_ROWS = 1
 BLOCK_COLS = 1024
 NUM_WARPS = 8
 
+# Pointer tables of gradient buckets, (device, dtype, data_ptrs) → int64 device tensor, least
+# recently used first. A table holds addresses only: a new gradient allocated at a recycled
+# address is read correctly through the old table, and one at a new address gets a new key.
+POINTER_TABLE_LIMIT = 64
+_pointer_tables: "OrderedDict[tuple, Tensor]" = OrderedDict()
+# Tables a captured CUDA graph reads: never evicted (the graph's replays would read freed memory).
+_graph_tables: dict = {}
+
 
 @triton.jit
 def _accumulate_kernel(
-    momentum_ptr, grad_ptr, scores_ptr, squares_ptr, decay, n_rows, C,
-    HAS_DECAY: tl.constexpr, SCORES: tl.constexpr, SQUARES: tl.constexpr,
+    momentum_ptr, grad_ptr, grad_table, scores_ptr, squares_ptr, decay, n_rows, piece_rows, C,
+    HAS_DECAY: tl.constexpr, SCORES: tl.constexpr, SQUARES: tl.constexpr, POINTER_TABLE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_inside = rows < n_rows
+    if POINTER_TABLE:
+        # grad_ptr is the first piece, read only for its element type; grad_table holds each
+        # piece's address, piece_rows rows apiece. The launcher checked that every piece is
+        # 16-byte aligned: said of the pointers (a hint on the int64 addresses does not reach
+        # them), it lets Triton vectorize the gradient loads as for a pointer argument.
+        piece = rows // piece_rows
+        address = tl.load(grad_table + piece, mask=row_inside, other=0)
+        piece_start = tl.multiple_of(address.to(tl.pointer_type(grad_ptr.dtype.element_ty)), 16)
+        grad_rows = piece_start + (rows - piece * piece_rows) * C
+    else:
+        grad_rows = grad_ptr + rows * C
     total = tl.zeros([BLOCK_R], dtype=tl.float32)
     total_sq = tl.zeros([BLOCK_R], dtype=tl.float32)
     for start in range(0, C, BLOCK_C):
@@ -38,7 +62,7 @@ def _accumulate_kernel(
         inside = row_inside[:, None] & (cols[None, :] < C)
         offsets = rows[:, None] * C + cols[None, :]
         m = tl.load(momentum_ptr + offsets, mask=inside, other=0.0)
-        g = tl.load(grad_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        g = tl.load(grad_rows[:, None] + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         value = m.to(tl.float32)
         if HAS_DECAY:
             value = value * decay
@@ -55,6 +79,47 @@ def _accumulate_kernel(
         tl.store(squares_ptr + rows, total_sq, mask=row_inside)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream of device is capturing a CUDA graph (never on CPU, where
+    torch.cuda cannot be asked: the interpreter tests patch this function)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _one_launch_pieces(grads: Sequence[Tensor]) -> bool:
+    """Whether one launch can read every piece through a pointer table: 2+ pieces of one shape
+    and dtype, each contiguous and 16-byte aligned (the kernel promises aligned rows to Triton)."""
+    if len(grads) < 2:
+        return False
+    first = grads[0]
+    return first.numel() > 0 and all(
+        g.shape == first.shape and g.dtype == first.dtype and g.is_contiguous() and g.data_ptr() % 16 == 0
+        for g in grads
+    )
+
+
+def _grad_pointer_table(grads: Sequence[Tensor]) -> Optional[Tensor]:
+    """The cached device table of the pieces' data pointers, or None when it is not cached and
+    the stream is capturing a graph (a host-to-device copy cannot be captured)."""
+    first = grads[0]
+    key = (first.device, first.dtype, tuple(g.data_ptr() for g in grads))
+    capturing = _capturing(first.device)
+    table = _graph_tables.get(key)
+    if table is None:
+        table = _pointer_tables.get(key)
+        if table is not None:
+            _pointer_tables.move_to_end(key)  # most recently used last: eviction drops the stalest
+        else:
+            if capturing:
+                return None
+            table = torch.tensor(key[2], dtype=torch.int64, device=first.device)
+            _pointer_tables[key] = table
+            while len(_pointer_tables) > POINTER_TABLE_LIMIT:
+                _pointer_tables.popitem(last=False)
+        if capturing:  # the graph keeps reading this table: keep it alive
+            _graph_tables[key] = _pointer_tables.pop(key)
+    return table
+
+
 def fused_accumulate_supported(momentum: Tensor, grads: Sequence[Tensor]) -> bool:
     return (
         momentum.is_cuda
@@ -64,28 +129,46 @@ def fused_accumulate_supported(momentum: Tensor, grads: Sequence[Tensor]) -> boo
     )
 
 
+def _launch_accumulate(
+    momentum_rows, grad, table, scores_rows, squares_rows, decay, count, piece_rows, scores, squares
+) -> None:
+    """One launch over count rows of momentum_rows [rows, C]: from grad itself (table None) or
+    from the pieces listed in table (grad: the first piece, giving the element type)."""
+    _accumulate_kernel[(triton.cdiv(count, BLOCK_ROWS),)](
+        momentum_rows, grad, grad if table is None else table, scores_rows, squares_rows, float(decay),
+        count, piece_rows, momentum_rows.shape[1],
+        HAS_DECAY=decay != 1.0, SCORES=scores, SQUARES=squares, POINTER_TABLE=table is not None,
+        BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=NUM_WARPS,
+    )
+
+
 def accumulate_momentum_triton(
     momentum: Tensor, grads: Sequence[Tensor], decay: float, scores: bool, squares: bool = False
 ) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """momentum [N, R, C] (contiguous) ← decay·momentum + concat(grads); grads are [B_i, R, C].
-    Returns (L1 norm of each updated row if scores, its squared L2 norm if squares), [N, R] float32."""
+    Returns (L1 norm of each updated row if scores, its squared L2 norm if squares), [N, R] float32.
+    One launch for same-shape, same-dtype, contiguous pieces, else one per piece (module docstring)."""
     n, rows, cols = momentum.shape
+    if sum(g.shape[0] for g in grads) != n or any(g.shape[1:] != (rows, cols) for g in grads):
+        shapes = [tuple(g.shape) for g in grads]
+        raise ValueError(f"gradients of shapes {shapes} do not fill momentum {tuple(momentum.shape)}")
     wanted = lambda flag: torch.empty((n, rows), dtype=torch.float32, device=momentum.device) if flag else None  # noqa: E731
     out_scores, out_squares = wanted(scores), wanted(squares)
     flat_m = momentum.view(n * rows, cols)
     # placeholder pointers for outputs not asked for
     flat_s = out_scores.view(n * rows) if scores else flat_m
     flat_q = out_squares.view(n * rows) if squares else flat_m
+    table = _grad_pointer_table(grads) if _one_launch_pieces(grads) else None
+    if table is not None:
+        piece_rows = grads[0].shape[0] * rows
+        _launch_accumulate(flat_m, grads[0], table, flat_s, flat_q, decay, n * rows, piece_rows, scores, squares)
+        return out_scores, out_squares
     offset = 0
     for grad in grads:
         count = grad.shape[0] * rows
         grad = grad if grad.is_contiguous() else grad.contiguous()
-        grid = (triton.cdiv(count, BLOCK_ROWS),)
-        _accumulate_kernel[grid](
-            flat_m[offset:], grad, flat_s[offset:], flat_q[offset:], float(decay), count, cols,
-            HAS_DECAY=decay != 1.0, SCORES=scores, SQUARES=squares, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
-            num_warps=NUM_WARPS,
-        )
+        _launch_accumulate(flat_m[offset:], grad, None, flat_s[offset:], flat_q[offset:], decay, count, count,
+                           scores, squares)
         offset += count
     return out_scores, out_squares
 
