@@ -3,7 +3,7 @@
     PYTHONPATH=src python3 benchmarks/compile_sm90.py [--dump DIR]
 
 Use it before spending GPU time: it builds every specialization the optimizer launches (A·Aᵀ
-with K-major B, R·R + C with row-major B, bf16 and fp16, 3- and 4-stage rings) with the
+with K-major B, R·R + C with row-major B, bf16 and fp16, 3- and 4-stage rings, A copied on the way) with the
 installed Triton and ptxas,
 and prints each kernel's registers, spills and shared memory. Nothing runs: a stand-in driver
 reports an sm_90 target and the launches stop after compilation (JITFunction.warmup). Use the
@@ -83,7 +83,8 @@ def main() -> int:
     cases = [("AAt bf16", torch.bfloat16, "gram", False, 512), ("RR+C fp16", torch.float16, "square", True, 512),
              ("AAt fp16 +C", torch.float16, "gram", True, 512), ("RR bf16", torch.bfloat16, "square", False, 512),
              ("AAt bf16 4st", torch.bfloat16, "gram", False, long_k),
-             ("AAt f16 +C 4st", torch.float16, "gram", True, long_k)]
+             ("AAt f16 +C 4st", torch.float16, "gram", True, long_k),
+             ("AAt bf16 copy", torch.bfloat16, "gram", False, 512)]  # A copied on the way (standard NS)
     for label, dtype, product, has_c, k in cases:
         n = 512
         a = torch.zeros(2, n, k, dtype=dtype)
@@ -101,7 +102,9 @@ def main() -> int:
 
         type(kernel).__getitem__ = warm_only
         try:
-            hopper.symmetric_matmul_hopper(a, b, c, 1.0, 0.5 if has_c else 0.0, out)
+            copy = torch.zeros_like(a) if "copy" in label else None
+            hopper.symmetric_matmul_hopper(a, b, c, 1.0, 0.5 if has_c else 0.0, out, copy_a=copy,
+                                           stages=hopper.STAGES if "4st" in label else None)
             ck = compiled["kernel"]
             print(f"{label:12s} ok: shared {ck.metadata.shared} B, {ptxas_report(ck.asm['ptx'])}", flush=True)
             if args.dump:

@@ -190,8 +190,8 @@ def test_empty_reduction_fills_only_the_diagonal_blocks_it_owns():
 
 
 def test_hopper_kernel_builds_for_sm90_without_a_gpu():
-    """The Gluon kernel's six specializations (K-major/row-major B, with/without C, bf16/fp16,
-    3- and 4-stage rings) compile to sm_90a with the installed Triton and ptxas
+    """The Gluon kernel's seven specializations (K-major/row-major B, with/without C, bf16/fp16,
+    3- and 4-stage rings, A copied on the way) compile to sm_90a with the installed Triton and ptxas
     (benchmarks/compile_sm90.py) and fit the 227 KB of shared memory an sm90 block may have:
     catches drift in Triton's experimental Gluon API on machines without a Hopper GPU."""
     from dion3.kernels.symmetric_matmul_hopper import GLUON_AVAILABLE
@@ -202,7 +202,7 @@ def test_hopper_kernel_builds_for_sm90_without_a_gpu():
     env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src"))
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if " ok: " in line or "FAILED" in line]
-    assert done.returncode == 0 and len(lines) == 6 and all(" ok: " in line for line in lines), done.stdout[-3000:]
+    assert done.returncode == 0 and len(lines) == 7 and all(" ok: " in line for line in lines), done.stdout[-3000:]
     shared = [int(re.search(r"shared (\d+) B", line).group(1)) for line in lines]
     assert max(shared) <= 227 * 1024, shared
 
@@ -389,3 +389,41 @@ def test_gpu_hopper_kernel_matches_float64(dtype, batch, n, k, product, panels, 
         assert error <= 2 * cublas_error, (float(error), float(cublas_error))
     if panels > 1:  # outside the diagonal blocks nothing was written
         assert torch.isnan(out[:, size:, :size]).all() and torch.isnan(out[:, :size, size:]).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("stages", [3, 4])
+def test_gpu_hopper_kernel_copies_a_exactly_and_standard_ns_uses_the_copy(stages):
+    """copy_a: the Hopper kernel's diagonal tiles send every block of A's rows on to a copy
+    (bit-exact, every element written: NaN-poisoned), and the product is unchanged by it; standard
+    NS then updates that copy in place (gram_with_copy hands it over) and stays within 2e-2 of
+    float64 NS."""
+    from dion3.bench.kernels import float64_newton_schulz
+    from dion3.kernels.symmetric_matmul_hopper import GLUON_AVAILABLE, symmetric_matmul_hopper
+    from dion3.ortho.newton_schulz import orthogonalize
+
+    if torch.cuda.get_device_capability()[0] != 9 or not GLUON_AVAILABLE:
+        pytest.skip("the Gluon kernel runs on sm90 with a Triton that has Gluon")
+    a = (torch.randn(3, 1024, 704, device="cuda") / 704 ** 0.5).to(torch.bfloat16)
+    plain = torch.full((3, 1024, 1024), float("nan"), dtype=a.dtype, device="cuda")
+    with_copy = plain.clone()
+    copy = torch.full_like(a, float("nan"))
+    assert symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, plain, any_size=True, stages=stages)
+    assert symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, with_copy, any_size=True, stages=stages, copy_a=copy)
+    assert torch.equal(copy, a) and torch.equal(with_copy, plain)
+
+    x = torch.randn(8, 2048, 2048, device="cuda")  # 8 × 72 tiles: the dispatch picks the Hopper kernel
+    gram, spare = kernels.gram_with_copy(x.to(torch.bfloat16))
+    assert spare is not None and torch.equal(gram, gram.mT)
+    exact = float64_newton_schulz(x)
+    out = orthogonalize(x, method="newton_schulz")
+    assert float((out.double() - exact).norm() / exact.norm()) < 2e-2
+
+
+def test_gram_with_copy_off_the_hopper_kernel_is_the_plain_product():
+    """Without the Hopper kernel (CPU here) gram_with_copy is X·Xᵀ and no copy, so standard NS
+    falls back to torch.baddbmm."""
+    x = torch.randn(2, 24, 40, dtype=torch.float64)
+    gram, spare = kernels.gram_with_copy(x)
+    assert spare is None
+    torch.testing.assert_close(gram, x @ x.mT, rtol=1e-12, atol=1e-12)

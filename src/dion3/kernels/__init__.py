@@ -137,6 +137,21 @@ def symmetric_matmul(a, b, c=None, alpha: float = 1.0, beta: float = 0.0, split:
     return out[0] if squeeze else out
 
 
+def gram_with_copy(x):
+    """(X·Xᵀ, a copy of X or None) for x [B, n, k] or [n, k]. Where the Hopper kernel computes
+    the product, the programs that stream each block of X's rows also write them out, so a
+    caller that needs a copy of X (standard NS: X ← a·X + P·X, which cuBLAS can only update in
+    place) gets one without another pass over X; elsewhere the copy is None."""
+    if (_symmetric_worth_it(x) and _hopper_kernel is not None and x.is_contiguous()
+            and not split_worth_it(x, False)):
+        x3 = x if x.dim() == 3 else x.unsqueeze(0)
+        out = torch.empty(x3.shape[0], x3.shape[1], x3.shape[1], dtype=x.dtype, device=x.device)
+        copy = torch.empty_like(x3)
+        if _hopper_kernel.symmetric_matmul_hopper(x3, x3.mT, None, 1.0, 0.0, out, copy_a=copy):
+            return (out, copy) if x.dim() == 3 else (out[0], copy[0])
+    return symmetric_matmul(x, x.mT), None
+
+
 def post_update(params, update, rows, decay, step, row_scale=None) -> None:
     """For each [B_i, R, C] param: param ← decay·param; param[rows] −= step·update (one rounding).
     row_scale ([N, k] or [N, k, 1], float32): a factor per row of update, so row i changes by
@@ -211,6 +226,7 @@ def contiguous_cast(x, out_dtype):
 __all__ = [
     "accumulate_momentum",
     "contiguous_cast",
+    "gram_with_copy",
     "scale_cast",
     "snapshot_rows",
     "symmetric_matmul",

@@ -232,9 +232,9 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _mma_partition(a_bufs, b_bufs, epi, epi_t, tile_blocks, transposed_blocks, ready, empty, c_ready,
-                       c_desc, d_desc, dt_desc, dq_desc, n, K, panels, tiles, alpha, beta,
+                       c_desc, d_desc, dt_desc, dq_desc, y_desc, n, K, panels, tiles, alpha, beta,
                        HAS_C: gl.constexpr, C_EARLY: gl.constexpr, B_KMAJOR: gl.constexpr, RATIO: gl.constexpr,
-                       CHUNK: gl.constexpr, num_warps: gl.constexpr):
+                       CHUNK: gl.constexpr, COPY_A: gl.constexpr, num_warps: gl.constexpr):
         """Consumers (default partition, two warpgroups): accumulate the tile in fp32 registers,
         then write it and its transpose to shared memory and from there to D by TMA stores."""
         stages: gl.constexpr = b_bufs.shape[0]
@@ -244,10 +244,15 @@ if GLUON_AVAILABLE:
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, block_n, 16])
         matrix_row, offset, row0, col0, batch = _work_item(gl.program_id(0), tiles, n, panels, RATIO, block_m, block_n)
+        # COPY_A: the tile on the diagonal of each row block (one per block of A's rows) also
+        # sends the A blocks it streams through to Y, a copy of A.
+        copies = COPY_A and col0 + block_n > row0
         acc = gl.zeros((block_m, block_n), gl.float32, layout)
         for step in range(gl.cdiv(K, block_k)):
             s = step % stages
             mbarrier.wait(ready.index(s), (step // stages) & 1)
+            if copies:
+                _tma_store(y_desc, [matrix_row + row0, step * block_k], a_bufs.index(s))
             if B_KMAJOR:
                 b = b_bufs.index(s).permute((1, 0))
             else:
@@ -256,10 +261,14 @@ if GLUON_AVAILABLE:
             # One MMA stays in flight; the one before it has retired in both warpgroups once
             # every warp passes the barrier, so its stage can go back to the producer.
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if copies:  # the previous stage's copy has been read out before the stage is refilled
+                tma.store_wait(1)
             _partition_barrier()
             mbarrier.arrive(empty.index((step + stages - 1) % stages), count=1, pred=step > 0)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _partition_barrier()  # every MMA has read its stages: the rings are free for the epilogue
+        if copies:
+            tma.store_wait(0)
+        _partition_barrier()  # every MMA and copy has read its stages: the rings are free for the epilogue
 
         acc = acc * alpha
         if HAS_C:
@@ -301,9 +310,9 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _symmetric_matmul_hopper_kernel(
-        a_desc, b_desc, c_desc, d_desc, dt_desc, dq_desc,
+        a_desc, b_desc, c_desc, d_desc, dt_desc, dq_desc, y_desc,
         n, K, panels, tiles, alpha, beta,
-        HAS_C: gl.constexpr, B_KMAJOR: gl.constexpr, RATIO: gl.constexpr, CHUNK: gl.constexpr,
+        HAS_C: gl.constexpr, B_KMAJOR: gl.constexpr, RATIO: gl.constexpr, CHUNK: gl.constexpr, COPY_A: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, NUM_STAGES: gl.constexpr, EPILOGUE_IN_RING: gl.constexpr,
         num_warps: gl.constexpr,
     ):
@@ -338,8 +347,8 @@ if GLUON_AVAILABLE:
         c_early: gl.constexpr = HAS_C and not EPILOGUE_IN_RING
         gl.warp_specialize([
             (_mma_partition, (a_bufs, b_bufs, epi, epi_t, tile_blocks, transposed_blocks, ready, empty, c_ready,
-                              c_desc, d_desc, dt_desc, dq_desc, n, K, panels, tiles, alpha, beta, HAS_C, c_early,
-                              B_KMAJOR, RATIO, CHUNK, num_warps)),
+                              c_desc, d_desc, dt_desc, dq_desc, y_desc, n, K, panels, tiles, alpha, beta, HAS_C,
+                              c_early, B_KMAJOR, RATIO, CHUNK, COPY_A, num_warps)),
             (_load_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, epi, ready, empty, c_ready, n, K, panels,
                                tiles, B_KMAJOR, RATIO, c_early)),
         ], [1], [PRODUCER_REGS])
@@ -362,13 +371,15 @@ def _flat_descriptor(t: Tensor, block_shape):
 
 def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha: float, beta: float,
                             out3: Tensor, panels: int = 1, any_size: bool = False,
-                            stages: Optional[int] = None) -> bool:
+                            stages: Optional[int] = None, copy_a: Optional[Tensor] = None) -> bool:
     """Run D = alpha·A·B + beta·C on this kernel if it fits (see hopper_kernel_fits); return
     whether it ran (False also when it fails to build: see _launch_or_fall_back). Shapes are
     already checked by the caller: a3 [B, n, K], b3 [B, K, n], c3 [B, n, n] or None, out3
     [B, n, n]; panels > 1 fills only the diagonal blocks; any_size: run whenever the layout
     fits, even where the Triton kernel is faster (tests, sweeps); stages: ring depth, 3 or 4
-    (None: from K, see RING_EPILOGUE_MIN_K; for sweeps)."""
+    (None: from K, see RING_EPILOGUE_MIN_K; for sweeps); copy_a: a contiguous tensor shaped
+    like a3 that also receives a copy of A (each block of A's rows is sent on by the tile that
+    streams it on the diagonal; panels = 1 only)."""
     batch, n, k = a3.shape
     block = n // panels
     if not hopper_kernel_fits(a3, b3, c3, out3, block, any_size):
@@ -376,8 +387,13 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
     stages = stages or (STAGES if k >= RING_EPILOGUE_MIN_K and c3 is None else SHORT_K_STAGES)
     if stages not in (STAGES, SHORT_K_STAGES):
         raise ValueError(f"stages must be {SHORT_K_STAGES} or {STAGES}, got {stages}")
+    if copy_a is not None and (panels != 1 or copy_a.shape != a3.shape or copy_a.dtype != a3.dtype
+                               or not copy_a.is_contiguous() or copy_a.data_ptr() % 16):
+        raise ValueError(f"copy_a must be a contiguous, 16-byte aligned {a3.dtype} tensor of shape "
+                         f"{tuple(a3.shape)} (and panels 1), got {copy_a.dtype} {tuple(copy_a.shape)}")
     b_kmajor = not b3.is_contiguous()
     a_desc = _flat_descriptor(a3, (BLOCK_M, BLOCK_K))
+    y_desc = _flat_descriptor(copy_a, (BLOCK_M, BLOCK_K)) if copy_a is not None else a_desc
     b_desc = (_flat_descriptor(b3.mT, (BLOCK_N, BLOCK_K)) if b_kmajor
               else _flat_descriptor(b3, (BLOCK_K, BLOCK_N)))
     d_desc = _flat_descriptor(out3, (BLOCK_M, BLOCK_N))
@@ -388,11 +404,13 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
 
     def launch() -> None:
         _symmetric_matmul_hopper_kernel[(tiles * batch * panels,)](
-            a_desc, b_desc, c_desc, d_desc, dt_desc, dq_desc,
+            a_desc, b_desc, c_desc, d_desc, dt_desc, dq_desc, y_desc,
             block, k, panels, tiles, float(alpha), float(beta),
             HAS_C=c3 is not None, B_KMAJOR=b_kmajor, RATIO=BLOCK_N // BLOCK_M, CHUNK=EPILOGUE_ROWS,
+            COPY_A=copy_a is not None,
             PRODUCER_REGS=PRODUCER_REGISTERS, NUM_STAGES=stages, EPILOGUE_IN_RING=stages == STAGES,
             num_warps=CONSUMER_WARPS, maxnreg=KERNEL_REGISTERS,
         )
 
-    return _launch_or_fall_back((a3.dtype, c3 is not None, b_kmajor, stages, a3.device.index), launch)
+    return _launch_or_fall_back((a3.dtype, c3 is not None, b_kmajor, stages, copy_a is not None, a3.device.index),
+                                launch)

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..kernels import contiguous_cast, scale_cast, symmetric_matmul, symmetric_speedup
+from ..kernels import contiguous_cast, gram_with_copy, scale_cast, symmetric_matmul, symmetric_speedup
 from .coefficients import CoefficientSpec, Schedule, get_schedule
 from .restarts import default_restarts
 
@@ -91,9 +91,12 @@ def _normalized_wide(x: Tensor, scaling: InputScaling, norm: Optional[Tensor] = 
 def newton_schulz(x: Tensor, schedule: Schedule) -> Tensor:
     """Standard NS on a normalized wide batch: X ← aX + (bA + cA²)X, A = XXᵀ."""
     for a, b, c in schedule.steps:
-        gram = symmetric_matmul(x, x.mT)
+        gram, spare = gram_with_copy(x)
         poly = symmetric_matmul(gram, gram, gram, alpha=c, beta=b)
-        x = torch.baddbmm(x, poly, x, beta=a, alpha=1.0)
+        if spare is not None:  # a copy of X came with A: update it in place, no copy into a new output
+            x = spare.baddbmm_(poly, x, beta=a, alpha=1.0)
+        else:
+            x = torch.baddbmm(x, poly, x, beta=a, alpha=1.0)
     return x
 
 
