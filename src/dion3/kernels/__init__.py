@@ -140,8 +140,9 @@ def symmetric_matmul(a, b, c=None, alpha: float = 1.0, beta: float = 0.0, split:
 def gram_with_copy(x):
     """(X·Xᵀ, a copy of X or None) for x [B, n, k] or [n, k]. Where the Hopper kernel computes
     the product, the programs that stream each block of X's rows also write them out, so a
-    caller that needs a copy of X (standard NS: X ← a·X + P·X, which cuBLAS can only update in
-    place) gets one without another pass over X; elsewhere the copy is None."""
+    caller that needs a copy of X gets one without another pass over X (standard NS: cuBLAS
+    adds a·X + P·X into the memory that holds a·X's X, so without a spare copy torch.baddbmm
+    first copies X into its output); elsewhere the copy is None."""
     if (_symmetric_worth_it(x) and _hopper_kernel is not None and x.is_contiguous()
             and not split_worth_it(x, False)):
         x3 = x if x.dim() == 3 else x.unsqueeze(0)

@@ -85,10 +85,11 @@ PRODUCER_REGISTERS = 24
 # 168 ≤ 65536. The producer gives back down to 24, the consumers get the rest (240).
 KERNEL_REGISTERS = 168
 EPILOGUE_ROWS = 32  # rows per chunk when diagonal tiles mirror their diagonal block
-# Where it wins (H200 sweep, kernels-h200-2026-11-29.md "Fifth run"): blocks of ≥ 2048 rows with
-# at least 4 waves of tiles. Smaller blocks spend too much on the masked diagonal tiles
-# (40% of the tiles at n = 1024) and a few waves (one 4096² output: 2.1) leave SMs idle at
-# the tail of this one-tile-per-program launch; the Triton kernel takes those.
+# Where it wins (H200 sweeps, kernels-h200-2026-11-29.md "Fifth run" and "Sixth run"): blocks of
+# ≥ 2048 rows with at least 4 waves of tiles. Smaller blocks spend too much on the diagonal tiles
+# (40% of the tiles at n = 1024, where half of each is wasted: 32×1024×4096 1.25–1.31× against
+# the Triton kernel's 1.40×) and a few waves (one 4096² output: 2.1) leave SMs idle at the tail
+# of this one-tile-per-program launch; the Triton kernel takes those.
 MIN_BLOCK = 2048
 MIN_WAVES = 4
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
