@@ -53,6 +53,31 @@ def test_missing_gradient_is_named():
         require_grads(opt)
 
 
+def test_replay_gradient_sync_copies_only_replaced_gradients_and_names_missing_ones():
+    """What a replay does with .grad before the graph runs (CPU-visible): nothing when every
+    gradient is still the captured buffer; a gradient in a new tensor is copied into its
+    buffer (and only that one); a parameter that lost its gradient is named."""
+    weights, bias = _model_and_groups()
+    params = weights + [bias]
+    _fill_grads(params, 0, "cpu")
+    step = object.__new__(CapturedStep)  # its constructor needs CUDA; the sync logic does not
+    step.optimizer = Dion3(_groups(weights, bias))
+    step._params = params
+    step._static_grads = [p.grad for p in params]
+    captured = [g.clone() for g in step._static_grads]
+    step._sync_grads()
+    assert all(p.grad is s for p, s in zip(params, step._static_grads))
+    assert all(torch.equal(s, c) for s, c in zip(step._static_grads, captured))
+    fresh = torch.randn(weights[1].shape)
+    weights[1].grad = fresh
+    step._sync_grads()
+    assert torch.equal(step._static_grads[1], fresh) and step._static_grads[1] is not fresh
+    assert all(torch.equal(step._static_grads[i], captured[i]) for i in (0, 2, 3, 4))
+    bias.grad = None
+    with pytest.raises(RuntimeError, match="no gradient"):
+        step._sync_grads()
+
+
 def test_device_scalars_follow_scheduler_and_match_float_hyperparameters():
     """lr / weight decay as tensors updated in place by a scheduler give exactly the steps that
     plain floats give; this is the state a captured graph reads."""
