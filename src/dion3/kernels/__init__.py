@@ -143,8 +143,9 @@ def gram_with_copy(x):
     caller that needs a copy of X gets one without another pass over X (standard NS: cuBLAS
     adds a·X + P·X into the memory that holds a·X's X, so without a spare copy torch.baddbmm
     first copies X into its output); elsewhere the copy is None."""
-    if (_symmetric_worth_it(x) and _hopper_kernel is not None and x.is_contiguous()
-            and not split_worth_it(x, False)):
+    # No split check: where the Hopper kernel fits, split_worth_it declines anyway, and where it
+    # does not, symmetric_matmul_hopper says so and symmetric_matmul decides.
+    if _symmetric_worth_it(x) and _hopper_kernel is not None and x.is_contiguous():
         x3 = x if x.dim() == 3 else x.unsqueeze(0)
         out = torch.empty(x3.shape[0], x3.shape[1], x3.shape[1], dtype=x.dtype, device=x.device)
         copy = torch.empty_like(x3)
