@@ -12,6 +12,7 @@ Triton version of the GPU machine (3.6 there) to catch API drift in the experime
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import os
 import sys
 
@@ -75,18 +76,25 @@ def main() -> int:
     if not hopper.GLUON_AVAILABLE:
         print(f"Triton {triton.__version__} has no usable Gluon Hopper API")
         return 1
-    hopper.hopper_kernel_fits = lambda *a, **k: True  # no device to ask
+    hopper.pick_tiling = lambda *args, tiling=None, **kwargs: tiling  # no device to ask
     hopper._sm90_count = lambda index: 132  # an H100/H200
     hopper._launch_or_fall_back = lambda key, launch: launch() or True  # report build errors, no fallback
     failures = 0
-    long_k = hopper.RING_EPILOGUE_MIN_K  # the 4-stage ring with the epilogue in it
-    cases = [("AAt bf16", torch.bfloat16, "gram", False, 512), ("RR+C fp16", torch.float16, "square", True, 512),
-             ("AAt fp16 +C", torch.float16, "gram", True, 512), ("RR bf16", torch.bfloat16, "square", False, 512),
-             ("AAt bf16 4st", torch.bfloat16, "gram", False, long_k),
-             ("AAt f16 +C 4st", torch.float16, "gram", True, long_k),
-             ("AAt bf16 copy", torch.bfloat16, "gram", False, 512)]  # A copied on the way (standard NS)
-    for label, dtype, product, has_c, k in cases:
-        n = 512
+    # (label, dtype, product, C term, tiling): every tiling with and without C, both B layouts
+    cases = [("AAt bf16", torch.bfloat16, "gram", False, hopper.WIDE),
+             ("RR+C fp16", torch.float16, "square", True, hopper.WIDE),
+             ("AAt fp16 +C", torch.float16, "gram", True, hopper.WIDE),
+             ("RR bf16", torch.bfloat16, "square", False, hopper.WIDE),
+             ("AAt bf16 4st", torch.bfloat16, "gram", False, hopper.WIDE_LONG),
+             ("AAt f16 +C 4st", torch.float16, "gram", True, hopper.WIDE_LONG),
+             ("AAt bf16 copy", torch.bfloat16, "gram", False, hopper.WIDE),  # A copied on the way (standard NS)
+             ("AAt bf16 nar", torch.bfloat16, "gram", False, hopper.NARROW),
+             ("RR+C f16 nar", torch.float16, "square", True, hopper.NARROW),
+             ("AAt copy nar", torch.bfloat16, "gram", False, hopper.NARROW),
+             ("AAt bf16 nar6", torch.bfloat16, "gram", False, replace(hopper.NARROW, stages=6)),
+             ("RR+C nar6 ring", torch.float16, "square", True, replace(hopper.NARROW, stages=6, epilogue_in_ring=True))]
+    for label, dtype, product, has_c, tiling in cases:
+        n, k = 512, 512
         a = torch.zeros(2, n, k, dtype=dtype)
         b = a.mT if product == "gram" else torch.zeros(2, k, n, dtype=dtype)
         c = torch.zeros(2, n, n, dtype=dtype) if has_c else None
@@ -103,10 +111,9 @@ def main() -> int:
         type(kernel).__getitem__ = warm_only
         try:
             copy = torch.zeros_like(a) if "copy" in label else None
-            hopper.symmetric_matmul_hopper(a, b, c, 1.0, 0.5 if has_c else 0.0, out, copy_a=copy,
-                                           stages=hopper.STAGES if "4st" in label else None)
+            hopper.symmetric_matmul_hopper(a, b, c, 1.0, 0.5 if has_c else 0.0, out, copy_a=copy, tiling=tiling)
             ck = compiled["kernel"]
-            print(f"{label:12s} ok: shared {ck.metadata.shared} B, {ptxas_report(ck.asm['ptx'])}", flush=True)
+            print(f"{label:14s} ok: shared {ck.metadata.shared} B, {ptxas_report(ck.asm['ptx'])}", flush=True)
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
                 for ext in ("ttgir", "ptx"):
@@ -114,7 +121,7 @@ def main() -> int:
                         f.write(ck.asm[ext])
         except Exception as error:
             failures += 1
-            print(f"{label:12s} FAILED: {type(error).__name__}: {error}"[:3000], flush=True)
+            print(f"{label:14s} FAILED: {type(error).__name__}: {error}"[:3000], flush=True)
             if os.environ.get("TRACE"):
                 import traceback; traceback.print_exception(error.__cause__ or error)
         finally:

@@ -29,7 +29,7 @@ import torch
 from dion3.kernels.configs import TileConfig
 from dion3.kernels.split import split_symmetric_matmul
 from dion3.kernels.symmetric_matmul import diagonal_blocks_triton, symmetric_matmul_triton
-from dion3.kernels.symmetric_matmul_hopper import symmetric_matmul_hopper
+from dion3.kernels.symmetric_matmul_hopper import WIDE, WIDE_LONG, Tiling, symmetric_matmul_hopper
 from dion3.kernels.transpose import transpose_into_triton
 
 STARTED = time.time()
@@ -61,18 +61,25 @@ def _cfg(bm, bn, stages=3, **flags):
 # removed, and the epilogue reworked (transposed tile in a drained ring, both stores issued
 # together, diagonal tiles by TMA, C loaded during the main loop): gluon3 / gluon4 force the
 # ring depth, gluon picks it from K.
+# Seventh run (sixth session): 128×128 tiles on the Gluon kernel (narrowS: S stages and a tile
+# buffer of its own; narrowSr: the epilogue in the drained rings), for outputs the 128×256 tiles
+# cover in few waves (4096²) and blocks of 1024 rows.
 @dataclass(frozen=True)
 class Gluon:
-    """Config slot of a Gluon variant (its tiles are fixed in its module): the ring's stages
-    (None: the module's choice from K)."""
-    stages: Optional[int] = None
+    """Config slot of a Gluon variant: its tiling (None: the module's choice from K)."""
+    tiling: Optional[Tiling] = None
 
 
 STORE = _cfg(128, 128, tma_store=True)
 VARIANTS = {
     "gluon": (Gluon(), False),  # name: (diagonal/whole-product config, split)
-    "gluon3": (Gluon(3), False),
-    "gluon4": (Gluon(4), False),
+    "gluon3": (Gluon(WIDE), False),
+    "gluon4": (Gluon(WIDE_LONG), False),
+    "narrow4": (Gluon(Tiling(128, 4, False, 168)), False),
+    "narrow5": (Gluon(Tiling(128, 5, False, 168)), False),
+    "narrow6": (Gluon(Tiling(128, 6, False, 168)), False),
+    "narrow6r": (Gluon(Tiling(128, 6, True, 168)), False),
+    "narrow7r": (Gluon(Tiling(128, 7, True, 168)), False),
     "gluon_split": (Gluon(), True),
     "store": (STORE, False),  # the table's config before the register cap
     "reg128": (_cfg(128, 128, tma_store=True, max_registers=128), False),  # the table's config now
@@ -88,6 +95,8 @@ TIMED_SHAPES = (
     ("AAt 8192x8192", 1, 8192, 8192, "gram", torch.bfloat16),
     ("AAt 4096x16384", 1, 4096, 16384, "gram", torch.bfloat16),
     ("AAt 32x1024x4096", 32, 1024, 4096, "gram", torch.bfloat16),
+    ("AAt 4096x4096", 1, 4096, 4096, "gram", torch.bfloat16),
+    ("RR+R 1x4096 bf16", 1, 4096, 4096, "square", torch.bfloat16),
     ("AAt 16x2048x8192", 16, 2048, 8192, "gram", torch.bfloat16),
     ("AAt 64x3584x4096", 64, 3584, 4096, "gram", torch.bfloat16),
     ("RR+R 64x3584 f16", 64, 3584, 3584, "square", torch.float16),
@@ -140,7 +149,7 @@ class NotFitting(Exception):
 def _gluon_fill(variant):
     def fill(a, b, c, alpha, beta, out, panels):
         if not symmetric_matmul_hopper(a, b, c, alpha, beta, out, panels, any_size=True,
-                                       stages=variant.stages):
+                                       tiling=variant.tiling):
             raise NotFitting(f"{tuple(a.shape)} panels={panels}")
     return fill
 
@@ -264,12 +273,18 @@ def compiled_resources() -> list[dict]:
     return found
 
 
+def _tiling_label(tiling):
+    if tiling is None:
+        return "128x256 stages by K"
+    return f"128x{tiling.block_n} s{tiling.stages}{' ring' if tiling.epilogue_in_ring else ''}"
+
+
 def table(checks, rows):
     names = list(VARIANTS)
     lines = ["variants: " + "; ".join(f"{n}={cfg.block_m}x{cfg.block_n} s{cfg.num_stages}"
                                       f"{' st' if cfg.tma_store else ''}{' split' if split else ''}"
                                       if not isinstance(cfg, Gluon) else
-                                      f"{n}=gluon 128x256 ws stages {cfg.stages or 'by K'}{' split' if split else ''}"
+                                      f"{n}=gluon {_tiling_label(cfg.tiling)}{' split' if split else ''}"
                                       for n, (cfg, split) in VARIANTS.items())]
     lines.append("checks: " + "  ".join(f"{c['variant']}={'ok' if c['ok'] else 'FAIL'}" for c in checks))
     for c in checks:

@@ -190,8 +190,9 @@ def test_empty_reduction_fills_only_the_diagonal_blocks_it_owns():
 
 
 def test_hopper_kernel_builds_for_sm90_without_a_gpu():
-    """The Gluon kernel's seven specializations (K-major/row-major B, with/without C, bf16/fp16,
-    3- and 4-stage rings, A copied on the way) compile to sm_90a with the installed Triton and ptxas
+    """The Gluon kernel's twelve specializations (K-major/row-major B, with/without C, bf16/fp16,
+    128×256 tiles with 3 and 4 stages, 128×128 tiles with 5 and 6 stages and either epilogue,
+    A copied on the way) compile to sm_90a with the installed Triton and ptxas
     (benchmarks/compile_sm90.py) and fit the 227 KB of shared memory an sm90 block may have:
     catches drift in Triton's experimental Gluon API on machines without a Hopper GPU."""
     from dion3.kernels.symmetric_matmul_hopper import GLUON_AVAILABLE
@@ -202,7 +203,7 @@ def test_hopper_kernel_builds_for_sm90_without_a_gpu():
     env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src"))
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if " ok: " in line or "FAILED" in line]
-    assert done.returncode == 0 and len(lines) == 7 and all(" ok: " in line for line in lines), done.stdout[-3000:]
+    assert done.returncode == 0 and len(lines) == 12 and all(" ok: " in line for line in lines), done.stdout[-3000:]
     shared = [int(re.search(r"shared (\d+) B", line).group(1)) for line in lines]
     assert max(shared) <= 227 * 1024, shared
 
@@ -347,18 +348,31 @@ def test_gpu_tall_inputs_and_normalized_snapshots_stay_accurate(method):
     assert float((from_snapshot.double() - reference).norm() / reference.norm()) < 2e-2
 
 
+HOPPER_TILINGS = ("wide", "wide_long", "narrow", "narrow_ring")
+HOPPER_SHAPES = ((3, 512, 320, "gram", 1), (2, 768, 256, "square", 1), (2, 1024, 448, "gram_c", 1),
+                 (2, 1024, 512, "contig", 1), (2, 1024, 384, "square", 2), (1, 2048, 1024, "gram", 2),
+                 (2, 640, 192, "gram_c", 1), (3, 384, 128, "square", 1))  # the last two: 128×128 tiles only
+
+
+def _hopper_tiling(name):
+    from dataclasses import replace
+
+    from dion3.kernels import symmetric_matmul_hopper as hopper
+
+    return replace(hopper.NARROW, stages=6, epilogue_in_ring=True) if name == "narrow_ring" else hopper.TILINGS[name]
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("batch,n,k,product,panels", [(3, 512, 320, "gram", 1), (2, 768, 256, "square", 1),
-                                                      (2, 1024, 448, "gram_c", 1), (2, 1024, 512, "contig", 1),
-                                                      (2, 1024, 384, "square", 2), (1, 2048, 1024, "gram", 2)])
-@pytest.mark.parametrize("stages", [3, 4])
-def test_gpu_hopper_kernel_matches_float64(dtype, batch, n, k, product, panels, stages):
+@pytest.mark.parametrize("batch,n,k,product,panels,tiling",
+                         [shape + (tiling,) for shape in HOPPER_SHAPES for tiling in HOPPER_TILINGS
+                          if (shape[1] // shape[4]) % (256 if tiling.startswith("wide") else 128) == 0])
+def test_gpu_hopper_kernel_matches_float64(dtype, batch, n, k, product, panels, tiling):
     """The warp-specialized Gluon kernel (Hopper only): every element written once (NaN-poisoned
     output), exactly symmetric, error ≤ 2× cuBLAS's against float64, for K-major and row-major
     B, with and without C, whole and on the diagonal blocks only (the rest left untouched), with
-    the 3-stage ring (own epilogue tile, C loaded early) and the 4-stage ring (epilogue in the
-    drained rings)."""
+    each tiling: 128×256 tiles with 3 stages (own epilogue tile, C loaded early) and 4 (epilogue
+    in the drained rings), 128×128 tiles with either epilogue."""
     from dion3.kernels.symmetric_matmul_hopper import GLUON_AVAILABLE, symmetric_matmul_hopper
 
     if torch.cuda.get_device_capability()[0] != 9 or not GLUON_AVAILABLE:
@@ -376,7 +390,7 @@ def test_gpu_hopper_kernel_matches_float64(dtype, batch, n, k, product, panels, 
             s = torch.randn(batch, n, n, device="cuda", generator=g)
             c, alpha, beta = (s + s.mT).to(dtype), 0.5, 2.0
     out = torch.full((batch, n, n), float("nan"), dtype=dtype, device="cuda")
-    assert symmetric_matmul_hopper(a, b, c, alpha, beta, out, panels, any_size=True, stages=stages)
+    assert symmetric_matmul_hopper(a, b, c, alpha, beta, out, panels, any_size=True, tiling=_hopper_tiling(tiling))
     exact = alpha * (a.double() @ b.double()) + (0 if c is None else beta * c.double())
     cublas = torch.baddbmm(c, a, b, alpha=alpha, beta=beta) if c is not None else torch.matmul(a, b)
     size = n // panels
@@ -392,8 +406,8 @@ def test_gpu_hopper_kernel_matches_float64(dtype, batch, n, k, product, panels, 
 
 
 @needs_cuda
-@pytest.mark.parametrize("stages", [3, 4])
-def test_gpu_hopper_kernel_copies_a_exactly_and_standard_ns_uses_the_copy(stages):
+@pytest.mark.parametrize("tiling", HOPPER_TILINGS)
+def test_gpu_hopper_kernel_copies_a_exactly_and_standard_ns_uses_the_copy(tiling):
     """copy_a: the Hopper kernel's diagonal tiles send every block of A's rows on to a copy
     (bit-exact, every element written: NaN-poisoned), and the product is unchanged by it; standard
     NS then updates that copy in place (gram_with_copy hands it over) and stays within 2e-2 of
@@ -408,8 +422,9 @@ def test_gpu_hopper_kernel_copies_a_exactly_and_standard_ns_uses_the_copy(stages
     plain = torch.full((3, 1024, 1024), float("nan"), dtype=a.dtype, device="cuda")
     with_copy = plain.clone()
     copy = torch.full_like(a, float("nan"))
-    assert symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, plain, any_size=True, stages=stages)
-    assert symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, with_copy, any_size=True, stages=stages, copy_a=copy)
+    tiling = _hopper_tiling(tiling)
+    assert symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, plain, any_size=True, tiling=tiling)
+    assert symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, with_copy, any_size=True, tiling=tiling, copy_a=copy)
     assert torch.equal(copy, a) and torch.equal(with_copy, plain)
 
     x = torch.randn(8, 2048, 2048, device="cuda")  # 8 × 72 tiles: the dispatch picks the Hopper kernel

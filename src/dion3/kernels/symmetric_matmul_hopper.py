@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Optional
 
@@ -67,29 +68,56 @@ except Exception:  # pragma: no cover - depends on the installed Triton
     GLUON_AVAILABLE = False
 
 BLOCK_M = 128
-BLOCK_N = 256
 BLOCK_K = 64
-# The ring: 4 stages × (16 + 32) KB = 192 KB for long reductions without C (K ≥
-# RING_EPILOGUE_MIN_K), the epilogue then using the drained rings; otherwise 3 stages and a tile
-# of the epilogue's own (224 KB), into which C's tile arrives during the main loop. H200 sweeps
-# (kernels-h200-2026-11-29.md, "Sixth run"): with a late C (the 4-stage layout) 0.9·R·R − 1.7·R
-# at 64×3584 ran at 1.41× cuBLAS against 1.79–1.81× with C loaded early; on C-free products
-# 4 stages won at K ≥ 8192 with the fourth session's epilogue (8192² 1.84× vs 1.69×) and are
-# within the run-to-run spread (±5–10%) of 3 stages with the current one.
-STAGES = 4
-SHORT_K_STAGES = 3
-RING_EPILOGUE_MIN_K = 8192
 CONSUMER_WARPS = 8  # two warpgroups, 64 rows of the tile each
 PRODUCER_REGISTERS = 24
-# Registers per thread for the whole kernel: (8 consumer + 4 producer-group warps) × 32 threads ×
-# 168 ≤ 65536. The producer gives back down to 24, the consumers get the rest (240).
-KERNEL_REGISTERS = 168
 EPILOGUE_ROWS = 32  # rows per chunk when diagonal tiles mirror their diagonal block
-# Where it wins (H200 sweeps, kernels-h200-2026-11-29.md "Fifth run" and "Sixth run"): blocks of
-# ≥ 2048 rows with at least 4 waves of tiles. Smaller blocks spend too much on the diagonal tiles
-# (40% of the tiles at n = 1024, where half of each is wasted: 32×1024×4096 1.25–1.31× against
-# the Triton kernel's 1.40×) and a few waves (one 4096² output: 2.1) leave SMs idle at the tail
-# of this one-tile-per-program launch; the Triton kernel takes those.
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """One way to launch the kernel.
+      block_n            tile width: 256 (128×256 tiles) or 128 (square tiles)
+      stages             ring depth (stages of one [128, 64] block of A and one [block_n, 64] of B)
+      epilogue_in_ring   the epilogue writes the tile into the drained A ring and its transpose
+                         into the B ring (C, if any, can only arrive after the main loop); else the
+                         tile has a buffer of its own, into which C's tile arrives during the loop
+      registers          registers per thread for the whole kernel (the producer warp gives its
+                         surplus to the consumers): 12 warps × 32 × registers per program."""
+    block_n: int
+    stages: int
+    epilogue_in_ring: bool
+    registers: int
+
+    def shared_bytes(self) -> int:
+        a_slots = max(self.stages, self.block_n // BLOCK_K)  # the A ring also holds [128, 64] epilogue blocks
+        own_tile = 0 if self.epilogue_in_ring else BLOCK_M * self.block_n
+        return 2 * (a_slots * BLOCK_M * BLOCK_K + self.stages * self.block_n * BLOCK_K + own_tile)
+
+
+# 128×256 tiles, one program per SM: (8 consumer + 4 producer-group warps) × 32 × 168 registers
+# ≤ 65536, the consumers get 240 once the producer gives back down to 24. The ring: 4 stages ×
+# (16 + 32) KB = 192 KB for long reductions without C (K ≥ RING_EPILOGUE_MIN_K), the epilogue
+# then using the drained rings; otherwise 3 stages and a tile of the epilogue's own (224 KB),
+# into which C's tile arrives during the main loop. H200 sweeps (kernels-h200-2026-11-29.md,
+# "Sixth run"): with a late C (the 4-stage layout) 0.9·R·R − 1.7·R at 64×3584 ran at 1.41×
+# cuBLAS against 1.79–1.81× with C loaded early; on C-free products 4 stages won at K ≥ 8192 with
+# the fourth session's epilogue (8192² 1.84× vs 1.69×) and are within the run-to-run spread
+# (±5–10%) of 3 stages with the current one.
+WIDE = Tiling(256, 3, False, 168)
+WIDE_LONG = Tiling(256, 4, True, 168)
+RING_EPILOGUE_MIN_K = 8192
+# 128×128 tiles: twice the tiles of the wide layout, so twice as many waves on small outputs
+# (4096²: 528 tiles = 4.0 waves of 132 SMs against 2.06 for 128×256), and diagonal tiles that
+# compute nothing past the diagonal's own tile. Two programs per SM do not fit: ptxas needs ≥ 90
+# registers per thread for the 64×128 wgmma, and 2 × 12 warps × 32 × 88 > 65536.
+NARROW = Tiling(128, 5, False, 168)
+TILINGS = {"wide": WIDE, "wide_long": WIDE_LONG, "narrow": NARROW}
+# Where the wide tiles win (H200 sweeps, kernels-h200-2026-11-29.md "Fifth run" and "Sixth
+# run"): blocks of ≥ 2048 rows with at least 4 waves of tiles. Smaller blocks spend too much on
+# the diagonal tiles (40% of the tiles at n = 1024, where half of each is wasted: 32×1024×4096
+# 1.25–1.31× against the Triton kernel's 1.40×) and a few waves (one 4096² output: 2.1) leave
+# SMs idle at the tail of this one-tile-per-program launch; the Triton kernel takes those.
 MIN_BLOCK = 2048
 MIN_WAVES = 4
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -132,32 +160,46 @@ def _sm90_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def hopper_kernel_fits(a3: Tensor, b3: Tensor, c3: Optional[Tensor], out3: Optional[Tensor], block: int,
-                       any_size: bool = False) -> bool:
-    """Whether this kernel runs the product: an sm90 device, contiguous operands (B either
-    K-major like A.mT of a contiguous A, or a contiguous [B, K, n]), a contiguous output and C,
-    the block size a multiple of the 256-column tile and K a multiple of 64 (the flattened TMA
-    descriptors then never read across matrices), and a product large enough to win
-    (MIN_BLOCK, MIN_WAVES; any_size=True skips this last rule, for tests and sweeps).
-    out3 None: a freshly allocated output (contiguous, aligned)."""
+def _default_tiling(batch: int, panels: int, block: int, k: int, has_c: bool, sms: int) -> Optional[Tiling]:
+    """The tiling for a product of this size, None where the Triton kernel is faster."""
+    if block % WIDE.block_n == 0 and block >= MIN_BLOCK:
+        tiles = batch * panels * lower_tile_count(block, BLOCK_M, WIDE.block_n)
+        if tiles >= MIN_WAVES * sms:
+            return WIDE_LONG if k >= RING_EPILOGUE_MIN_K and not has_c else WIDE
+    return None
+
+
+def pick_tiling(a3: Tensor, b3: Tensor, c3: Optional[Tensor], out3: Optional[Tensor], block: int,
+                any_size: bool = False, tiling: Optional[Tiling] = None) -> Optional[Tiling]:
+    """How this kernel runs the product, None where it does not: it needs an sm90 device,
+    contiguous operands (B either K-major like A.mT of a contiguous A, or a contiguous
+    [B, K, n]), a contiguous output and C, K a multiple of 64 (the flattened TMA descriptors then
+    never read across matrices), the block size a multiple of the tile width, and a product
+    where it wins (_default_tiling). tiling: use this one (sweeps, tests); any_size=True: the
+    wide tiling (or the given one) wherever the layout fits. out3 None: a freshly allocated
+    output (contiguous, aligned)."""
     if not (ENABLED and GLUON_AVAILABLE) or a3.device.type != "cuda" or a3.dtype not in SUPPORTED_DTYPES:
-        return False
+        return None
     sms = _sm90_count(a3.device.index if a3.device.index is not None else torch.cuda.current_device())
     if not sms:
-        return False
-    k = a3.shape[2]
-    if block % BLOCK_N or k % BLOCK_K or not a3.is_contiguous():
-        return False
-    if out3 is not None and not out3.is_contiguous():
-        return False
-    tiles = a3.shape[0] * (a3.shape[1] // block) * lower_tile_count(block, BLOCK_M, BLOCK_N)
-    if not any_size and (block < MIN_BLOCK or tiles < MIN_WAVES * sms):
-        return False
-    if not (b3.is_contiguous() or b3.mT.is_contiguous()):
-        return False
-    if c3 is not None and not c3.is_contiguous():
-        return False
-    return all(t.data_ptr() % 16 == 0 for t in (a3, b3, out3, c3) if t is not None)
+        return None
+    batch, n, k = a3.shape
+    if k % BLOCK_K or not a3.is_contiguous() or (out3 is not None and not out3.is_contiguous()):
+        return None
+    if not (b3.is_contiguous() or b3.mT.is_contiguous()) or (c3 is not None and not c3.is_contiguous()):
+        return None
+    if not all(t.data_ptr() % 16 == 0 for t in (a3, b3, out3, c3) if t is not None):
+        return None
+    if tiling is None:
+        wide_default = WIDE_LONG if k >= RING_EPILOGUE_MIN_K and c3 is None else WIDE
+        tiling = wide_default if any_size else _default_tiling(batch, n // block, block, k, c3 is not None, sms)
+    return tiling if tiling is not None and block % tiling.block_n == 0 else None
+
+
+def hopper_kernel_fits(a3: Tensor, b3: Tensor, c3: Optional[Tensor], out3: Optional[Tensor], block: int,
+                       any_size: bool = False) -> bool:
+    """Whether this kernel runs the product by default (see pick_tiling)."""
+    return pick_tiling(a3, b3, c3, out3, block, any_size) is not None
 
 
 if GLUON_AVAILABLE:
@@ -314,7 +356,7 @@ if GLUON_AVAILABLE:
         a_desc, b_desc, c_desc, d_desc, dt_desc, dq_desc, y_desc,
         n, K, panels, tiles, alpha, beta,
         HAS_C: gl.constexpr, B_KMAJOR: gl.constexpr, RATIO: gl.constexpr, CHUNK: gl.constexpr, COPY_A: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, NUM_STAGES: gl.constexpr, EPILOGUE_IN_RING: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, NUM_STAGES: gl.constexpr, A_SLOTS: gl.constexpr, EPILOGUE_IN_RING: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         # Program w computes work item w of tiles × matrices × diagonal blocks (tiles: the
@@ -327,13 +369,14 @@ if GLUON_AVAILABLE:
         # main loop no longer needs; each is also seen as a stack of [M, 64] blocks (the A
         # ring's shape), which diagonal tiles store one by one.
         blocks: gl.constexpr = RATIO * block_m // block_k
-        a_bufs = gl.allocate_shared_memory(dtype, [blocks] + a_desc.block_type.shape, a_desc.layout)
+        a_bufs = gl.allocate_shared_memory(dtype, [A_SLOTS] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
-        if EPILOGUE_IN_RING:  # 4 stages: the tile in the drained A ring, its transpose in the B ring
+        if EPILOGUE_IN_RING:  # the tile in the drained A ring, its transpose in the B ring
             tile_blocks = a_bufs
-            transposed_blocks = _reinterpret(b_bufs, dtype, gl.constexpr(a_desc.layout), 2 * blocks, block_m, block_k)
-            epi_t = _reinterpret(b_bufs, dtype, gl.constexpr(dt_desc.layout), 2, block_n, block_m).index(0)
-        else:  # 3 stages (A ring sized for 4): the tile has its own buffer, C arrives there early
+            transposed_blocks = _reinterpret(b_bufs, dtype, gl.constexpr(a_desc.layout), NUM_STAGES * RATIO,
+                                             block_m, block_k)
+            epi_t = _reinterpret(b_bufs, dtype, gl.constexpr(dt_desc.layout), block_n, block_m)
+        else:  # the tile has its own buffer, C arrives there early; the transpose in the A ring
             tile_blocks = gl.allocate_shared_memory(dtype, [blocks] + a_desc.block_type.shape, a_desc.layout)
             transposed_blocks = a_bufs
             epi_t = _reinterpret(a_bufs, dtype, gl.constexpr(dt_desc.layout), block_n, block_m)
@@ -372,46 +415,45 @@ def _flat_descriptor(t: Tensor, block_shape):
 
 def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha: float, beta: float,
                             out3: Tensor, panels: int = 1, any_size: bool = False,
-                            stages: Optional[int] = None, copy_a: Optional[Tensor] = None) -> bool:
-    """Run D = alpha·A·B + beta·C on this kernel if it fits (see hopper_kernel_fits); return
-    whether it ran (False also when it fails to build: see _launch_or_fall_back). Shapes are
-    already checked by the caller: a3 [B, n, K], b3 [B, K, n], c3 [B, n, n] or None, out3
-    [B, n, n]; panels > 1 fills only the diagonal blocks; any_size: run whenever the layout
-    fits, even where the Triton kernel is faster (tests, sweeps); stages: ring depth, 3 or 4
-    (None: from K, see RING_EPILOGUE_MIN_K; for sweeps); copy_a: a contiguous tensor shaped
-    like a3 that also receives a copy of A (each block of A's rows is sent on by the tile that
-    streams it on the diagonal; panels = 1 only)."""
+                            tiling: Optional[Tiling] = None, copy_a: Optional[Tensor] = None) -> bool:
+    """Run D = alpha·A·B + beta·C on this kernel if it fits (see pick_tiling); return whether
+    it ran (False also when it fails to build: see _launch_or_fall_back). Shapes are already
+    checked by the caller: a3 [B, n, K], b3 [B, K, n], c3 [B, n, n] or None, out3 [B, n, n];
+    panels > 1 fills only the diagonal blocks; any_size: run whenever the layout fits, even
+    where the Triton kernel is faster (tests, sweeps); tiling: this one rather than the
+    default (sweeps, tests); copy_a: a contiguous tensor shaped like a3 that also receives a
+    copy of A (each block of A's rows is sent on by the tile that streams it on the diagonal;
+    panels = 1 only)."""
     batch, n, k = a3.shape
     block = n // panels
-    if not hopper_kernel_fits(a3, b3, c3, out3, block, any_size):
+    tiling = pick_tiling(a3, b3, c3, out3, block, any_size, tiling=tiling)
+    if tiling is None:
         return False
-    stages = stages or (STAGES if k >= RING_EPILOGUE_MIN_K and c3 is None else SHORT_K_STAGES)
-    if stages not in (STAGES, SHORT_K_STAGES):
-        raise ValueError(f"stages must be {SHORT_K_STAGES} or {STAGES}, got {stages}")
     if copy_a is not None and (panels != 1 or copy_a.shape != a3.shape or copy_a.dtype != a3.dtype
                                or not copy_a.is_contiguous() or copy_a.data_ptr() % 16):
         raise ValueError(f"copy_a must be a contiguous, 16-byte aligned {a3.dtype} tensor of shape "
                          f"{tuple(a3.shape)} (and panels 1), got {copy_a.dtype} {tuple(copy_a.shape)}")
+    block_n = tiling.block_n
     b_kmajor = not b3.is_contiguous()
     a_desc = _flat_descriptor(a3, (BLOCK_M, BLOCK_K))
     y_desc = _flat_descriptor(copy_a, (BLOCK_M, BLOCK_K)) if copy_a is not None else a_desc
-    b_desc = (_flat_descriptor(b3.mT, (BLOCK_N, BLOCK_K)) if b_kmajor
-              else _flat_descriptor(b3, (BLOCK_K, BLOCK_N)))
-    d_desc = _flat_descriptor(out3, (BLOCK_M, BLOCK_N))
-    dt_desc = _flat_descriptor(out3, (BLOCK_N, BLOCK_M))
+    b_desc = (_flat_descriptor(b3.mT, (block_n, BLOCK_K)) if b_kmajor
+              else _flat_descriptor(b3, (BLOCK_K, block_n)))
+    d_desc = _flat_descriptor(out3, (BLOCK_M, block_n))
+    dt_desc = _flat_descriptor(out3, (block_n, BLOCK_M))
     dq_desc = _flat_descriptor(out3, (BLOCK_M, BLOCK_K))  # diagonal tiles go out as [M, 64] blocks
-    c_desc = _flat_descriptor(c3, (BLOCK_M, BLOCK_N)) if c3 is not None else d_desc
-    tiles = lower_tile_count(block, BLOCK_M, BLOCK_N)
+    c_desc = _flat_descriptor(c3, (BLOCK_M, block_n)) if c3 is not None else d_desc
+    tiles = lower_tile_count(block, BLOCK_M, block_n)
 
     def launch() -> None:
         _symmetric_matmul_hopper_kernel[(tiles * batch * panels,)](
             a_desc, b_desc, c_desc, d_desc, dt_desc, dq_desc, y_desc,
             block, k, panels, tiles, float(alpha), float(beta),
-            HAS_C=c3 is not None, B_KMAJOR=b_kmajor, RATIO=BLOCK_N // BLOCK_M, CHUNK=EPILOGUE_ROWS,
-            COPY_A=copy_a is not None,
-            PRODUCER_REGS=PRODUCER_REGISTERS, NUM_STAGES=stages, EPILOGUE_IN_RING=stages == STAGES,
-            num_warps=CONSUMER_WARPS, maxnreg=KERNEL_REGISTERS,
+            HAS_C=c3 is not None, B_KMAJOR=b_kmajor, RATIO=block_n // BLOCK_M, CHUNK=EPILOGUE_ROWS,
+            COPY_A=copy_a is not None, PRODUCER_REGS=PRODUCER_REGISTERS, NUM_STAGES=tiling.stages,
+            A_SLOTS=max(tiling.stages, block_n // BLOCK_K), EPILOGUE_IN_RING=tiling.epilogue_in_ring,
+            num_warps=CONSUMER_WARPS, maxnreg=tiling.registers,
         )
 
-    return _launch_or_fall_back((a3.dtype, c3 is not None, b_kmajor, stages, copy_a is not None, a3.device.index),
+    return _launch_or_fall_back((a3.dtype, c3 is not None, b_kmajor, tiling, copy_a is not None, a3.device.index),
                                 launch)
