@@ -2,7 +2,8 @@
 # One device call = one or more stages; results under $OUT (the device tool's output folder).
 #   bash benchmarks/run_h200.sh check step cold      # GPU tests, step-time tables, cold first step
 #   bash benchmarks/run_h200.sh train dist            # gpu-small comparison, NCCL distributed script
-#   bash benchmarks/run_h200.sh kernels sweep         # dion3 bench kernels; variant sweep (VARIANTS=a,b,c: which ones)
+#   bash benchmarks/run_h200.sh kernels sweep         # dion3 bench kernels; variant sweep (VARIANTS=a,b,c: which ones,
+#                                                       SHAPES=x,y: only timed shapes whose label contains x or y)
 #   bash benchmarks/run_h200.sh ab                    # whole steps with the Hopper Gluon kernel off/on
 set -uo pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -23,11 +24,21 @@ for stage in "$@"; do
     kernels)  # what the optimizer runs: issue 3's table
       run dion3 bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" ;;
     sweep)  # symmetric-kernel variants, each checked against float64 first
-      mkdir -p "$OUT/sweep" && OUT="$OUT/sweep" run timeout 330 python3 benchmarks/sweep_symmetric.py --only ${VARIANTS:-gluon,gluon3,gluon4,reg128} 2>&1 | tail -20 | tee "$OUT/sweep.txt" ;;
+      n=$(ls -d "$OUT"/sweep* 2>/dev/null | wc -l); dir="$OUT/sweep$n"  # a repeated stage keeps both runs
+      mkdir -p "$dir" && OUT="$dir" run timeout 330 python3 benchmarks/sweep_symmetric.py --only ${VARIANTS:-gluon,narrow4,narrow5,reg128} \
+        ${SHAPES:+--shapes "$SHAPES"} $([ "$n" -gt 0 ] && echo --no-tests) 2>&1 | tail -20 | tee "$dir.txt" ;;
     ab)  # whole steps with the Hopper kernel off (0) and on (1), alternating
       for flag in 0 1; do
         DION3_HOPPER_KERNEL=$flag run timeout 150 python3 -m dion3.cli bench --preset llama-8b --optimizers dion3-1/4,muon-gram --steps 10 --warmup 4 --json "$OUT/step-llama-8b-hopper$flag.json" 2>&1 | tail -8 | tee "$OUT/step-llama-8b-hopper$flag.txt"
         DION3_HOPPER_KERNEL=$flag run timeout 90 python3 -m dion3.cli bench --preset llama-1b --optimizers dion3-1/4 --steps 20 --json "$OUT/step-llama-1b-hopper$flag.json" 2>&1 | tail -6 | tee "$OUT/step-llama-1b-hopper$flag.txt"
+      done ;;
+    ab-narrow)  # whole steps with the Hopper kernel's 128×128 tiles off (wide tiles and the Triton kernel only), then on
+      for narrow in off on; do
+        for preset in llama-8b:10 llama-1b:20; do
+          run timeout 200 python3 -c "import sys; from dion3 import cli; from dion3.kernels import symmetric_matmul_hopper as h
+h.NARROW_MIN_BLOCK = 1 << 30 if '$narrow' == 'off' else h.NARROW_MIN_BLOCK
+sys.exit(cli.main(['bench', '--preset', '${preset%%:*}', '--optimizers', 'muon,muon-gram,dion3-1/4', '--steps', '${preset#*:}', '--warmup', '4', '--json', '$OUT/step-${preset%%:*}-narrow-$narrow.json']))" 2>&1 | tail -7 | tee "$OUT/step-${preset%%:*}-narrow-$narrow.txt"
+        done
       done ;;
     elementwise)  # block sizes of the memory-bound kernels
       OUT="$OUT" run timeout 420 python3 benchmarks/sweep_elementwise.py 2>&1 | tee "$OUT/sweep-elementwise.txt" ;;

@@ -73,7 +73,7 @@ def _symmetric_inputs(batch: int, n: int, k: int, product: str, dtype: torch.dty
 
 def bench_symmetric(dtype: torch.dtype, configs, shapes=SYMMETRIC_SHAPES) -> list[dict]:
     from ..kernels.symmetric_matmul import symmetric_matmul_triton
-    from ..kernels.symmetric_matmul_hopper import hopper_kernel_fits
+    from ..kernels.symmetric_matmul_hopper import pick_tiling
 
     major = torch.cuda.get_device_capability()[0]
     rows = []
@@ -89,11 +89,13 @@ def bench_symmetric(dtype: torch.dtype, configs, shapes=SYMMETRIC_SHAPES) -> lis
         has_c = c is not None and beta != 0.0
         on_kernel = bool(configs) or (kernels.kernels_enabled() and kernels.symmetric_kernels_available(a.device, n))
         split = not configs and on_kernel and kernels.split_worth_it(a, has_c)
-        hopper = not configs and on_kernel and not split and hopper_kernel_fits(a, b, c if has_c else None, None, n)
+        tiling = pick_tiling(a, b, c if has_c else None, None, n) if not configs and on_kernel and not split else None
+        hopper = tiling is not None
         path = "split" if split else "hopper" if hopper else "whole" if on_kernel else "cublas"
         for config in configs or (pick_config(n // 2 if split else n, major, k, has_c),):
             row = dict(shape=label, batch=batch, n=n, k=k, product=product, dtype=str(dtype),
                        config=asdict(config) if on_kernel and not hopper else None, path=path, cublas_ms=cublas_ms,
+                       tiling=asdict(tiling) if hopper else None,
                        cublas_max_rel_err=cublas_err, cublas_tflops=full_flops / cublas_ms / 1e9)
             try:
                 if configs:
@@ -117,7 +119,8 @@ def bench_symmetric(dtype: torch.dtype, configs, shapes=SYMMETRIC_SHAPES) -> lis
 def _format_symmetric(row: dict) -> str:
     cfg = row["config"]
     if row.get("path") == "hopper":
-        tag = "gluon 128x256 ws"
+        tiling = row.get("tiling") or {}
+        tag = f"gluon 128x{tiling.get('block_n', '?')} ws s{tiling.get('stages', '?')}"
     elif cfg is None:
         tag = "cuBLAS (dispatch)"
     else:

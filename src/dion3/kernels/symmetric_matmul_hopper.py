@@ -113,12 +113,13 @@ RING_EPILOGUE_MIN_K = 8192
 # registers per thread for the 64×128 wgmma, and 2 × 12 warps × 32 × 88 > 65536.
 NARROW = Tiling(128, 5, False, 168)
 TILINGS = {"wide": WIDE, "wide_long": WIDE_LONG, "narrow": NARROW}
-# Where the wide tiles win (H200 sweeps, kernels-h200-2026-11-29.md "Fifth run" and "Sixth
-# run"): blocks of ≥ 2048 rows with at least 4 waves of tiles. Smaller blocks spend too much on
-# the diagonal tiles (40% of the tiles at n = 1024, where half of each is wasted: 32×1024×4096
-# 1.25–1.31× against the Triton kernel's 1.40×) and a few waves (one 4096² output: 2.1) leave
-# SMs idle at the tail of this one-tile-per-program launch; the Triton kernel takes those.
+# Where each tiling wins (H200 sweeps, kernels-h200-2026-11-29.md "Fifth run" to "Seventh
+# run"): 128×256 tiles on blocks of ≥ 2048 rows with at least 4 waves of them; 128×128 tiles
+# where those are too few (4096² at 1.71× cuBLAS against 1.37× for 128×256 and the Triton
+# kernel's 1.63×; 4096×16384 1.79× against 1.51× and 1.64×). Below 1024 rows, or with fewer than
+# 4 waves of 128×128 tiles, the Triton kernel takes the product.
 MIN_BLOCK = 2048
+NARROW_MIN_BLOCK = 1024
 MIN_WAVES = 4
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -163,9 +164,11 @@ def _sm90_count(device_index: int) -> int:
 def _default_tiling(batch: int, panels: int, block: int, k: int, has_c: bool, sms: int) -> Optional[Tiling]:
     """The tiling for a product of this size, None where the Triton kernel is faster."""
     if block % WIDE.block_n == 0 and block >= MIN_BLOCK:
-        tiles = batch * panels * lower_tile_count(block, BLOCK_M, WIDE.block_n)
-        if tiles >= MIN_WAVES * sms:
+        if batch * panels * lower_tile_count(block, BLOCK_M, WIDE.block_n) >= MIN_WAVES * sms:
             return WIDE_LONG if k >= RING_EPILOGUE_MIN_K and not has_c else WIDE
+    if block % NARROW.block_n == 0 and block >= NARROW_MIN_BLOCK:
+        if batch * panels * lower_tile_count(block, BLOCK_M, NARROW.block_n) >= MIN_WAVES * sms:
+            return NARROW
     return None
 
 
