@@ -92,7 +92,9 @@ def main() -> int:
              ("RR+C f16 nar", torch.float16, "square", True, hopper.NARROW),
              ("AAt copy nar", torch.bfloat16, "gram", False, hopper.NARROW),
              ("AAt bf16 nar6", torch.bfloat16, "gram", False, replace(hopper.NARROW, stages=6)),
-             ("RR+C nar6 ring", torch.float16, "square", True, replace(hopper.NARROW, stages=6, epilogue_in_ring=True))]
+             ("RR+C nar6 ring", torch.float16, "square", True, replace(hopper.NARROW, stages=6, epilogue_in_ring=True)),
+             ("AAt pair", torch.bfloat16, "gram", False, hopper.Tiling(128, 3, True, 128, 4)),
+             ("RR+C pair", torch.float16, "square", True, hopper.Tiling(128, 3, True, 128, 4))]
     for label, dtype, product, has_c, tiling in cases:
         n, k = 512, 512
         a = torch.zeros(2, n, k, dtype=dtype)

@@ -24,7 +24,7 @@ for stage in "$@"; do
     kernels)  # what the optimizer runs: issue 3's table
       run dion3 bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" ;;
     sweep)  # symmetric-kernel variants, each checked against float64 first
-      n=$(ls -d "$OUT"/sweep* 2>/dev/null | wc -l); dir="$OUT/sweep$n"  # a repeated stage keeps both runs
+      n=$(ls -d "$OUT"/sweep*/ 2>/dev/null | wc -l); dir="$OUT/sweep$n"  # a repeated stage keeps both runs
       mkdir -p "$dir" && OUT="$dir" run timeout 330 python3 benchmarks/sweep_symmetric.py --only ${VARIANTS:-gluon,narrow4,narrow5,reg128} \
         ${SHAPES:+--shapes "$SHAPES"} $([ "$n" -gt 0 ] && echo --no-tests) 2>&1 | tail -20 | tee "$dir.txt" ;;
     ab)  # whole steps with the Hopper kernel off (0) and on (1), alternating

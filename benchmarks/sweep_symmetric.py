@@ -63,7 +63,8 @@ def _cfg(bm, bn, stages=3, **flags):
 # ring depth, gluon picks it from K.
 # Seventh run (sixth session): 128×128 tiles on the Gluon kernel (narrowS: S stages and a tile
 # buffer of its own; narrowSr: the epilogue in the drained rings), for outputs the 128×256 tiles
-# cover in few waves (4096²) and blocks of 1024 rows.
+# cover in few waves (4096²) and blocks of 1024 rows; pair: one consumer warpgroup per 128×128
+# tile, 3 stages and 96 KB, so that two programs share an SM.
 @dataclass(frozen=True)
 class Gluon:
     """Config slot of a Gluon variant: its tiling (None: the module's choice from K)."""
@@ -80,6 +81,7 @@ VARIANTS = {
     "narrow6": (Gluon(Tiling(128, 6, False, 168)), False),
     "narrow6r": (Gluon(Tiling(128, 6, True, 168)), False),
     "narrow7r": (Gluon(Tiling(128, 7, True, 168)), False),
+    "pair": (Gluon(Tiling(128, 3, True, 128, consumer_warps=4)), False),  # two programs per SM
     "gluon_split": (Gluon(), True),
     "store": (STORE, False),  # the table's config before the register cap
     "reg128": (_cfg(128, 128, tma_store=True, max_registers=128), False),  # the table's config now
@@ -276,7 +278,8 @@ def compiled_resources() -> list[dict]:
 def _tiling_label(tiling):
     if tiling is None:
         return "128x256 stages by K"
-    return f"128x{tiling.block_n} s{tiling.stages}{' ring' if tiling.epilogue_in_ring else ''}"
+    return (f"128x{tiling.block_n} s{tiling.stages}{' ring' if tiling.epilogue_in_ring else ''}"
+            f"{'' if tiling.consumer_warps == 8 else f' {tiling.consumer_warps} warps'}")
 
 
 def table(checks, rows):

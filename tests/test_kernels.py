@@ -190,9 +190,9 @@ def test_empty_reduction_fills_only_the_diagonal_blocks_it_owns():
 
 
 def test_hopper_kernel_builds_for_sm90_without_a_gpu():
-    """The Gluon kernel's twelve specializations (K-major/row-major B, with/without C, bf16/fp16,
-    128×256 tiles with 3 and 4 stages, 128×128 tiles with 5 and 6 stages and either epilogue,
-    A copied on the way) compile to sm_90a with the installed Triton and ptxas
+    """The Gluon kernel's fourteen specializations (K-major/row-major B, with/without C,
+    bf16/fp16, 128×256 tiles with 3 and 4 stages, 128×128 tiles with 5 and 6 stages and either
+    epilogue, and with one consumer warpgroup, A copied on the way) compile to sm_90a with the installed Triton and ptxas
     (benchmarks/compile_sm90.py) and fit the 227 KB of shared memory an sm90 block may have:
     catches drift in Triton's experimental Gluon API on machines without a Hopper GPU."""
     from dion3.kernels.symmetric_matmul_hopper import GLUON_AVAILABLE
@@ -203,7 +203,7 @@ def test_hopper_kernel_builds_for_sm90_without_a_gpu():
     env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src"))
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if " ok: " in line or "FAILED" in line]
-    assert done.returncode == 0 and len(lines) == 12 and all(" ok: " in line for line in lines), done.stdout[-3000:]
+    assert done.returncode == 0 and len(lines) == 14 and all(" ok: " in line for line in lines), done.stdout[-3000:]
     shared = [int(re.search(r"shared (\d+) B", line).group(1)) for line in lines]
     assert max(shared) <= 227 * 1024, shared
 
@@ -348,7 +348,7 @@ def test_gpu_tall_inputs_and_normalized_snapshots_stay_accurate(method):
     assert float((from_snapshot.double() - reference).norm() / reference.norm()) < 2e-2
 
 
-HOPPER_TILINGS = ("wide", "wide_long", "narrow", "narrow_ring")
+HOPPER_TILINGS = ("wide", "wide_long", "narrow", "narrow_ring", "pair")
 HOPPER_SHAPES = ((3, 512, 320, "gram", 1), (2, 768, 256, "square", 1), (2, 1024, 448, "gram_c", 1),
                  (2, 1024, 512, "contig", 1), (2, 1024, 384, "square", 2), (1, 2048, 1024, "gram", 2),
                  (2, 640, 192, "gram_c", 1), (3, 384, 128, "square", 1))  # the last two: 128×128 tiles only
@@ -359,7 +359,11 @@ def _hopper_tiling(name):
 
     from dion3.kernels import symmetric_matmul_hopper as hopper
 
-    return replace(hopper.NARROW, stages=6, epilogue_in_ring=True) if name == "narrow_ring" else hopper.TILINGS[name]
+    if name == "narrow_ring":
+        return replace(hopper.NARROW, stages=6, epilogue_in_ring=True)
+    if name == "pair":  # one consumer warpgroup, two programs per SM
+        return hopper.Tiling(128, 3, True, 128, consumer_warps=4)
+    return hopper.TILINGS[name]
 
 
 @needs_cuda
@@ -372,7 +376,7 @@ def test_gpu_hopper_kernel_matches_float64(dtype, batch, n, k, product, panels, 
     output), exactly symmetric, error ≤ 2× cuBLAS's against float64, for K-major and row-major
     B, with and without C, whole and on the diagonal blocks only (the rest left untouched), with
     each tiling: 128×256 tiles with 3 stages (own epilogue tile, C loaded early) and 4 (epilogue
-    in the drained rings), 128×128 tiles with either epilogue."""
+    in the drained rings), 128×128 tiles with either epilogue and with one consumer warpgroup."""
     from dion3.kernels.symmetric_matmul_hopper import GLUON_AVAILABLE, symmetric_matmul_hopper
 
     if torch.cuda.get_device_capability()[0] != 9 or not GLUON_AVAILABLE:

@@ -88,6 +88,7 @@ class Tiling:
     stages: int
     epilogue_in_ring: bool
     registers: int
+    consumer_warps: int = CONSUMER_WARPS
 
     def shared_bytes(self) -> int:
         a_slots = max(self.stages, self.block_n // BLOCK_K)  # the A ring also holds [128, 64] epilogue blocks
@@ -455,7 +456,7 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
             HAS_C=c3 is not None, B_KMAJOR=b_kmajor, RATIO=block_n // BLOCK_M, CHUNK=EPILOGUE_ROWS,
             COPY_A=copy_a is not None, PRODUCER_REGS=PRODUCER_REGISTERS, NUM_STAGES=tiling.stages,
             A_SLOTS=max(tiling.stages, block_n // BLOCK_K), EPILOGUE_IN_RING=tiling.epilogue_in_ring,
-            num_warps=CONSUMER_WARPS, maxnreg=tiling.registers,
+            num_warps=tiling.consumer_warps, maxnreg=tiling.registers,
         )
 
     return _launch_or_fall_back((a3.dtype, c3 is not None, b_kmajor, tiling, copy_a is not None, a3.device.index),
