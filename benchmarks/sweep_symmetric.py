@@ -99,6 +99,7 @@ TIMED_SHAPES = (
     ("AAt 32x1024x4096", 32, 1024, 4096, "gram", torch.bfloat16),
     ("AAt 4096x4096", 1, 4096, 4096, "gram", torch.bfloat16),
     ("RR+R 1x4096 bf16", 1, 4096, 4096, "square", torch.bfloat16),
+    ("RR+R 32x1024 bf16", 32, 1024, 1024, "square", torch.bfloat16),
     ("AAt 16x2048x8192", 16, 2048, 8192, "gram", torch.bfloat16),
     ("AAt 64x3584x4096", 64, 3584, 4096, "gram", torch.bfloat16),
     ("RR+R 64x3584 f16", 64, 3584, 3584, "square", torch.float16),
