@@ -3,7 +3,8 @@
 #   bash benchmarks/run_h200.sh check step cold      # GPU tests, step-time tables, cold first step
 #   bash benchmarks/run_h200.sh train dist            # gpu-small comparison, NCCL distributed script
 #   bash benchmarks/run_h200.sh kernels sweep         # dion3 bench kernels; variant sweep (VARIANTS=a,b,c: which ones,
-#                                                       SHAPES=x,y: only timed shapes whose label contains x or y)
+#                                                       SHAPES=x,y: only timed shapes whose label contains x or y,
+#                                                       NO_TESTS=1: no kernel tests in the background)
 #   bash benchmarks/run_h200.sh ab                    # whole steps with the Hopper Gluon kernel off/on
 set -uo pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -26,7 +27,7 @@ for stage in "$@"; do
     sweep)  # symmetric-kernel variants, each checked against float64 first
       n=$(ls -d "$OUT"/sweep*/ 2>/dev/null | wc -l); dir="$OUT/sweep$n"  # a repeated stage keeps both runs
       mkdir -p "$dir" && OUT="$dir" run timeout 330 python3 benchmarks/sweep_symmetric.py --only ${VARIANTS:-gluon,narrow4,narrow5,reg128} \
-        ${SHAPES:+--shapes "$SHAPES"} $([ "$n" -gt 0 ] && echo --no-tests) 2>&1 | tail -20 | tee "$dir.txt" ;;
+        ${SHAPES:+--shapes "$SHAPES"} $( { [ "$n" -gt 0 ] || [ -n "${NO_TESTS:-}" ]; } && echo --no-tests) 2>&1 | tail -20 | tee "$dir.txt" ;;
     ab)  # whole steps with the Hopper kernel off (0) and on (1), alternating
       for flag in 0 1; do
         DION3_HOPPER_KERNEL=$flag run timeout 150 python3 -m dion3.cli bench --preset llama-8b --optimizers dion3-1/4,muon-gram --steps 10 --warmup 4 --json "$OUT/step-llama-8b-hopper$flag.json" 2>&1 | tail -8 | tee "$OUT/step-llama-8b-hopper$flag.txt"
