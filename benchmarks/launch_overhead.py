@@ -23,6 +23,7 @@ import torch
 import triton.testing
 
 from dion3 import kernels
+from dion3.bench.kernels import graph_median_ms
 from dion3.kernels.configs import TileConfig
 from dion3.kernels.symmetric_matmul import symmetric_matmul_triton
 from dion3.kernels.symmetric_matmul_hopper import NARROW, symmetric_matmul_hopper
@@ -64,29 +65,6 @@ def host_us(fn, calls=200):
     return queued / calls * 1e6
 
 
-def graph_ms(fn, calls=10, replays=20):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up on the side stream, as capture wants
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
@@ -98,7 +76,7 @@ def main():
             fn()
             row = dict(shape=label, path=name, host_us=host_us(fn),
                        eager_ms=float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")),
-                       graph_ms=graph_ms(fn))
+                       graph_ms=graph_median_ms(fn))
             rows.append(row)
             print(f"{label:<18} {name:<9} host {row['host_us']:7.1f} us  eager {row['eager_ms']:.4f} ms  "
                   f"graph {row['graph_ms']:.4f} ms", flush=True)

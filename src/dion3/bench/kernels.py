@@ -4,8 +4,11 @@ vs Gram Newton–Schulz end to end, on one CUDA device.
 Per symmetric shape: cuBLAS ms (torch.matmul / baddbmm on the full product), ours ms, effective
 TFLOP/s (FLOPs of the full product, 2·B·n²·k, over our time), speedup, and each one's max
 relative error vs a float64 product of the same inputs. Times are medians of
-triton.testing.do_bench (CUDA events). --sweep times every config in SWEEP_CONFIGS instead of
-the table's choice (how configs.py was filled in). Writes everything as JSON with --json PATH.
+triton.testing.do_bench (CUDA events; eager launches, so a kernel shorter than its host-side
+launch shows the host's time), and, for both sides, the GPU time alone: the median per call of
+a CUDA graph that replays several calls (what a captured optimizer step sees). --sweep times
+every config in SWEEP_CONFIGS instead of the table's choice (how configs.py was filled in).
+Writes everything as JSON with --json PATH.
 """
 from __future__ import annotations
 
@@ -57,6 +60,34 @@ def _median_ms(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median"))
 
 
+def graph_median_ms(fn: Callable[[], object], calls: int = 10, replays: int = 20) -> float:
+    """GPU time per call of fn, without host time: `calls` calls captured in one CUDA graph,
+    the median over `replays` replays (CUDA events) divided by calls. fn must be capturable
+    (no host syncs) and already warmed up (kernels compiled)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # capture wants its first call on a side stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / calls)
+    del graph
+    torch.cuda.empty_cache()
+    return sorted(times)[len(times) // 2]
+
+
 def _max_rel_error(out: torch.Tensor, exact: torch.Tensor) -> float:
     return float((out.double() - exact).abs().max() / exact.abs().max().clamp_min(1e-300))
 
@@ -82,6 +113,7 @@ def bench_symmetric(dtype: torch.dtype, configs, shapes=SYMMETRIC_SHAPES) -> lis
         exact = symmetric_matmul_reference(a.double(), b.double(), None if c is None else c.double(), alpha, beta)
         cublas = lambda: symmetric_matmul_reference(a, b, c, alpha, beta)  # noqa: E731
         cublas_ms = _median_ms(cublas)
+        cublas_graph_ms = graph_median_ms(cublas)
         cublas_err = _max_rel_error(cublas(), exact)
         full_flops = 2.0 * batch * n * n * k
         # Without a sweep: what the optimizer runs (the dispatch: kernel, split product, or cuBLAS
@@ -96,7 +128,8 @@ def bench_symmetric(dtype: torch.dtype, configs, shapes=SYMMETRIC_SHAPES) -> lis
             row = dict(shape=label, batch=batch, n=n, k=k, product=product, dtype=str(dtype),
                        config=asdict(config) if on_kernel and not hopper else None, path=path, cublas_ms=cublas_ms,
                        tiling=asdict(tiling) if hopper else None,
-                       cublas_max_rel_err=cublas_err, cublas_tflops=full_flops / cublas_ms / 1e9)
+                       cublas_graph_ms=cublas_graph_ms, cublas_max_rel_err=cublas_err,
+                       cublas_tflops=full_flops / cublas_ms / 1e9)
             try:
                 if configs:
                     ours = lambda: symmetric_matmul_triton(a, b, c, alpha, beta, config=config)  # noqa: E731
@@ -106,7 +139,9 @@ def bench_symmetric(dtype: torch.dtype, configs, shapes=SYMMETRIC_SHAPES) -> lis
                 row.update(ours_ms=_median_ms(ours), ours_max_rel_err=_max_rel_error(out, exact),
                            symmetric_exact=bool(torch.equal(out, out.mT)))
                 row.update(effective_tflops=full_flops / row["ours_ms"] / 1e9,
-                           speedup=cublas_ms / row["ours_ms"])
+                           speedup=cublas_ms / row["ours_ms"], ours_graph_ms=graph_median_ms(ours))
+                row.update(graph_speedup=cublas_graph_ms / row["ours_graph_ms"],
+                           graph_effective_tflops=full_flops / row["ours_graph_ms"] / 1e9)
             except Exception as error:  # one failing config must not end a sweep
                 row["error"] = f"{type(error).__name__}: {error}"[:300]
             rows.append(row)
@@ -130,7 +165,8 @@ def _format_symmetric(row: dict) -> str:
     if "error" in row:
         return f"{head}  FAILED {row['error']}"
     return (f"{head}  ours {row['ours_ms']:8.3f} ms  {row['effective_tflops']:7.0f} TFLOP/s eff  "
-            f"x{row['speedup']:.2f}  err ours {row['ours_max_rel_err']:.1e} cuBLAS {row['cublas_max_rel_err']:.1e}")
+            f"x{row['speedup']:.2f}  graph x{row['graph_speedup']:.2f} ({row['graph_effective_tflops']:.0f})  "
+            f"err ours {row['ours_max_rel_err']:.1e} cuBLAS {row['cublas_max_rel_err']:.1e}")
 
 
 def float64_newton_schulz(x: torch.Tensor, coefficients: str = "polar_express") -> torch.Tensor:
@@ -165,15 +201,19 @@ def bench_newton_schulz(shapes=NS_SHAPES) -> list[dict]:
                 run = lambda: orthogonalize(x, method=method)  # noqa: E731
                 out = run()
                 row[f"{name}_ms"] = _median_ms(run)
+                row[f"{name}_graph_ms"] = graph_median_ms(run, calls=3, replays=10)
                 row[f"{name}_rel_err"] = float((out.double() - exact).norm() / exact.norm())
             finally:
                 kernels.set_kernels_enabled(True)
         row["ns_kernels_speedup"] = row["ns_cublas_ms"] / row["ns_kernels_ms"]
         row["gram_kernels_vs_ns_cublas"] = row["ns_cublas_ms"] / row["gram_kernels_ms"]
+        row["graph_ns_kernels_speedup"] = row["ns_cublas_graph_ms"] / row["ns_kernels_graph_ms"]
+        row["graph_gram_kernels_vs_ns_cublas"] = row["ns_cublas_graph_ms"] / row["gram_kernels_graph_ms"]
         rows.append(row)
         print(f"{label:<28} NS cuBLAS {row['ns_cublas_ms']:8.2f} ms  NS kernels {row['ns_kernels_ms']:8.2f} ms "
               f"(x{row['ns_kernels_speedup']:.2f})  Gram cuBLAS {row['gram_cublas_ms']:8.2f} ms  "
               f"Gram kernels {row['gram_kernels_ms']:8.2f} ms (x{row['gram_kernels_vs_ns_cublas']:.2f} vs NS cuBLAS)  "
+              f"graph x{row['graph_ns_kernels_speedup']:.2f} / x{row['graph_gram_kernels_vs_ns_cublas']:.2f}  "
               f"rel err NS/Gram {row['ns_kernels_rel_err']:.1e}/{row['gram_kernels_rel_err']:.1e}", flush=True)
         del x, exact
         torch.cuda.empty_cache()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from collections import OrderedDict
 from functools import lru_cache
 from typing import Callable, Optional
 
@@ -118,12 +119,12 @@ TILINGS = {"wide": WIDE, "wide_long": WIDE_LONG, "narrow": NARROW}
 # run"): 128×256 tiles on blocks of ≥ 2048 rows with at least 4 waves of them; 128×128 tiles
 # where those are too few (4096² at 1.69–1.72× cuBLAS against 1.33–1.39× for 128×256 and the
 # Triton kernel's 1.63–1.65×; 4096×16384 1.78–1.83× against 1.48–1.54× and 1.64–1.71×), with 5
-# stages (4 to 7 and the epilogue in the rings were within the run-to-run spread). Below 1024
-# rows, with fewer than 4 waves of 128×128 tiles, or short reductions (R·R + R at 32×1024:
-# K = 1024, where one tile's main loop is 16 steps), the Triton kernel takes the product.
+# stages (4 to 7 and the epilogue in the rings were within the run-to-run spread); GPU time
+# alone (CUDA graphs, launch-overhead-session6-h200-2026-11-29.json): 4096² 1.70×, R·R + R at
+# 32×1024 1.56× against the Triton kernel's 1.30×. Below 1024 rows or with fewer than 4 waves
+# of 128×128 tiles the Triton kernel takes the product.
 MIN_BLOCK = 2048
 NARROW_MIN_BLOCK = 1024
-NARROW_MIN_K = 2048
 MIN_WAVES = 4
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -170,7 +171,7 @@ def _default_tiling(batch: int, panels: int, block: int, k: int, has_c: bool, sm
     if block % WIDE.block_n == 0 and block >= MIN_BLOCK:
         if batch * panels * lower_tile_count(block, BLOCK_M, WIDE.block_n) >= MIN_WAVES * sms:
             return WIDE_LONG if k >= RING_EPILOGUE_MIN_K and not has_c else WIDE
-    if block % NARROW.block_n == 0 and block >= NARROW_MIN_BLOCK and k >= NARROW_MIN_K:
+    if block % NARROW.block_n == 0 and block >= NARROW_MIN_BLOCK:
         if batch * panels * lower_tile_count(block, BLOCK_M, NARROW.block_n) >= MIN_WAVES * sms:
             return NARROW
     return None
@@ -415,15 +416,25 @@ def _shared_layout(shape: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(shape), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
-def _flat_descriptor(t: Tensor, block_shape: tuple, made: dict):
-    """TMA descriptor of a contiguous batched tensor [B, rows, cols] viewed as 2-D [B·rows, cols];
-    `made` holds the descriptors of this launch, so one asked for twice (A and B of A·Aᵀ, a
-    square tile and its transpose) is built once."""
-    key = (t.data_ptr(), t.shape, t.stride(), block_shape)
-    if key not in made:
+# Descriptors already built, by (address, shape, strides, dtype, block): a descriptor holds only
+# those, so a tensor allocated where an equal one was gets the same one. Building them was ~30 µs
+# of a ~110–170 µs host time per launch on the H200 machine (benchmarks/launch_overhead.py),
+# where a 4096² product takes 0.11 ms on the GPU.
+_descriptors: "OrderedDict[tuple, object]" = OrderedDict()
+DESCRIPTOR_CACHE_SIZE = 256
+
+
+def _flat_descriptor(t: Tensor, block_shape: tuple):
+    """TMA descriptor of a contiguous batched tensor [B, rows, cols] viewed as 2-D [B·rows, cols]."""
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, block_shape)
+    found = _descriptors.get(key)
+    if found is None:
         flat = t.reshape(-1, t.shape[-1])
-        made[key] = TensorDescriptor.from_tensor(flat, list(block_shape), _shared_layout(block_shape, t.dtype))
-    return made[key]
+        found = TensorDescriptor.from_tensor(flat, list(block_shape), _shared_layout(block_shape, t.dtype))
+        _descriptors[key] = found
+        if len(_descriptors) > DESCRIPTOR_CACHE_SIZE:
+            _descriptors.popitem(last=False)
+    return found
 
 
 def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha: float, beta: float,
@@ -448,15 +459,14 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
                          f"{tuple(a3.shape)} (and panels 1), got {copy_a.dtype} {tuple(copy_a.shape)}")
     block_n = tiling.block_n
     b_kmajor = not b3.is_contiguous()
-    made: dict = {}
-    a_desc = _flat_descriptor(a3, (BLOCK_M, BLOCK_K), made)
-    y_desc = _flat_descriptor(copy_a, (BLOCK_M, BLOCK_K), made) if copy_a is not None else a_desc
-    b_desc = (_flat_descriptor(b3.mT, (block_n, BLOCK_K), made) if b_kmajor
-              else _flat_descriptor(b3, (BLOCK_K, block_n), made))
-    d_desc = _flat_descriptor(out3, (BLOCK_M, block_n), made)
-    dt_desc = _flat_descriptor(out3, (block_n, BLOCK_M), made)
-    dq_desc = _flat_descriptor(out3, (BLOCK_M, BLOCK_K), made)  # diagonal tiles go out as [M, 64] blocks
-    c_desc = _flat_descriptor(c3, (BLOCK_M, block_n), made) if c3 is not None else d_desc
+    a_desc = _flat_descriptor(a3, (BLOCK_M, BLOCK_K))
+    y_desc = _flat_descriptor(copy_a, (BLOCK_M, BLOCK_K)) if copy_a is not None else a_desc
+    b_desc = (_flat_descriptor(b3.mT, (block_n, BLOCK_K)) if b_kmajor
+              else _flat_descriptor(b3, (BLOCK_K, block_n)))
+    d_desc = _flat_descriptor(out3, (BLOCK_M, block_n))
+    dt_desc = _flat_descriptor(out3, (block_n, BLOCK_M))
+    dq_desc = _flat_descriptor(out3, (BLOCK_M, BLOCK_K))  # diagonal tiles go out as [M, 64] blocks
+    c_desc = _flat_descriptor(c3, (BLOCK_M, block_n)) if c3 is not None else d_desc
     tiles = lower_tile_count(block, BLOCK_M, block_n)
 
     def launch() -> None:
