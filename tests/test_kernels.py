@@ -208,24 +208,29 @@ def test_hopper_kernel_builds_for_sm90_without_a_gpu():
     assert max(shared) <= 227 * 1024, shared
 
 
-def test_hopper_descriptors_are_reused_only_for_the_same_view(monkeypatch):
-    """The launch's TMA descriptors are cached by address, shape, strides, dtype and block: the
-    same view (or an equal tensor at the same address) gets the same descriptor, any difference
-    a new one, and the cache stays bounded."""
+def test_hopper_descriptors_are_shared_within_a_launch_and_keep_nothing_alive():
+    """A launch builds one TMA descriptor per distinct (view, block) and nothing outlives it: a
+    descriptor holds its tensor, so a cache across launches kept freed activations alive (the
+    Llama-8B step ran out of memory on the H200)."""
+    import gc
+    import weakref
+
     from dion3.kernels import symmetric_matmul_hopper as hopper
 
     if not hopper.GLUON_AVAILABLE:
         pytest.skip(f"Triton {triton.__version__} has no Gluon Hopper API")
-    monkeypatch.setattr(hopper, "_descriptors", type(hopper._descriptors)())
-    monkeypatch.setattr(hopper, "DESCRIPTOR_CACHE_SIZE", 3)
     a = torch.zeros(2, 256, 128, dtype=torch.bfloat16)
-    first = hopper._flat_descriptor(a, (128, 64))
-    assert hopper._flat_descriptor(a.view(2, 256, 128), (128, 64)) is first
+    made = {}
+    first = hopper._flat_descriptor(a, (128, 64), made)
+    assert hopper._flat_descriptor(a.view(2, 256, 128), (128, 64), made) is first
+    assert hopper._flat_descriptor(a.mT.mT, (128, 64), made) is first  # A of A·Aᵀ and B's K-major view
     assert list(first.shape) == [512, 128] and list(first.block_shape) == [128, 64]
-    others = [hopper._flat_descriptor(a, (64, 64)), hopper._flat_descriptor(a[1:], (128, 64)),
-              hopper._flat_descriptor(a.half(), (128, 64))]
+    others = [hopper._flat_descriptor(a, (64, 64), made), hopper._flat_descriptor(a[1:], (128, 64), made)]
     assert all(d is not first for d in others) and others[1].base.data_ptr() == a[1].data_ptr()
-    assert len(hopper._descriptors) == 3 and hopper._flat_descriptor(a, (128, 64)) is not first  # evicted
+    alive = weakref.ref(a)
+    del a, made, first, others
+    gc.collect()
+    assert alive() is None
 
 
 def test_hopper_kernel_failing_to_build_falls_back_once_with_a_warning(monkeypatch):

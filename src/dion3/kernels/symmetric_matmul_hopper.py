@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from collections import OrderedDict
 from functools import lru_cache
 from typing import Callable, Optional
 
@@ -416,25 +415,17 @@ def _shared_layout(shape: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(shape), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
-# Descriptors already built, by (address, shape, strides, dtype, block): a descriptor holds only
-# those, so a tensor allocated where an equal one was gets the same one. Building them was ~30 µs
-# of a ~110–170 µs host time per launch on the H200 machine (benchmarks/launch_overhead.py),
-# where a 4096² product takes 0.11 ms on the GPU.
-_descriptors: "OrderedDict[tuple, object]" = OrderedDict()
-DESCRIPTOR_CACHE_SIZE = 256
-
-
-def _flat_descriptor(t: Tensor, block_shape: tuple):
-    """TMA descriptor of a contiguous batched tensor [B, rows, cols] viewed as 2-D [B·rows, cols]."""
-    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, block_shape)
-    found = _descriptors.get(key)
-    if found is None:
+def _flat_descriptor(t: Tensor, block_shape: tuple, made: dict):
+    """TMA descriptor of a contiguous batched tensor [B, rows, cols] viewed as 2-D [B·rows, cols].
+    `made` holds this launch's descriptors, so one asked for twice (A and B of A·Aᵀ, a square
+    tile and its transpose) is built once. Not kept across launches: a descriptor holds its
+    tensor, and a cache of them kept freed activations alive (+20 GB peak on Llama-1B steps,
+    out of memory on Llama-8B: benchmarks/results/kernels-h200-2026-11-29.md, "Seventh run")."""
+    key = (t.data_ptr(), t.shape, t.stride(), block_shape)
+    if key not in made:
         flat = t.reshape(-1, t.shape[-1])
-        found = TensorDescriptor.from_tensor(flat, list(block_shape), _shared_layout(block_shape, t.dtype))
-        _descriptors[key] = found
-        if len(_descriptors) > DESCRIPTOR_CACHE_SIZE:
-            _descriptors.popitem(last=False)
-    return found
+        made[key] = TensorDescriptor.from_tensor(flat, list(block_shape), _shared_layout(block_shape, t.dtype))
+    return made[key]
 
 
 def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha: float, beta: float,
@@ -459,14 +450,15 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
                          f"{tuple(a3.shape)} (and panels 1), got {copy_a.dtype} {tuple(copy_a.shape)}")
     block_n = tiling.block_n
     b_kmajor = not b3.is_contiguous()
-    a_desc = _flat_descriptor(a3, (BLOCK_M, BLOCK_K))
-    y_desc = _flat_descriptor(copy_a, (BLOCK_M, BLOCK_K)) if copy_a is not None else a_desc
-    b_desc = (_flat_descriptor(b3.mT, (block_n, BLOCK_K)) if b_kmajor
-              else _flat_descriptor(b3, (BLOCK_K, block_n)))
-    d_desc = _flat_descriptor(out3, (BLOCK_M, block_n))
-    dt_desc = _flat_descriptor(out3, (block_n, BLOCK_M))
-    dq_desc = _flat_descriptor(out3, (BLOCK_M, BLOCK_K))  # diagonal tiles go out as [M, 64] blocks
-    c_desc = _flat_descriptor(c3, (BLOCK_M, block_n)) if c3 is not None else d_desc
+    made: dict = {}
+    a_desc = _flat_descriptor(a3, (BLOCK_M, BLOCK_K), made)
+    y_desc = _flat_descriptor(copy_a, (BLOCK_M, BLOCK_K), made) if copy_a is not None else a_desc
+    b_desc = (_flat_descriptor(b3.mT, (block_n, BLOCK_K), made) if b_kmajor
+              else _flat_descriptor(b3, (BLOCK_K, block_n), made))
+    d_desc = _flat_descriptor(out3, (BLOCK_M, block_n), made)
+    dt_desc = _flat_descriptor(out3, (block_n, BLOCK_M), made)
+    dq_desc = _flat_descriptor(out3, (BLOCK_M, BLOCK_K), made)  # diagonal tiles go out as [M, 64] blocks
+    c_desc = _flat_descriptor(c3, (BLOCK_M, block_n), made) if c3 is not None else d_desc
     tiles = lower_tile_count(block, BLOCK_M, block_n)
 
     def launch() -> None:
