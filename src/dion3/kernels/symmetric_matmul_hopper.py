@@ -1,28 +1,30 @@
-"""Hopper (sm90) symmetric GEMM in Gluon: warp-specialized, 128×256 output tiles.
+"""Hopper (sm90) symmetric GEMM in Gluon: warp-specialized, 128×256 or 128×128 output tiles.
 
 Same contract as kernels/symmetric_matmul.py (D = alpha·A·B + beta·C, only tiles touching the
 lower triangle computed, each stored with its mirror) for the layouts the optimizer produces on
 an H100/H200: contiguous half-precision operands whose sizes are multiples of the tile. The
 Triton kernel reaches ~80% of cuBLAS's per-tile rate there; the gap is what warp
-specialization and 128×256 tiles are for:
+specialization and explicit shared-memory use are for:
 
 - one producer warp streams A and B blocks through a ring of shared-memory stages with TMA
   (mbarrier "ready"/"empty" pairs), so loads never wait behind the math;
-- two consumer warpgroups (the default partition, 8 warps) each run 64×256 wgmma on the tile,
-  keeping one MMA in flight and freeing a stage as soon as the MMA that read it retires;
+- the consumer warpgroups (the default partition; two, 64 rows of the tile each) run wgmma on
+  the tile, keeping one MMA in flight and freeing a stage as soon as the MMA that read it
+  retires;
 - the epilogue writes the tile and its transpose into shared memory (the drained rings, or a
   tile of its own into which C's tile arrived by TMA during the main loop) and sends both out
-  by TMA stores issued together. Tiles that cross the diagonal send their strictly-lower half
+  by TMA stores issued together. Tiles that cross the diagonal send their strictly-lower part
   and its transpose, and their diagonal block made exactly symmetric in shared memory, as
   [128, 64] blocks, also by TMA.
 
-One program per work item (tile × matrix × diagonal block). A persistent launch (one program
-per SM looping over tiles, the producer loading the next tile during the epilogue) lost
-10–20% on batched products on the H200 and was removed (benchmarks/README.md, "Tried and
-rejected").
+A `Tiling` says how a launch is laid out (tile width, ring depth, epilogue placement, registers,
+consumer warps); `_default_tiling` picks 128×256 tiles for large products and 128×128 tiles
+where those would make too few waves. One program per work item (tile × matrix × diagonal
+block). A persistent launch (one program per SM looping over tiles) lost 10–20% on batched
+products on the H200 and was removed (benchmarks/README.md, "Tried and rejected").
 
 Callers go through `symmetric_matmul_hopper(...)`, which returns False when the operands do not
-fit this kernel's requirements (see `hopper_kernel_fits`); the Triton kernel handles those.
+fit this kernel's requirements (see `pick_tiling`); the Triton kernel handles those.
 """
 from __future__ import annotations
 
