@@ -324,6 +324,32 @@ def test_long_c_free_reductions_get_the_deeper_pipeline_on_hopper():
     assert not uses_long_reduction_config(4096, 16384, False, 8)  # measured on Hopper only
 
 
+def test_hopper_tiling_rule_follows_wave_counts():
+    """The Gluon kernel's default tiling on a 132-SM H200, from tile counts worked out by hand:
+    lower-triangle tiles of an n×n block are Σ_i (i // r + 1) over its 128-row blocks, r = width/128."""
+    from dion3.kernels.symmetric_matmul_hopper import NARROW, WIDE, WIDE_LONG, _default_tiling
+
+    sms = 132  # 4 waves = 528 tiles
+    # 8192²: 64 row blocks, Σ (i//2 + 1) = 2·(1 + … + 32) = 1056 wide tiles ≥ 528; K = 8192, no C
+    assert _default_tiling(1, 1, 8192, 8192, False, sms) == WIDE_LONG
+    assert _default_tiling(1, 1, 8192, 8192, True, sms) == WIDE  # a C term keeps C early
+    assert _default_tiling(1, 1, 8192, 4096, False, sms) == WIDE  # K < 8192
+    # 4096²: 32 row blocks, 2·(1 + … + 16) = 272 wide tiles < 528, but 1 + … + 32 = 528 square ones
+    assert _default_tiling(1, 1, 4096, 16384, False, sms) == NARROW
+    assert _default_tiling(1, 1, 4096, 4096, True, sms) == NARROW
+    # 2 × 4096²: 544 wide tiles ≥ 528
+    assert _default_tiling(2, 1, 4096, 4096, False, sms) == WIDE
+    # n = 1024: 2048 is the wide tiles' floor; 32 × (1 + … + 8) = 1152 square tiles ≥ 528
+    assert _default_tiling(32, 1, 1024, 4096, False, sms) == NARROW
+    assert _default_tiling(14, 1, 1024, 1024, True, sms) is None  # 14 × 36 = 504 < 528
+    assert _default_tiling(15, 1, 1024, 1024, True, sms) == NARROW  # 540
+    assert _default_tiling(64, 1, 512, 2048, False, sms) is None  # below 1024 rows: Triton kernel
+    assert _default_tiling(8, 1, 1152, 4096, False, sms) is None  # 1152 = 9·128 rows: 8 × 45 = 360 < 528
+    assert _default_tiling(16, 1, 1152, 4096, False, sms) == NARROW  # 720
+    # the diagonal blocks of a split product count per block: 2 panels of 2048 = 2 × 72 wide tiles
+    assert _default_tiling(4, 2, 2048, 2048, False, sms) == WIDE  # 4 × 2 × 72 = 576
+
+
 @needs_cuda
 @pytest.mark.parametrize("batch,rows,cols,method", [(12, 2048, 2048, "newton_schulz"), (4, 1024, 4096, "gram")])
 def test_gpu_orthogonalize_through_split_and_long_reduction_paths(batch, rows, cols, method, monkeypatch):
