@@ -85,17 +85,15 @@ class Tiling:
                          into the B ring (C, if any, can only arrive after the main loop); else the
                          tile has a buffer of its own, into which C's tile arrives during the loop
       registers          registers per thread for the whole kernel (the producer warp gives its
-                         surplus to the consumers): 12 warps × 32 × registers per program."""
+                         surplus to the consumers): (consumer warps + 4) × 32 × registers per
+                         program, at most 65536 per SM
+      consumer_warps     8 (two warpgroups, 64 rows of the tile each) or 4 (one warpgroup, the
+                         whole tile: the sweeps' `pair` tiling, two programs per SM)"""
     block_n: int
     stages: int
     epilogue_in_ring: bool
     registers: int
     consumer_warps: int = CONSUMER_WARPS
-
-    def shared_bytes(self) -> int:
-        a_slots = max(self.stages, self.block_n // BLOCK_K)  # the A ring also holds [128, 64] epilogue blocks
-        own_tile = 0 if self.epilogue_in_ring else BLOCK_M * self.block_n
-        return 2 * (a_slots * BLOCK_M * BLOCK_K + self.stages * self.block_n * BLOCK_K + own_tile)
 
 
 # 128×256 tiles, one program per SM: (8 consumer + 4 producer-group warps) × 32 × 168 registers
@@ -287,7 +285,7 @@ if GLUON_AVAILABLE:
                        c_desc, d_desc, dt_desc, dq_desc, y_desc, n, K, panels, tiles, alpha, beta,
                        HAS_C: gl.constexpr, C_EARLY: gl.constexpr, B_KMAJOR: gl.constexpr, RATIO: gl.constexpr,
                        CHUNK: gl.constexpr, COPY_A: gl.constexpr, num_warps: gl.constexpr):
-        """Consumers (default partition, two warpgroups): accumulate the tile in fp32 registers,
+        """Consumers (default partition, one or two warpgroups): accumulate the tile in fp32 registers,
         then write it and its transpose to shared memory and from there to D by TMA stores."""
         stages: gl.constexpr = b_bufs.shape[0]
         block_m: gl.constexpr = a_bufs.shape[1]
