@@ -207,3 +207,21 @@ def test_only_the_cublas_baseline_runs_with_kernels_off(monkeypatch):
     step.main(["--device", "cpu", "--shapes", "8x8", "--optimizers", "muon,muon-gram,dion3-1/4"])
     assert seen == {"muon": False, "muon-gram": before, "dion3-1/4": before}
     assert kernels.kernels_enabled() == before
+
+
+def test_kernel_bench_rows_print_graph_timing_or_say_it_is_missing():
+    """`dion3 bench kernels` reports GPU time alone from CUDA-graph replays; where a call cannot
+    be captured (here: no CUDA at all) it warns and the eager figures still print."""
+    from dion3.bench import kernels as kernel_bench
+
+    with pytest.warns(RuntimeWarning, match="no CUDA-graph timing"):
+        assert kernel_bench._graph_ms_or_none(lambda: None) is None
+    row = dict(shape="A·Aᵀ 8192×8192", config=None, path="hopper", tiling=dict(block_n=256, stages=4),
+               cublas_ms=1.41, ours_ms=0.865, effective_tflops=1272.0, speedup=1.41 / 0.865,
+               ours_max_rel_err=3.7e-3, cublas_max_rel_err=3.7e-3, graph_speedup=1.623 / 0.811,
+               graph_effective_tflops=2 * 8192 ** 3 / 0.811 / 1e9)
+    line = kernel_bench._format_symmetric(row)
+    assert "gluon 128x256 ws s4" in line and "x1.63" in line and "graph x2.00 (1356)" in line
+    row.update(graph_speedup=None, graph_effective_tflops=None)
+    assert "graph n/a" in kernel_bench._format_symmetric(row)
+    assert kernel_bench._ratio(3.0, None) is None and kernel_bench._ratio(3.0, 2.0) == 1.5
