@@ -165,11 +165,16 @@ def _sm90_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _wide_tiling(k: int, has_c: bool) -> Tiling:
+    """128×256 tiles: the 4-stage ring for long C-free reductions, else 3 stages with C early."""
+    return WIDE_LONG if k >= RING_EPILOGUE_MIN_K and not has_c else WIDE
+
+
 def _default_tiling(batch: int, panels: int, block: int, k: int, has_c: bool, sms: int) -> Optional[Tiling]:
     """The tiling for a product of this size, None where the Triton kernel is faster."""
     if block % WIDE.block_n == 0 and block >= MIN_BLOCK:
         if batch * panels * lower_tile_count(block, BLOCK_M, WIDE.block_n) >= MIN_WAVES * sms:
-            return WIDE_LONG if k >= RING_EPILOGUE_MIN_K and not has_c else WIDE
+            return _wide_tiling(k, has_c)
     if block % NARROW.block_n == 0 and block >= NARROW_MIN_BLOCK:
         if batch * panels * lower_tile_count(block, BLOCK_M, NARROW.block_n) >= MIN_WAVES * sms:
             return NARROW
@@ -198,8 +203,8 @@ def pick_tiling(a3: Tensor, b3: Tensor, c3: Optional[Tensor], out3: Optional[Ten
     if not all(t.data_ptr() % 16 == 0 for t in (a3, b3, out3, c3) if t is not None):
         return None
     if tiling is None:
-        wide_default = WIDE_LONG if k >= RING_EPILOGUE_MIN_K and c3 is None else WIDE
-        tiling = wide_default if any_size else _default_tiling(batch, n // block, block, k, c3 is not None, sms)
+        has_c = c3 is not None
+        tiling = _wide_tiling(k, has_c) if any_size else _default_tiling(batch, n // block, block, k, has_c, sms)
     return tiling if tiling is not None and block % tiling.block_n == 0 else None
 
 
