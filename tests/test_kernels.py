@@ -233,6 +233,36 @@ def test_hopper_descriptors_are_shared_within_a_launch_and_keep_nothing_alive():
     assert alive() is None
 
 
+def test_hopper_launch_passes_each_descriptor_once(monkeypatch):
+    """Each TMA descriptor argument costs host time per launch, so one the kernel already has
+    under another name goes as None: A·Aᵀ on square tiles passes 3 (A for both operands, the
+    tile of D for both orientations, D's diagonal blocks), R·R + C 5, A·Aᵀ on 128×256 tiles 5."""
+    from dion3.kernels import symmetric_matmul_hopper as hopper
+
+    if not hopper.GLUON_AVAILABLE:
+        pytest.skip(f"Triton {triton.__version__} has no Gluon Hopper API")
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append([type(x).__name__ for x in args[:7]])
+
+    monkeypatch.setattr(hopper, "_symmetric_matmul_hopper_kernel", Recorder())
+    monkeypatch.setattr(hopper, "pick_tiling", lambda *args, tiling=None, **kwargs: tiling or hopper.NARROW)
+    monkeypatch.setattr(hopper, "_launch_or_fall_back", lambda key, launch: launch() or True)
+    a = torch.zeros(2, 256, 128, dtype=torch.bfloat16)
+    r = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
+    out = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
+    hopper.symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, out)
+    hopper.symmetric_matmul_hopper(r, r, r, 0.9, -1.7, out)
+    hopper.symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, out, tiling=hopper.WIDE)
+    #          a, b, c, d, dt, dq, y
+    none, desc = "NoneType", "TensorDescriptor"
+    assert launched[0] == [desc, none, none, desc, none, desc, none]
+    assert launched[1] == [desc, desc, desc, desc, none, desc, none]
+    assert launched[2] == [desc, desc, none, desc, desc, desc, none]
+
+
 def test_hopper_kernel_failing_to_build_falls_back_once_with_a_warning(monkeypatch):
     """A Gluon specialization that fails on first use (an untested Triton release) switches the
     kernel off with one RuntimeWarning and reports False, so the caller runs the Triton kernel;

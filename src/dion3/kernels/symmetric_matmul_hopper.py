@@ -372,7 +372,12 @@ if GLUON_AVAILABLE:
         num_warps: gl.constexpr,
     ):
         # Program w computes work item w of tiles × matrices × diagonal blocks (tiles: the
-        # lower-triangle tiles of one n×n block).
+        # lower-triangle tiles of one n×n block). A descriptor passed as None is one the launch
+        # already passes under another name (each one costs host time per launch).
+        b_desc = a_desc if b_desc is None else b_desc  # A·Aᵀ with square tiles
+        dt_desc = d_desc if dt_desc is None else dt_desc  # square tiles
+        c_desc = d_desc if c_desc is None else c_desc  # no C (never read)
+        y_desc = a_desc if y_desc is None else y_desc  # no copy of A (never written)
         dtype: gl.constexpr = a_desc.dtype
         block_m: gl.constexpr = a_desc.block_type.shape[0]
         block_k: gl.constexpr = a_desc.block_type.shape[1]
@@ -457,13 +462,16 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
     b_kmajor = not b3.is_contiguous()
     made: dict = {}
     a_desc = _flat_descriptor(a3, (BLOCK_M, BLOCK_K), made)
-    y_desc = _flat_descriptor(copy_a, (BLOCK_M, BLOCK_K), made) if copy_a is not None else a_desc
+    y_desc = _flat_descriptor(copy_a, (BLOCK_M, BLOCK_K), made) if copy_a is not None else None
     b_desc = (_flat_descriptor(b3.mT, (block_n, BLOCK_K), made) if b_kmajor
               else _flat_descriptor(b3, (BLOCK_K, block_n), made))
     d_desc = _flat_descriptor(out3, (BLOCK_M, block_n), made)
     dt_desc = _flat_descriptor(out3, (block_n, BLOCK_M), made)
     dq_desc = _flat_descriptor(out3, (BLOCK_M, BLOCK_K), made)  # diagonal tiles go out as [M, 64] blocks
-    c_desc = _flat_descriptor(c3, (BLOCK_M, block_n), made) if c3 is not None else d_desc
+    c_desc = _flat_descriptor(c3, (BLOCK_M, block_n), made) if c3 is not None else None
+    # The kernel takes None for a descriptor it already has under another name.
+    b_desc = None if b_desc is a_desc else b_desc
+    dt_desc = None if dt_desc is d_desc else dt_desc
     tiles = lower_tile_count(block, BLOCK_M, block_n)
 
     def launch() -> None:
