@@ -3,11 +3,15 @@ batched shapes (where a 0.1–0.2 ms kernel can wait on the host). Usage (CUDA):
 
     PYTHONPATH=src python3 benchmarks/launch_overhead.py [--out DIR]
 
-Per shape and path (cuBLAS, the Triton kernel, the Gluon kernel's 128×128 tiles, the dispatch):
+Per shape and path (cuBLAS, the Triton kernel, the Gluon kernel's 128×128 tiles launched directly
+after the first launch and through Triton's JIT every time, the Gluon path without its launch,
+the dispatch), and for standard Newton–Schulz at 4096² (cuBLAS, kernels with and without direct
+launches):
   host_us   host time per call over 200 calls queued without a sync
   eager_ms  triton.testing.do_bench median (what `dion3 bench kernels` reports)
   graph_ms  GPU time per call from 10 calls captured in one CUDA graph (no host time at all)
 then a cProfile of 200 Gluon launches (where the host time goes).
+"gluon_prep" and "ns" rows have no graph time (nothing to capture / not needed).
 """
 from __future__ import annotations
 
@@ -26,7 +30,9 @@ from dion3 import kernels
 from dion3.bench.kernels import graph_median_ms
 from dion3.kernels.configs import TileConfig
 from dion3.kernels.symmetric_matmul import symmetric_matmul_triton
+from dion3.kernels import symmetric_matmul_hopper as hopper
 from dion3.kernels.symmetric_matmul_hopper import NARROW, symmetric_matmul_hopper
+from dion3.ortho.newton_schulz import orthogonalize
 
 TRITON_CONFIG = TileConfig(128, 128, 64, num_warps=8, num_stages=3, descriptors=True, tma_store=True, max_registers=128)
 SHAPES = (("AAt 4096x4096", 1, 4096, 4096, "gram"), ("RR+R 1x4096", 1, 4096, 4096, "square"),
@@ -42,6 +48,30 @@ def operands(batch, n, k, product):
     return r, r, r, 0.9, -1.7
 
 
+def through_jit(fn):
+    """fn with the Gluon kernel launched through Triton's JIT every time (no direct launch)."""
+    def call():
+        saved = hopper.DIRECT_LAUNCH, hopper._compiled
+        hopper.DIRECT_LAUNCH, hopper._compiled = False, {}
+        try:
+            return fn()
+        finally:
+            hopper.DIRECT_LAUNCH, hopper._compiled = saved
+    return call
+
+
+def without_launch(fn):
+    """fn with everything of the Gluon path but the kernel launch (our Python part)."""
+    def call():
+        saved = hopper._launch_or_fall_back
+        hopper._launch_or_fall_back = lambda key, launch: True
+        try:
+            return fn()
+        finally:
+            hopper._launch_or_fall_back = saved
+    return call
+
+
 def paths(a, b, c, alpha, beta):
     def cublas():
         return torch.matmul(a, b) if c is None else torch.baddbmm(c, a, b, alpha=alpha, beta=beta)
@@ -52,7 +82,21 @@ def paths(a, b, c, alpha, beta):
         return out
 
     return dict(cublas=cublas, triton=lambda: symmetric_matmul_triton(a, b, c, alpha, beta, config=TRITON_CONFIG),
-                gluon=gluon, dispatch=lambda: kernels.symmetric_matmul(a, b, c, alpha, beta))
+                gluon=gluon, gluon_jit=through_jit(gluon), gluon_prep=without_launch(gluon),
+                dispatch=lambda: kernels.symmetric_matmul(a, b, c, alpha, beta))
+
+
+def ns_paths(x):
+    def run(use_kernels):
+        def call():
+            kernels.set_kernels_enabled(use_kernels)
+            try:
+                return orthogonalize(x, method="newton_schulz")
+            finally:
+                kernels.set_kernels_enabled(True)
+        return call
+
+    return dict(ns_cublas=run(False), ns_kernels=run(True), ns_kernels_jit=through_jit(run(True)))
 
 
 def host_us(fn, calls=200):
@@ -70,16 +114,22 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = parser.parse_args()
     rows = []
+
+    def measure(label, name, fn, graph=True):
+        fn()
+        row = dict(shape=label, path=name, host_us=host_us(fn),
+                   eager_ms=float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")),
+                   graph_ms=graph_median_ms(fn) if graph else None)
+        rows.append(row)
+        graph_text = f"{row['graph_ms']:.4f} ms" if graph else "-"
+        print(f"{label:<18} {name:<14} host {row['host_us']:7.1f} us  eager {row['eager_ms']:.4f} ms  "
+              f"graph {graph_text}", flush=True)
+
     for label, batch, n, k, product in SHAPES:
-        ops = operands(batch, n, k, product)
-        for name, fn in paths(*ops).items():
-            fn()
-            row = dict(shape=label, path=name, host_us=host_us(fn),
-                       eager_ms=float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")),
-                       graph_ms=graph_median_ms(fn))
-            rows.append(row)
-            print(f"{label:<18} {name:<9} host {row['host_us']:7.1f} us  eager {row['eager_ms']:.4f} ms  "
-                  f"graph {row['graph_ms']:.4f} ms", flush=True)
+        for name, fn in paths(*operands(batch, n, k, product)).items():
+            measure(label, name, fn, graph=name != "gluon_prep")
+    for name, fn in ns_paths(torch.randn(1, 4096, 4096, device="cuda")).items():
+        measure("NS 1x4096x4096", name, fn, graph=False)
     a, b, c, alpha, beta = operands(1, 4096, 4096, "square")
     gluon = paths(a, b, c, alpha, beta)["gluon"]
     profile = cProfile.Profile()

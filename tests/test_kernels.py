@@ -263,6 +263,66 @@ def test_hopper_launch_passes_each_descriptor_once(monkeypatch):
     assert launched[2] == [desc, desc, none, desc, desc, desc, none]
 
 
+def test_hopper_direct_launch_passes_what_the_jit_would_bind(monkeypatch):
+    """After a specialization's first (JIT) launch, later launches with the same key call the
+    compiled kernel directly with every parameter in the kernel's own order, bound to the same
+    values the JIT call binds; a launch that the JIT would specialize differently (no C vs C,
+    B shared with A or not) goes through the JIT again; DIRECT_LAUNCH off: always the JIT."""
+    from dion3.kernels import symmetric_matmul_hopper as hopper
+
+    if not hopper.GLUON_AVAILABLE:
+        pytest.skip(f"Triton {triton.__version__} has no Gluon Hopper API")
+    names = hopper._symmetric_matmul_hopper_kernel.arg_names
+    calls = []
+
+    def values(bound):  # descriptors by identity of their tensor and block, the rest as they are
+        return {k: (v.base.data_ptr(), tuple(v.block_shape)) if hasattr(v, "block_shape") else v
+                for k, v in bound.items()}
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args: calls.append(("direct", grid, values(dict(zip(names, args, strict=True)))))
+
+    class Jit:
+        def __getitem__(self, grid):
+            def run(*args, maxnreg, **kwargs):
+                calls.append(("jit", grid, values({**dict(zip(names, args)), **kwargs})))
+                return Compiled()
+            return run
+
+    monkeypatch.setattr(hopper, "_symmetric_matmul_hopper_kernel", Jit())
+    monkeypatch.setattr(hopper, "pick_tiling", lambda *args, tiling=None, **kwargs: tiling or hopper.NARROW)
+    monkeypatch.setattr(hopper, "_launch_or_fall_back", lambda key, launch: launch() or True)
+    monkeypatch.setattr(hopper, "_compiled", {})
+    monkeypatch.setattr(hopper, "DIRECT_LAUNCH", True)
+    a = torch.zeros(2, 256, 128, dtype=torch.bfloat16)
+    b = torch.zeros(2, 128, 256, dtype=torch.bfloat16)
+    r = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
+    out = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
+    hopper.symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, out)
+    hopper.symmetric_matmul_hopper(a, a.mT, None, 0.5, 0.0, out)
+    hopper.symmetric_matmul_hopper(r, r, r, 0.9, -1.7, out)
+    hopper.symmetric_matmul_hopper(a, b, None, 1.0, 0.0, out)
+    hopper.symmetric_matmul_hopper(r, r, r, 0.8, -1.5, out)
+    assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit", "direct"]
+    assert calls[1][1] == calls[0][1] == (hopper.lower_tile_count(256, 128, 128) * 2, 1, 1)
+    assert calls[1][2] == {**calls[0][2], "alpha": 0.5}
+    assert calls[4][2] == {**calls[2][2], "alpha": 0.8, "beta": -1.5}
+    # By name, hand-derived: 256 rows in 128×128 tiles = 3 lower tiles; B = Aᵀ shares A's
+    # descriptor; D's tile and its transpose share one.
+    expected = dict(a_desc=(a.data_ptr(), (128, 64)), b_desc=None, c_desc=None, d_desc=(out.data_ptr(), (128, 128)),
+                    dt_desc=None, dq_desc=(out.data_ptr(), (128, 64)), y_desc=None, n=256, K=128, panels=1,
+                    tiles=3, alpha=1.0, beta=0.0, HAS_C=False, B_KMAJOR=True, RATIO=1, COPY_A=False,
+                    NUM_STAGES=5, A_SLOTS=5, EPILOGUE_IN_RING=False, num_warps=8)
+    assert {k: calls[0][2][k] for k in expected} == expected
+    monkeypatch.setattr(hopper, "_compiled", {})
+    monkeypatch.setattr(hopper, "DIRECT_LAUNCH", False)
+    calls.clear()
+    for _ in range(2):
+        hopper.symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, out)
+    assert [c[0] for c in calls] == ["jit", "jit"]
+
+
 def test_hopper_kernel_failing_to_build_falls_back_once_with_a_warning(monkeypatch):
     """A Gluon specialization that fails on first use (an untested Triton release) switches the
     kernel off with one RuntimeWarning and reports False, so the caller runs the Triton kernel;
@@ -518,6 +578,44 @@ def test_gpu_hopper_kernel_copies_a_exactly_and_standard_ns_uses_the_copy(tiling
     exact = float64_newton_schulz(x)
     out = orthogonalize(x, method="newton_schulz")
     assert float((out.double() - exact).norm() / exact.norm()) < 2e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("product", ["gram", "gram_c", "square"])
+def test_gpu_hopper_direct_launch_equals_the_jit_launch(product, monkeypatch):
+    """A specialization's later launches call its compiled kernel directly (DIRECT_LAUNCH); on
+    other shapes, batches and scalars than the first launch's they give bit-for-bit what a launch
+    through Triton's JIT gives."""
+    from dion3.kernels import symmetric_matmul_hopper as hopper
+
+    if torch.cuda.get_device_capability()[0] != 9 or not hopper.GLUON_AVAILABLE or not hopper.DIRECT_LAUNCH:
+        pytest.skip("direct launches: sm90 and a Triton release they were tested with")
+
+    def operands(batch, n, k, seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        a = (torch.randn(batch, n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+        if product == "square":
+            r = (a @ a.mT).contiguous()
+            return r, r, r, 0.8, -1.5
+        c = (a @ a.mT).contiguous() if product == "gram_c" else None
+        return a, a.mT, c, 0.5 + seed % 3, 2.0 if c is not None else 0.0
+
+    def run(ops):
+        a = ops[0]
+        out = torch.empty(a.shape[0], a.shape[1], a.shape[1], dtype=a.dtype, device="cuda")
+        assert hopper.symmetric_matmul_hopper(*ops, out, any_size=True, tiling=hopper.NARROW)
+        return out
+
+    monkeypatch.setattr(hopper, "_compiled", {})
+    run(operands(1, 512, 256, 0))  # first launch: through the JIT, kept
+    assert len(hopper._compiled) == 1
+    later = [operands(2, 1024, 640, 1), operands(3, 768, 384, 2)]
+    direct = [run(ops) for ops in later]
+    monkeypatch.setattr(hopper, "DIRECT_LAUNCH", False)
+    monkeypatch.setattr(hopper, "_compiled", {})
+    for ops, out in zip(later, direct):
+        assert torch.equal(out, run(ops))
+    assert not hopper._compiled
 
 
 def test_gram_with_copy_off_the_hopper_kernel_is_the_plain_product():

@@ -135,6 +135,15 @@ ENABLED = os.environ.get("DION3_HOPPER_KERNEL", "1").strip().lower() not in ("0"
 
 _launched: set = set()  # kernel specializations that built and ran
 
+# After a specialization's first launch through Triton's JIT, later launches call the kernel it
+# compiled directly (CompiledKernel[grid](every parameter in order)), skipping the JIT's argument
+# binding, specialization and cache lookup: X µs of host time per launch on the H200 machine
+# (benchmarks/launch_overhead.py). Only on Triton releases where that call was GPU-tested; the
+# key names everything the JIT would specialize on. Holds compiled code, never tensors.
+DIRECT_LAUNCH_TRITON = ((3, 6),)
+DIRECT_LAUNCH = GLUON_AVAILABLE and tuple(int(p) for p in triton.__version__.split(".")[:2]) in DIRECT_LAUNCH_TRITON
+_compiled: dict = {}
+
 
 def _launch_or_fall_back(key, launch: Callable[[], None]) -> bool:
     """Run launch(); return True. If a specialization that never ran fails (the experimental
@@ -363,7 +372,9 @@ if GLUON_AVAILABLE:
                 _tma_store(dq_desc, [d_row, offset + row0 + q * block_k], tile_blocks.index(h * groups + q))
         tma.store_wait(0)  # shared memory stays valid until the stores have read it
 
-    @gluon.jit
+    # Its integer arguments are not specialized (on value 1 or divisibility by 16), so the
+    # launch key in symmetric_matmul_hopper names every specialization (see DIRECT_LAUNCH).
+    @gluon.jit(do_not_specialize=["n", "K", "panels", "tiles"])
     def _symmetric_matmul_hopper_kernel(
         a_desc, b_desc, c_desc, d_desc, dt_desc, dq_desc, y_desc,
         n, K, panels, tiles, alpha, beta,
@@ -473,16 +484,22 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
     b_desc = None if b_desc is a_desc else b_desc
     dt_desc = None if dt_desc is d_desc else dt_desc
     tiles = lower_tile_count(block, BLOCK_M, block_n)
+    key = (a3.dtype, c3 is not None, b_kmajor, tiling, copy_a is not None, b_desc is None, dt_desc is None,
+           a3.device.index)
+    grid = (tiles * batch * panels, 1, 1)
+    # The kernel's parameters in order, all but num_warps (a launch option as well).
+    args = (a_desc, b_desc, c_desc, d_desc, dt_desc, dq_desc, y_desc, block, k, panels, tiles, float(alpha),
+            float(beta), c3 is not None, b_kmajor, block_n // BLOCK_M, EPILOGUE_ROWS, copy_a is not None,
+            PRODUCER_REGISTERS, tiling.stages, max(tiling.stages, block_n // BLOCK_K), tiling.epilogue_in_ring)
 
     def launch() -> None:
-        _symmetric_matmul_hopper_kernel[(tiles * batch * panels,)](
-            a_desc, b_desc, c_desc, d_desc, dt_desc, dq_desc, y_desc,
-            block, k, panels, tiles, float(alpha), float(beta),
-            HAS_C=c3 is not None, B_KMAJOR=b_kmajor, RATIO=block_n // BLOCK_M, CHUNK=EPILOGUE_ROWS,
-            COPY_A=copy_a is not None, PRODUCER_REGS=PRODUCER_REGISTERS, NUM_STAGES=tiling.stages,
-            A_SLOTS=max(tiling.stages, block_n // BLOCK_K), EPILOGUE_IN_RING=tiling.epilogue_in_ring,
-            num_warps=tiling.consumer_warps, maxnreg=tiling.registers,
-        )
+        compiled = _compiled.get(key)
+        if compiled is not None:
+            compiled[grid](*args, tiling.consumer_warps)
+            return
+        compiled = _symmetric_matmul_hopper_kernel[grid](*args, num_warps=tiling.consumer_warps,
+                                                         maxnreg=tiling.registers)
+        if DIRECT_LAUNCH:
+            _compiled[key] = compiled
 
-    return _launch_or_fall_back((a3.dtype, c3 is not None, b_kmajor, tiling, copy_a is not None, a3.device.index),
-                                launch)
+    return _launch_or_fall_back(key, launch)
