@@ -208,10 +208,10 @@ def test_hopper_kernel_builds_for_sm90_without_a_gpu():
     assert max(shared) <= 227 * 1024, shared
 
 
-def test_hopper_descriptors_are_shared_within_a_launch_and_keep_nothing_alive():
-    """A launch builds one TMA descriptor per distinct (view, block) and nothing outlives it: a
-    descriptor holds its tensor, so a cache across launches kept freed activations alive (the
-    Llama-8B step ran out of memory on the H200)."""
+def test_hopper_launches_keep_no_tensor_alive(monkeypatch):
+    """Nothing a launch builds outlives it (descriptors hold their tensors, and a cache of them
+    kept freed activations alive: the Llama-8B step ran out of memory on the H200), also not
+    what the direct launch keeps (the compiled kernel only)."""
     import gc
     import weakref
 
@@ -219,18 +219,29 @@ def test_hopper_descriptors_are_shared_within_a_launch_and_keep_nothing_alive():
 
     if not hopper.GLUON_AVAILABLE:
         pytest.skip(f"Triton {triton.__version__} has no Gluon Hopper API")
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args: None
+
+    class Jit:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: Compiled()
+
+    monkeypatch.setattr(hopper, "_symmetric_matmul_hopper_kernel", Jit())
+    monkeypatch.setattr(hopper, "pick_tiling", lambda *args, tiling=None, **kwargs: hopper.NARROW)
+    monkeypatch.setattr(hopper, "_launch_or_fall_back", lambda key, launch: launch() or True)
+    monkeypatch.setattr(hopper, "_compiled", {})
+    monkeypatch.setattr(hopper, "DIRECT_LAUNCH", True)
     a = torch.zeros(2, 256, 128, dtype=torch.bfloat16)
-    made = {}
-    first = hopper._flat_descriptor(a, (128, 64), made)
-    assert hopper._flat_descriptor(a.view(2, 256, 128), (128, 64), made) is first
-    assert hopper._flat_descriptor(a.mT.mT, (128, 64), made) is first  # A of A·Aᵀ and B's K-major view
-    assert list(first.shape) == [512, 128] and list(first.block_shape) == [128, 64]
-    others = [hopper._flat_descriptor(a, (64, 64), made), hopper._flat_descriptor(a[1:], (128, 64), made)]
-    assert all(d is not first for d in others) and others[1].base.data_ptr() == a[1].data_ptr()
-    alive = weakref.ref(a)
-    del a, made, first, others
+    out = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
+    for _ in range(2):  # through the JIT, then directly
+        hopper.symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, out, copy_a=torch.empty_like(a))
+    assert len(hopper._compiled) == 1
+    alive = [weakref.ref(a), weakref.ref(out)]
+    del a, out
     gc.collect()
-    assert alive() is None
+    assert all(ref() is None for ref in alive)
 
 
 def test_hopper_launch_passes_each_descriptor_once(monkeypatch):
@@ -275,8 +286,11 @@ def test_hopper_direct_launch_passes_what_the_jit_would_bind(monkeypatch):
     names = hopper._symmetric_matmul_hopper_kernel.arg_names
     calls = []
 
-    def values(bound):  # descriptors by identity of their tensor and block, the rest as they are
-        return {k: (v.base.data_ptr(), tuple(v.block_shape)) if hasattr(v, "block_shape") else v
+    blocks = []  # the JIT launches' descriptors' block shapes
+
+    def values(bound):  # descriptors by their tensor's address and 2-D view, the rest as they are
+        blocks.append({k: tuple(v.block_shape) for k, v in bound.items() if hasattr(v, "block_shape")})
+        return {k: (v.base.data_ptr(), tuple(v.shape), tuple(v.strides)) if hasattr(v, "base") else v
                 for k, v in bound.items()}
 
     class Compiled:
@@ -310,11 +324,13 @@ def test_hopper_direct_launch_passes_what_the_jit_would_bind(monkeypatch):
     assert calls[4][2] == {**calls[2][2], "alpha": 0.8, "beta": -1.5}
     # By name, hand-derived: 256 rows in 128×128 tiles = 3 lower tiles; B = Aᵀ shares A's
     # descriptor; D's tile and its transpose share one.
-    expected = dict(a_desc=(a.data_ptr(), (128, 64)), b_desc=None, c_desc=None, d_desc=(out.data_ptr(), (128, 128)),
-                    dt_desc=None, dq_desc=(out.data_ptr(), (128, 64)), y_desc=None, n=256, K=128, panels=1,
-                    tiles=3, alpha=1.0, beta=0.0, HAS_C=False, B_KMAJOR=True, RATIO=1, COPY_A=False,
-                    NUM_STAGES=5, A_SLOTS=5, EPILOGUE_IN_RING=False, num_warps=8)
+    flat_out = (out.data_ptr(), (512, 256), (256, 1))
+    expected = dict(a_desc=(a.data_ptr(), (512, 128), (128, 1)), b_desc=None, c_desc=None, d_desc=flat_out,
+                    dt_desc=None, dq_desc=flat_out, y_desc=None, n=256, K=128, panels=1, tiles=3, alpha=1.0,
+                    beta=0.0, HAS_C=False, B_KMAJOR=True, RATIO=1, COPY_A=False, NUM_STAGES=5, A_SLOTS=5,
+                    EPILOGUE_IN_RING=False, num_warps=8)
     assert {k: calls[0][2][k] for k in expected} == expected
+    assert blocks[0] == dict(a_desc=(128, 64), d_desc=(128, 128), dq_desc=(128, 64)) and blocks[1] == {}
     monkeypatch.setattr(hopper, "_compiled", {})
     monkeypatch.setattr(hopper, "DIRECT_LAUNCH", False)
     calls.clear()

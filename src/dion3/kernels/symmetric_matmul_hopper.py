@@ -32,7 +32,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -436,17 +436,30 @@ def _shared_layout(shape: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(shape), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
-def _flat_descriptor(t: Tensor, block_shape: tuple, made: dict):
+class _LaunchDescriptor(NamedTuple):
+    """What a direct launch reads of a TMA descriptor (Triton 3.6's launcher: the tensor's
+    address, shape, strides and padding; block shape and swizzle are compiled into the kernel)."""
+    base: Tensor
+    shape: tuple
+    strides: tuple
+    padding: str = "zero"
+
+
+def _flat_descriptor(t: Tensor, block_shape: tuple, direct: bool):
     """TMA descriptor of a contiguous batched tensor [B, rows, cols] viewed as 2-D [B·rows, cols].
-    `made` holds this launch's descriptors, so one asked for twice (A and B of A·Aᵀ, a square
-    tile and its transpose) is built once. Not kept across launches: a descriptor holds its
-    tensor, and a cache of them kept freed activations alive (+20 GB peak on Llama-1B steps,
-    out of memory on Llama-8B: benchmarks/results/kernels-h200-2026-11-29.md, "Seventh run")."""
-    key = (t.data_ptr(), t.shape, t.stride(), block_shape)
-    if key not in made:
-        flat = t.reshape(-1, t.shape[-1])
-        made[key] = TensorDescriptor.from_tensor(flat, list(block_shape), _shared_layout(block_shape, t.dtype))
-    return made[key]
+    direct: only what a direct launch reads, without TensorDescriptor's checks (~10 µs each on
+    the H200 machine; pick_tiling has checked contiguity and alignment). Never kept across
+    launches: a descriptor holds its tensor, and a cache of them kept freed activations alive
+    (+20 GB peak on Llama-1B steps, out of memory on Llama-8B: kernels-h200-2026-11-29.md,
+    "Seventh run")."""
+    rows, cols = t.numel() // t.shape[-1], t.shape[-1]
+    if direct:
+        return _LaunchDescriptor(t, (rows, cols), (cols, 1))
+    return TensorDescriptor.from_tensor(t.view(rows, cols), list(block_shape), _shared_layout(block_shape, t.dtype))
+
+
+def _same_view(x: Tensor, y: Tensor) -> bool:
+    return x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride()
 
 
 def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha: float, beta: float,
@@ -471,21 +484,22 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
                          f"{tuple(a3.shape)} (and panels 1), got {copy_a.dtype} {tuple(copy_a.shape)}")
     block_n = tiling.block_n
     b_kmajor = not b3.is_contiguous()
-    made: dict = {}
-    a_desc = _flat_descriptor(a3, (BLOCK_M, BLOCK_K), made)
-    y_desc = _flat_descriptor(copy_a, (BLOCK_M, BLOCK_K), made) if copy_a is not None else None
-    b_desc = (_flat_descriptor(b3.mT, (block_n, BLOCK_K), made) if b_kmajor
-              else _flat_descriptor(b3, (BLOCK_K, block_n), made))
-    d_desc = _flat_descriptor(out3, (BLOCK_M, block_n), made)
-    dt_desc = _flat_descriptor(out3, (block_n, BLOCK_M), made)
-    dq_desc = _flat_descriptor(out3, (BLOCK_M, BLOCK_K), made)  # diagonal tiles go out as [M, 64] blocks
-    c_desc = _flat_descriptor(c3, (BLOCK_M, block_n), made) if c3 is not None else None
-    # The kernel takes None for a descriptor it already has under another name.
-    b_desc = None if b_desc is a_desc else b_desc
-    dt_desc = None if dt_desc is d_desc else dt_desc
+    # A descriptor the kernel already has under another name goes as None (each one costs host
+    # time): B of A·Aᵀ on square tiles is A's, a square tile's transpose has the tile's shape.
+    shares_b = b_kmajor and block_n == BLOCK_M and _same_view(b3.mT, a3)
+    shares_dt = block_n == BLOCK_M
+    key = (a3.dtype, c3 is not None, b_kmajor, tiling, copy_a is not None, shares_b, shares_dt, a3.device.index)
+    compiled = _compiled.get(key)
+    direct = compiled is not None
+    a_desc = _flat_descriptor(a3, (BLOCK_M, BLOCK_K), direct)
+    y_desc = _flat_descriptor(copy_a, (BLOCK_M, BLOCK_K), direct) if copy_a is not None else None
+    b_desc = (None if shares_b else _flat_descriptor(b3.mT, (block_n, BLOCK_K), direct) if b_kmajor
+              else _flat_descriptor(b3, (BLOCK_K, block_n), direct))
+    d_desc = _flat_descriptor(out3, (BLOCK_M, block_n), direct)
+    dt_desc = None if shares_dt else _flat_descriptor(out3, (block_n, BLOCK_M), direct)
+    dq_desc = _flat_descriptor(out3, (BLOCK_M, BLOCK_K), direct)  # diagonal tiles go out as [M, 64] blocks
+    c_desc = _flat_descriptor(c3, (BLOCK_M, block_n), direct) if c3 is not None else None
     tiles = lower_tile_count(block, BLOCK_M, block_n)
-    key = (a3.dtype, c3 is not None, b_kmajor, tiling, copy_a is not None, b_desc is None, dt_desc is None,
-           a3.device.index)
     grid = (tiles * batch * panels, 1, 1)
     # The kernel's parameters in order, all but num_warps (a launch option as well).
     args = (a_desc, b_desc, c_desc, d_desc, dt_desc, dq_desc, y_desc, block, k, panels, tiles, float(alpha),
@@ -493,13 +507,11 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
             PRODUCER_REGISTERS, tiling.stages, max(tiling.stages, block_n // BLOCK_K), tiling.epilogue_in_ring)
 
     def launch() -> None:
-        compiled = _compiled.get(key)
-        if compiled is not None:
+        if direct:
             compiled[grid](*args, tiling.consumer_warps)
             return
-        compiled = _symmetric_matmul_hopper_kernel[grid](*args, num_warps=tiling.consumer_warps,
-                                                         maxnreg=tiling.registers)
+        built = _symmetric_matmul_hopper_kernel[grid](*args, num_warps=tiling.consumer_warps, maxnreg=tiling.registers)
         if DIRECT_LAUNCH:
-            _compiled[key] = compiled
+            _compiled[key] = built
 
     return _launch_or_fall_back(key, launch)
