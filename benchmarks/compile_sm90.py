@@ -71,7 +71,7 @@ def main() -> int:
         real = None
     driver.set_active(_Sm90Driver(real))
 
-    from dion3.kernels import symmetric_matmul_hopper as hopper
+    from dion3.kernels import hopper_tiling, symmetric_matmul_hopper as hopper
 
     if not hopper.GLUON_AVAILABLE:
         print(f"Triton {triton.__version__} has no usable Gluon Hopper API")
@@ -81,20 +81,20 @@ def main() -> int:
     hopper._launch_or_fall_back = lambda key, launch: launch() or True  # report build errors, no fallback
     failures = 0
     # (label, dtype, product, C term, tiling): every tiling with and without C, both B layouts
-    cases = [("AAt bf16", torch.bfloat16, "gram", False, hopper.WIDE),
-             ("RR+C fp16", torch.float16, "square", True, hopper.WIDE),
-             ("AAt fp16 +C", torch.float16, "gram", True, hopper.WIDE),
-             ("RR bf16", torch.bfloat16, "square", False, hopper.WIDE),
-             ("AAt bf16 4st", torch.bfloat16, "gram", False, hopper.WIDE_LONG),
-             ("AAt f16 +C 4st", torch.float16, "gram", True, hopper.WIDE_LONG),
-             ("AAt bf16 copy", torch.bfloat16, "gram", False, hopper.WIDE),  # A copied on the way (standard NS)
-             ("AAt bf16 nar", torch.bfloat16, "gram", False, hopper.NARROW),
-             ("RR+C f16 nar", torch.float16, "square", True, hopper.NARROW),
-             ("AAt copy nar", torch.bfloat16, "gram", False, hopper.NARROW),
-             ("AAt bf16 nar6", torch.bfloat16, "gram", False, replace(hopper.NARROW, stages=6)),
-             ("RR+C nar6 ring", torch.float16, "square", True, replace(hopper.NARROW, stages=6, epilogue_in_ring=True)),
-             ("AAt pair", torch.bfloat16, "gram", False, hopper.Tiling(128, 3, True, 128, 4)),
-             ("RR+C pair", torch.float16, "square", True, hopper.Tiling(128, 3, True, 128, 4))]
+    cases = [("AAt bf16", torch.bfloat16, "gram", False, hopper_tiling.WIDE),
+             ("RR+C fp16", torch.float16, "square", True, hopper_tiling.WIDE),
+             ("AAt fp16 +C", torch.float16, "gram", True, hopper_tiling.WIDE),
+             ("RR bf16", torch.bfloat16, "square", False, hopper_tiling.WIDE),
+             ("AAt bf16 4st", torch.bfloat16, "gram", False, hopper_tiling.WIDE_LONG),
+             ("AAt f16 +C 4st", torch.float16, "gram", True, hopper_tiling.WIDE_LONG),
+             ("AAt bf16 copy", torch.bfloat16, "gram", False, hopper_tiling.WIDE),  # A copied on the way (standard NS)
+             ("AAt bf16 nar", torch.bfloat16, "gram", False, hopper_tiling.NARROW),
+             ("RR+C f16 nar", torch.float16, "square", True, hopper_tiling.NARROW),
+             ("AAt copy nar", torch.bfloat16, "gram", False, hopper_tiling.NARROW),
+             ("AAt bf16 nar6", torch.bfloat16, "gram", False, replace(hopper_tiling.NARROW, stages=6)),
+             ("RR+C nar6 ring", torch.float16, "square", True, replace(hopper_tiling.NARROW, stages=6, epilogue_in_ring=True)),
+             ("AAt pair", torch.bfloat16, "gram", False, hopper_tiling.Tiling(128, 3, True, 128, 4)),
+             ("RR+C pair", torch.float16, "square", True, hopper_tiling.Tiling(128, 3, True, 128, 4))]
     for label, dtype, product, has_c, tiling in cases:
         n, k = 512, 512
         a = torch.zeros(2, n, k, dtype=dtype)

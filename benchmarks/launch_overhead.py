@@ -31,7 +31,8 @@ from dion3.bench.kernels import graph_median_ms
 from dion3.kernels.configs import TileConfig
 from dion3.kernels.symmetric_matmul import symmetric_matmul_triton
 from dion3.kernels import symmetric_matmul_hopper as hopper
-from dion3.kernels.symmetric_matmul_hopper import NARROW, symmetric_matmul_hopper
+from dion3.kernels.hopper_tiling import NARROW
+from dion3.kernels.symmetric_matmul_hopper import symmetric_matmul_hopper
 from dion3.ortho.newton_schulz import orthogonalize
 
 TRITON_CONFIG = TileConfig(128, 128, 64, num_warps=8, num_stages=3, descriptors=True, tma_store=True, max_registers=128)

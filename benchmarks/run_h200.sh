@@ -36,7 +36,7 @@ for stage in "$@"; do
     ab-narrow)  # whole steps with the Hopper kernel's 128×128 tiles off (wide tiles and the Triton kernel only), then on
       for narrow in off on; do
         for preset in llama-8b:10 llama-1b:20; do
-          run timeout 200 python3 -c "import sys; from dion3 import cli; from dion3.kernels import symmetric_matmul_hopper as h
+          run timeout 200 python3 -c "import sys; from dion3 import cli; from dion3.kernels import hopper_tiling as h
 h.NARROW_MIN_BLOCK = 1 << 30 if '$narrow' == 'off' else h.NARROW_MIN_BLOCK
 sys.exit(cli.main(['bench', '--preset', '${preset%%:*}', '--optimizers', 'muon,muon-gram,dion3-1/4', '--steps', '${preset#*:}', '--warmup', '4', '--json', '$OUT/step-${preset%%:*}-narrow-$narrow.json']))" 2>&1 | tail -7 | tee "$OUT/step-${preset%%:*}-narrow-$narrow.txt"
         done

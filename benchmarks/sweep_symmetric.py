@@ -29,7 +29,8 @@ import torch
 from dion3.kernels.configs import TileConfig
 from dion3.kernels.split import split_symmetric_matmul
 from dion3.kernels.symmetric_matmul import diagonal_blocks_triton, symmetric_matmul_triton
-from dion3.kernels.symmetric_matmul_hopper import WIDE, WIDE_LONG, Tiling, symmetric_matmul_hopper
+from dion3.kernels.hopper_tiling import WIDE, WIDE_LONG, Tiling
+from dion3.kernels.symmetric_matmul_hopper import symmetric_matmul_hopper
 from dion3.kernels.transpose import transpose_into_triton
 
 STARTED = time.time()

@@ -16,6 +16,7 @@ import dion3.kernels as kernels
 
 HERE = Path(__file__).resolve().parent
 triton = pytest.importorskip("triton", reason="Triton is not installed: the kernels cannot run here")
+from dion3.kernels import hopper_tiling  # noqa: E402  (pure Python; needs Triton for the tile order)
 _skip_without_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU-only check)")
 
 
@@ -229,7 +230,7 @@ def test_hopper_launches_keep_no_tensor_alive(monkeypatch):
             return lambda *args, **kwargs: Compiled()
 
     monkeypatch.setattr(hopper, "_symmetric_matmul_hopper_kernel", Jit())
-    monkeypatch.setattr(hopper, "pick_tiling", lambda *args, tiling=None, **kwargs: hopper.NARROW)
+    monkeypatch.setattr(hopper, "pick_tiling", lambda *args, tiling=None, **kwargs: hopper_tiling.NARROW)
     monkeypatch.setattr(hopper, "_launch_or_fall_back", lambda key, launch: launch() or True)
     monkeypatch.setattr(hopper, "_compiled", {})
     monkeypatch.setattr(hopper, "DIRECT_LAUNCH", True)
@@ -259,14 +260,14 @@ def test_hopper_launch_passes_each_descriptor_once(monkeypatch):
             return lambda *args, **kwargs: launched.append([type(x).__name__ for x in args[:7]])
 
     monkeypatch.setattr(hopper, "_symmetric_matmul_hopper_kernel", Recorder())
-    monkeypatch.setattr(hopper, "pick_tiling", lambda *args, tiling=None, **kwargs: tiling or hopper.NARROW)
+    monkeypatch.setattr(hopper, "pick_tiling", lambda *args, tiling=None, **kwargs: tiling or hopper_tiling.NARROW)
     monkeypatch.setattr(hopper, "_launch_or_fall_back", lambda key, launch: launch() or True)
     a = torch.zeros(2, 256, 128, dtype=torch.bfloat16)
     r = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
     out = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
     hopper.symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, out)
     hopper.symmetric_matmul_hopper(r, r, r, 0.9, -1.7, out)
-    hopper.symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, out, tiling=hopper.WIDE)
+    hopper.symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, out, tiling=hopper_tiling.WIDE)
     #          a, b, c, d, dt, dq, y
     none, desc = "NoneType", "TensorDescriptor"
     assert launched[0] == [desc, none, none, desc, none, desc, none]
@@ -305,7 +306,7 @@ def test_hopper_direct_launch_passes_what_the_jit_would_bind(monkeypatch):
             return run
 
     monkeypatch.setattr(hopper, "_symmetric_matmul_hopper_kernel", Jit())
-    monkeypatch.setattr(hopper, "pick_tiling", lambda *args, tiling=None, **kwargs: tiling or hopper.NARROW)
+    monkeypatch.setattr(hopper, "pick_tiling", lambda *args, tiling=None, **kwargs: tiling or hopper_tiling.NARROW)
     monkeypatch.setattr(hopper, "_launch_or_fall_back", lambda key, launch: launch() or True)
     monkeypatch.setattr(hopper, "_compiled", {})
     monkeypatch.setattr(hopper, "DIRECT_LAUNCH", True)
@@ -433,27 +434,27 @@ def test_long_c_free_reductions_get_the_deeper_pipeline_on_hopper():
 def test_hopper_tiling_rule_follows_wave_counts():
     """The Gluon kernel's default tiling on a 132-SM H200, from tile counts worked out by hand:
     lower-triangle tiles of an n×n block are Σ_i (i // r + 1) over its 128-row blocks, r = width/128."""
-    from dion3.kernels.symmetric_matmul_hopper import NARROW, WIDE, WIDE_LONG, _default_tiling
+    from dion3.kernels.hopper_tiling import NARROW, WIDE, WIDE_LONG, default_tiling
 
     sms = 132  # 4 waves = 528 tiles
     # 8192²: 64 row blocks, Σ (i//2 + 1) = 2·(1 + … + 32) = 1056 wide tiles ≥ 528; K = 8192, no C
-    assert _default_tiling(1, 1, 8192, 8192, False, sms) == WIDE_LONG
-    assert _default_tiling(1, 1, 8192, 8192, True, sms) == WIDE  # a C term keeps C early
-    assert _default_tiling(1, 1, 8192, 4096, False, sms) == WIDE  # K < 8192
+    assert default_tiling(1, 1, 8192, 8192, False, sms) == WIDE_LONG
+    assert default_tiling(1, 1, 8192, 8192, True, sms) == WIDE  # a C term keeps C early
+    assert default_tiling(1, 1, 8192, 4096, False, sms) == WIDE  # K < 8192
     # 4096²: 32 row blocks, 2·(1 + … + 16) = 272 wide tiles < 528, but 1 + … + 32 = 528 square ones
-    assert _default_tiling(1, 1, 4096, 16384, False, sms) == NARROW
-    assert _default_tiling(1, 1, 4096, 4096, True, sms) == NARROW
+    assert default_tiling(1, 1, 4096, 16384, False, sms) == NARROW
+    assert default_tiling(1, 1, 4096, 4096, True, sms) == NARROW
     # 2 × 4096²: 544 wide tiles ≥ 528
-    assert _default_tiling(2, 1, 4096, 4096, False, sms) == WIDE
+    assert default_tiling(2, 1, 4096, 4096, False, sms) == WIDE
     # n = 1024: 2048 is the wide tiles' floor; 32 × (1 + … + 8) = 1152 square tiles ≥ 528
-    assert _default_tiling(32, 1, 1024, 4096, False, sms) == NARROW
-    assert _default_tiling(14, 1, 1024, 1024, True, sms) is None  # 14 × 36 = 504 < 528
-    assert _default_tiling(15, 1, 1024, 1024, True, sms) == NARROW  # 540
-    assert _default_tiling(64, 1, 512, 2048, False, sms) is None  # below 1024 rows: Triton kernel
-    assert _default_tiling(8, 1, 1152, 4096, False, sms) is None  # 1152 = 9·128 rows: 8 × 45 = 360 < 528
-    assert _default_tiling(16, 1, 1152, 4096, False, sms) == NARROW  # 720
+    assert default_tiling(32, 1, 1024, 4096, False, sms) == NARROW
+    assert default_tiling(14, 1, 1024, 1024, True, sms) is None  # 14 × 36 = 504 < 528
+    assert default_tiling(15, 1, 1024, 1024, True, sms) == NARROW  # 540
+    assert default_tiling(64, 1, 512, 2048, False, sms) is None  # below 1024 rows: Triton kernel
+    assert default_tiling(8, 1, 1152, 4096, False, sms) is None  # 1152 = 9·128 rows: 8 × 45 = 360 < 528
+    assert default_tiling(16, 1, 1152, 4096, False, sms) == NARROW  # 720
     # the diagonal blocks of a split product count per block: 2 panels of 2048 = 2 × 72 wide tiles
-    assert _default_tiling(4, 2, 2048, 2048, False, sms) == WIDE  # 4 × 2 × 72 = 576
+    assert default_tiling(4, 2, 2048, 2048, False, sms) == WIDE  # 4 × 2 × 72 = 576
 
 
 @needs_cuda
@@ -517,10 +518,10 @@ def _hopper_tiling(name):
     from dion3.kernels import symmetric_matmul_hopper as hopper
 
     if name == "narrow_ring":
-        return replace(hopper.NARROW, stages=6, epilogue_in_ring=True)
+        return replace(hopper_tiling.NARROW, stages=6, epilogue_in_ring=True)
     if name == "pair":  # one consumer warpgroup, two programs per SM
-        return hopper.Tiling(128, 3, True, 128, consumer_warps=4)
-    return hopper.TILINGS[name]
+        return hopper_tiling.Tiling(128, 3, True, 128, consumer_warps=4)
+    return hopper_tiling.TILINGS[name]
 
 
 @needs_cuda
@@ -619,7 +620,7 @@ def test_gpu_hopper_direct_launch_equals_the_jit_launch(product, monkeypatch):
     def run(ops):
         a = ops[0]
         out = torch.empty(a.shape[0], a.shape[1], a.shape[1], dtype=a.dtype, device="cuda")
-        assert hopper.symmetric_matmul_hopper(*ops, out, any_size=True, tiling=hopper.NARROW)
+        assert hopper.symmetric_matmul_hopper(*ops, out, any_size=True, tiling=hopper_tiling.NARROW)
         return out
 
     monkeypatch.setattr(hopper, "_compiled", {})
