@@ -7,7 +7,8 @@ Per shape and path (cuBLAS, the Triton kernel, the Gluon kernel's 128×128 tiles
 after the first launch and through Triton's JIT every time, the Gluon path without its launch,
 the dispatch), and for standard Newton–Schulz at 4096² (cuBLAS, kernels with and without direct
 launches):
-  host_us   host time per call over 200 calls queued without a sync
+  host_us   host time per call over 200 calls queued without a sync (NS: 5 calls, so a full
+            launch queue never makes the host wait on the GPU)
   eager_ms  triton.testing.do_bench median (what `dion3 bench kernels` reports)
   graph_ms  GPU time per call from 10 calls captured in one CUDA graph (no host time at all)
 then a cProfile of 200 Gluon launches (where the host time goes).

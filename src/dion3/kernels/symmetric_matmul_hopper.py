@@ -19,8 +19,8 @@ specialization and explicit shared-memory use are for:
 
 A `Tiling` (hopper_tiling.py) says how a launch is laid out (tile width, ring depth, epilogue
 placement, registers, consumer warps); its rule picks 128×256 tiles for large products and
-128×128 tiles where those would make too few waves. One program per work item (tile × matrix × diagonal
-block). A persistent launch (one program per SM looping over tiles) lost 10–20% on batched
+128×128 tiles where those would make too few waves. One program per work item (tile × matrix ×
+diagonal block). A persistent launch (one program per SM looping over tiles) lost 10–20% on batched
 products on the H200 and was removed (benchmarks/README.md, "Tried and rejected").
 
 Callers go through `symmetric_matmul_hopper(...)`, which returns False when the operands do not
@@ -84,9 +84,10 @@ _launched: set = set()  # kernel specializations that built and ran
 
 # After a specialization's first launch through Triton's JIT, later launches call the kernel it
 # compiled directly (CompiledKernel[grid](every parameter in order)), skipping the JIT's argument
-# binding, specialization and cache lookup: X µs of host time per launch on the H200 machine
-# (benchmarks/launch_overhead.py). Only on Triton releases where that call was GPU-tested; the
-# key names everything the JIT would specialize on. Holds compiled code, never tensors.
+# binding, specialization and cache lookup: 32–55 µs of host time per launch on the H200 machine
+# against 77–130 through the JIT (benchmarks/launch_overhead.py; kernels-h200-2026-11-29.md,
+# "Eighth run"). Only on Triton releases where that call was GPU-tested; the key names
+# everything the JIT would specialize on. Holds compiled code, never tensors.
 DIRECT_LAUNCH_TRITON = ((3, 6),)
 DIRECT_LAUNCH = GLUON_AVAILABLE and tuple(int(p) for p in triton.__version__.split(".")[:2]) in DIRECT_LAUNCH_TRITON
 _compiled: dict = {}
@@ -127,9 +128,9 @@ def pick_tiling(a3: Tensor, b3: Tensor, c3: Optional[Tensor], out3: Optional[Ten
     contiguous operands (B either K-major like A.mT of a contiguous A, or a contiguous
     [B, K, n]), a contiguous output and C, K a multiple of 64 (the flattened TMA descriptors then
     never read across matrices), the block size a multiple of the tile width, and a product
-    where it wins (hopper_tiling.default_tiling). tiling: use this one (sweeps, tests); any_size=True: the
-    wide tiling (or the given one) wherever the layout fits. out3 None: a freshly allocated
-    output (contiguous, aligned)."""
+    where it wins (hopper_tiling.default_tiling). tiling: use this one (sweeps, tests);
+    any_size=True: the wide tiling (or the given one) wherever the layout fits. out3 None: a
+    freshly allocated output (contiguous, aligned)."""
     if not (ENABLED and GLUON_AVAILABLE) or a3.device.type != "cuda" or a3.dtype not in SUPPORTED_DTYPES:
         return None
     sms = _sm90_count(a3.device.index if a3.device.index is not None else torch.cuda.current_device())
