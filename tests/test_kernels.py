@@ -340,6 +340,45 @@ def test_hopper_direct_launch_passes_what_the_jit_would_bind(monkeypatch):
     assert [c[0] for c in calls] == ["jit", "jit"]
 
 
+def test_hopper_direct_launch_failing_in_the_launcher_falls_back_to_the_jit(monkeypatch):
+    """A launcher that rejects the reduced descriptors (another Triton release) turns direct
+    launches off with one RuntimeWarning, and the product is launched through the JIT, with
+    full descriptors, from then on."""
+    from dion3.kernels import symmetric_matmul_hopper as hopper
+
+    if not hopper.GLUON_AVAILABLE:
+        pytest.skip(f"Triton {triton.__version__} has no Gluon Hopper API")
+    calls = []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            def run(*args):
+                calls.append("direct")
+                raise AttributeError("'_LaunchDescriptor' object has no attribute 'block_shape'")
+            return run
+
+    class Jit:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                calls.append(("jit", type(args[0]).__name__))
+                return Compiled()
+            return run
+
+    monkeypatch.setattr(hopper, "_symmetric_matmul_hopper_kernel", Jit())
+    monkeypatch.setattr(hopper, "pick_tiling", lambda *args, tiling=None, **kwargs: tiling or hopper_tiling.NARROW)
+    monkeypatch.setattr(hopper, "_launch_or_fall_back", lambda key, launch: launch() or True)
+    monkeypatch.setattr(hopper, "_compiled", {})
+    monkeypatch.setattr(hopper, "DIRECT_LAUNCH", True)
+    a = torch.zeros(2, 256, 128, dtype=torch.bfloat16)
+    out = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
+    assert hopper.symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, out)
+    with pytest.warns(RuntimeWarning, match="through Triton's JIT from now on"):
+        assert hopper.symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, out)
+    assert hopper.symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, out)
+    jit = ("jit", "TensorDescriptor")
+    assert calls == [jit, "direct", jit, jit] and not hopper.DIRECT_LAUNCH and not hopper._compiled
+
+
 def test_hopper_kernel_failing_to_build_falls_back_once_with_a_warning(monkeypatch):
     """A Gluon specialization that fails on first use (an untested Triton release) switches the
     kernel off with one RuntimeWarning and reports False, so the caller runs the Triton kernel;

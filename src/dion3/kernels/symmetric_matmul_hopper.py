@@ -93,6 +93,16 @@ DIRECT_LAUNCH = GLUON_AVAILABLE and tuple(int(p) for p in triton.__version__.spl
 _compiled: dict = {}
 
 
+def _stop_direct_launches(error: Exception) -> None:
+    """A direct launch failed in Triton's launcher (a release whose launcher reads other fields
+    of its arguments): warn once and launch through the JIT from now on."""
+    global DIRECT_LAUNCH
+    DIRECT_LAUNCH = False
+    _compiled.clear()
+    warnings.warn(f"dion3: a direct launch of the Hopper Gluon kernel failed ({type(error).__name__}: "
+                  f"{str(error)[:200]}); launching through Triton's JIT from now on", RuntimeWarning, stacklevel=3)
+
+
 def _launch_or_fall_back(key, launch: Callable[[], None]) -> bool:
     """Run launch(); return True. If a specialization that never ran fails (the experimental
     Gluon API of an untested Triton release, a ptxas refusal), warn once, switch this kernel off
@@ -438,10 +448,15 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
             float(beta), c3 is not None, b_kmajor, block_n // BLOCK_M, EPILOGUE_ROWS, copy_a is not None,
             PRODUCER_REGISTERS, tiling.stages, max(tiling.stages, block_n // BLOCK_K), tiling.epilogue_in_ring)
 
-    def launch() -> None:
-        if direct:
+    if direct:
+        try:
             compiled[grid](*args, tiling.consumer_warps)
-            return
+            return True
+        except (AttributeError, IndexError, KeyError, TypeError) as error:  # raised before anything ran
+            _stop_direct_launches(error)
+            return symmetric_matmul_hopper(a3, b3, c3, alpha, beta, out3, panels, any_size, tiling, copy_a)
+
+    def launch() -> None:
         built = _symmetric_matmul_hopper_kernel[grid](*args, num_warps=tiling.consumer_warps, maxnreg=tiling.registers)
         if DIRECT_LAUNCH:
             _compiled[key] = built
