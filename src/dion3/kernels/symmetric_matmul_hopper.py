@@ -84,8 +84,8 @@ _launched: set = set()  # kernel specializations that built and ran
 
 # After a specialization's first launch through Triton's JIT, later launches call the kernel it
 # compiled directly (CompiledKernel[grid](every parameter in order)), skipping the JIT's argument
-# binding, specialization and cache lookup: 32–55 µs of host time per launch on the H200 machine
-# against 77–130 through the JIT (benchmarks/launch_overhead.py; kernels-h200-2026-11-29.md,
+# binding, specialization and cache lookup: 32–60 µs of host time per launch on the H200 machine
+# against 77–167 through the JIT (benchmarks/launch_overhead.py; kernels-h200-2026-11-29.md,
 # "Eighth run"). Only on Triton releases where that call was GPU-tested; the key names
 # everything the JIT would specialize on. Holds compiled code, never tensors.
 DIRECT_LAUNCH_TRITON = ((3, 6),)
