@@ -674,6 +674,28 @@ def test_gpu_hopper_direct_launch_equals_the_jit_launch(product, monkeypatch):
     assert not hopper._compiled
 
 
+@needs_cuda
+def test_gpu_hopper_kernel_declines_mixed_dtypes():
+    """The Gluon kernel takes one dtype throughout (its launch key names A's dtype only): a C or
+    an output in another dtype goes back to the caller (False), and the dispatch still computes
+    such a product correctly on another path."""
+    from dion3.kernels import symmetric_matmul_hopper as hopper
+
+    if torch.cuda.get_device_capability()[0] != 9 or not hopper.GLUON_AVAILABLE:
+        pytest.skip("the Gluon kernel runs on sm90 with a Triton that has Gluon")
+    a = (torch.randn(2, 1024, 512, device="cuda") / 512 ** 0.5).to(torch.bfloat16)
+    c = torch.randn(2, 1024, 1024, device="cuda")
+    c = c + c.mT
+    out = torch.empty(2, 1024, 1024, dtype=torch.bfloat16, device="cuda")
+    narrow = hopper_tiling.NARROW
+    assert hopper.symmetric_matmul_hopper(a, a.mT, c.to(torch.bfloat16), 0.5, 2.0, out, any_size=True, tiling=narrow)
+    assert not hopper.symmetric_matmul_hopper(a, a.mT, c, 0.5, 2.0, out, any_size=True, tiling=narrow)
+    assert not hopper.symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, out.float(), any_size=True, tiling=narrow)
+    exact = 0.5 * (a.double() @ a.mT.double()) + 2.0 * c.double()
+    mixed = kernels.symmetric_matmul(a, a.mT, c, alpha=0.5, beta=2.0)
+    assert float((mixed.double() - exact).abs().max() / exact.abs().max()) < 1e-2
+
+
 def test_gram_with_copy_off_the_hopper_kernel_is_the_plain_product():
     """Without the Hopper kernel (CPU here) gram_with_copy is X·Xᵀ and no copy, so standard NS
     falls back to torch.baddbmm."""

@@ -134,10 +134,10 @@ def _sm90_count(device_index: int) -> int:
 
 def pick_tiling(a3: Tensor, b3: Tensor, c3: Optional[Tensor], out3: Optional[Tensor], block: int,
                 any_size: bool = False, tiling: Optional[Tiling] = None) -> Optional[Tiling]:
-    """How this kernel runs the product, None where it does not: it needs an sm90 device,
-    contiguous operands (B either K-major like A.mT of a contiguous A, or a contiguous
-    [B, K, n]), a contiguous output and C, K a multiple of 64 (the flattened TMA descriptors then
-    never read across matrices), the block size a multiple of the tile width, and a product
+    """How this kernel runs the product, None where it does not: it needs an sm90 device, one
+    half-precision dtype for all operands, contiguous operands (B either K-major like A.mT of a
+    contiguous A, or a contiguous [B, K, n]), a contiguous output and C, K a multiple of 64 (the
+    flattened TMA descriptors then never read across matrices), the block size a multiple of the tile width, and a product
     where it wins (hopper_tiling.default_tiling). tiling: use this one (sweeps, tests);
     any_size=True: the wide tiling (or the given one) wherever the layout fits. out3 None: a
     freshly allocated output (contiguous, aligned)."""
@@ -151,7 +151,8 @@ def pick_tiling(a3: Tensor, b3: Tensor, c3: Optional[Tensor], out3: Optional[Ten
         return None
     if not (b3.is_contiguous() or b3.mT.is_contiguous()) or (c3 is not None and not c3.is_contiguous()):
         return None
-    if not all(t.data_ptr() % 16 == 0 for t in (a3, b3, out3, c3) if t is not None):
+    # One dtype throughout (the launch key names A's only), every base 16-byte aligned (TMA).
+    if not all(t.data_ptr() % 16 == 0 and t.dtype == a3.dtype for t in (a3, b3, out3, c3) if t is not None):
         return None
     if tiling is None:
         has_c = c3 is not None
