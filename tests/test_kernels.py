@@ -209,6 +209,17 @@ def test_hopper_kernel_builds_for_sm90_without_a_gpu():
     assert max(shared) <= 227 * 1024, shared
 
 
+def _stand_in_for_the_kernel(monkeypatch, hopper, jit):
+    """Launch `jit` (a CPU stand-in for the Gluon kernel's JIT launch) in place of the kernel,
+    with the 128×128 tiling unless one is asked for, no build-failure handling, no compiled
+    kernels yet and direct launches on."""
+    monkeypatch.setattr(hopper, "_symmetric_matmul_hopper_kernel", jit)
+    monkeypatch.setattr(hopper, "pick_tiling", lambda *args, tiling=None, **kwargs: tiling or hopper_tiling.NARROW)
+    monkeypatch.setattr(hopper, "_launch_or_fall_back", lambda key, launch: launch() or True)
+    monkeypatch.setattr(hopper, "_compiled", {})
+    monkeypatch.setattr(hopper, "DIRECT_LAUNCH", True)
+
+
 def test_hopper_launches_keep_no_tensor_alive(monkeypatch):
     """Nothing a launch builds outlives it (descriptors hold their tensors, and a cache of them
     kept freed activations alive: the Llama-8B step ran out of memory on the H200), also not
@@ -229,11 +240,7 @@ def test_hopper_launches_keep_no_tensor_alive(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: Compiled()
 
-    monkeypatch.setattr(hopper, "_symmetric_matmul_hopper_kernel", Jit())
-    monkeypatch.setattr(hopper, "pick_tiling", lambda *args, tiling=None, **kwargs: hopper_tiling.NARROW)
-    monkeypatch.setattr(hopper, "_launch_or_fall_back", lambda key, launch: launch() or True)
-    monkeypatch.setattr(hopper, "_compiled", {})
-    monkeypatch.setattr(hopper, "DIRECT_LAUNCH", True)
+    _stand_in_for_the_kernel(monkeypatch, hopper, Jit())
     a = torch.zeros(2, 256, 128, dtype=torch.bfloat16)
     out = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
     for _ in range(2):  # through the JIT, then directly
@@ -305,11 +312,7 @@ def test_hopper_direct_launch_passes_what_the_jit_would_bind(monkeypatch):
                 return Compiled()
             return run
 
-    monkeypatch.setattr(hopper, "_symmetric_matmul_hopper_kernel", Jit())
-    monkeypatch.setattr(hopper, "pick_tiling", lambda *args, tiling=None, **kwargs: tiling or hopper_tiling.NARROW)
-    monkeypatch.setattr(hopper, "_launch_or_fall_back", lambda key, launch: launch() or True)
-    monkeypatch.setattr(hopper, "_compiled", {})
-    monkeypatch.setattr(hopper, "DIRECT_LAUNCH", True)
+    _stand_in_for_the_kernel(monkeypatch, hopper, Jit())
     a = torch.zeros(2, 256, 128, dtype=torch.bfloat16)
     b = torch.zeros(2, 128, 256, dtype=torch.bfloat16)
     r = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
@@ -364,11 +367,7 @@ def test_hopper_direct_launch_failing_in_the_launcher_falls_back_to_the_jit(monk
                 return Compiled()
             return run
 
-    monkeypatch.setattr(hopper, "_symmetric_matmul_hopper_kernel", Jit())
-    monkeypatch.setattr(hopper, "pick_tiling", lambda *args, tiling=None, **kwargs: tiling or hopper_tiling.NARROW)
-    monkeypatch.setattr(hopper, "_launch_or_fall_back", lambda key, launch: launch() or True)
-    monkeypatch.setattr(hopper, "_compiled", {})
-    monkeypatch.setattr(hopper, "DIRECT_LAUNCH", True)
+    _stand_in_for_the_kernel(monkeypatch, hopper, Jit())
     a = torch.zeros(2, 256, 128, dtype=torch.bfloat16)
     out = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
     assert hopper.symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, out)
