@@ -53,12 +53,12 @@ def operands(batch, n, k, product):
 def through_jit(fn):
     """fn with the Gluon kernel launched through Triton's JIT every time (no direct launch)."""
     def call():
-        saved = hopper.DIRECT_LAUNCH, hopper._compiled
-        hopper.DIRECT_LAUNCH, hopper._compiled = False, {}
+        saved = hopper.DIRECT_LAUNCH
+        hopper.DIRECT_LAUNCH = False
         try:
             return fn()
         finally:
-            hopper.DIRECT_LAUNCH, hopper._compiled = saved
+            hopper.DIRECT_LAUNCH = saved
     return call
 
 
@@ -74,12 +74,12 @@ class _NoLaunch:
 def without_launch(fn):
     """fn with everything of the (direct) Gluon path but the kernel launch: our Python part."""
     def call():
-        saved = hopper._compiled
-        hopper._compiled = _NoLaunch()
+        saved = hopper._launched, hopper.DIRECT_LAUNCH
+        hopper._launched, hopper.DIRECT_LAUNCH = _NoLaunch(), True
         try:
             return fn()
         finally:
-            hopper._compiled = saved
+            hopper._launched, hopper.DIRECT_LAUNCH = saved
     return call
 
 

@@ -211,12 +211,12 @@ def test_hopper_kernel_builds_for_sm90_without_a_gpu():
 
 def _stand_in_for_the_kernel(monkeypatch, hopper, jit):
     """Launch `jit` (a CPU stand-in for the Gluon kernel's JIT launch) in place of the kernel,
-    with the 128×128 tiling unless one is asked for, no build-failure handling, no compiled
-    kernels yet and direct launches on."""
+    with the 128×128 tiling unless one is asked for, no specialization launched yet and direct
+    launches on."""
     monkeypatch.setattr(hopper, "_symmetric_matmul_hopper_kernel", jit)
     monkeypatch.setattr(hopper, "pick_tiling", lambda *args, tiling=None, **kwargs: tiling or hopper_tiling.NARROW)
-    monkeypatch.setattr(hopper, "_launch_or_fall_back", lambda key, launch: launch() or True)
-    monkeypatch.setattr(hopper, "_compiled", {})
+    monkeypatch.setattr(hopper, "_launched", {})
+    monkeypatch.setattr(hopper, "ENABLED", True)
     monkeypatch.setattr(hopper, "DIRECT_LAUNCH", True)
 
 
@@ -245,7 +245,7 @@ def test_hopper_launches_keep_no_tensor_alive(monkeypatch):
     out = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
     for _ in range(2):  # through the JIT, then directly
         hopper.symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, out, copy_a=torch.empty_like(a))
-    assert len(hopper._compiled) == 1
+    assert len(hopper._launched) == 1
     alive = [weakref.ref(a), weakref.ref(out)]
     del a, out
     gc.collect()
@@ -335,7 +335,7 @@ def test_hopper_direct_launch_passes_what_the_jit_would_bind(monkeypatch):
                     EPILOGUE_IN_RING=False, num_warps=8)
     assert {k: calls[0][2][k] for k in expected} == expected
     assert blocks[0] == dict(a_desc=(128, 64), d_desc=(128, 128), dq_desc=(128, 64)) and blocks[1] == {}
-    monkeypatch.setattr(hopper, "_compiled", {})
+    monkeypatch.setattr(hopper, "_launched", {})
     monkeypatch.setattr(hopper, "DIRECT_LAUNCH", False)
     calls.clear()
     for _ in range(2):
@@ -375,7 +375,7 @@ def test_hopper_direct_launch_failing_in_the_launcher_falls_back_to_the_jit(monk
         assert hopper.symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, out)
     assert hopper.symmetric_matmul_hopper(a, a.mT, None, 1.0, 0.0, out)
     jit = ("jit", "TensorDescriptor")
-    assert calls == [jit, "direct", jit, jit] and not hopper.DIRECT_LAUNCH and not hopper._compiled
+    assert calls == [jit, "direct", jit, jit] and not hopper.DIRECT_LAUNCH and len(hopper._launched) == 1
 
 
 def test_hopper_kernel_failing_to_build_falls_back_once_with_a_warning(monkeypatch):
@@ -385,7 +385,7 @@ def test_hopper_kernel_failing_to_build_falls_back_once_with_a_warning(monkeypat
     from dion3.kernels import symmetric_matmul_hopper as hopper
 
     monkeypatch.setattr(hopper, "ENABLED", True)
-    monkeypatch.setattr(hopper, "_launched", set())
+    monkeypatch.setattr(hopper, "_launched", {})
     calls = []
     assert hopper._launch_or_fall_back("good", lambda: calls.append("good")) and calls == ["good"]
 
@@ -661,16 +661,16 @@ def test_gpu_hopper_direct_launch_equals_the_jit_launch(product, monkeypatch):
         assert hopper.symmetric_matmul_hopper(*ops, out, any_size=True, tiling=hopper_tiling.NARROW)
         return out
 
-    monkeypatch.setattr(hopper, "_compiled", {})
-    run(operands(1, 512, 256, 0))  # first launch: through the JIT, kept
-    assert len(hopper._compiled) == 1
+    monkeypatch.setattr(hopper, "_launched", {})
+    run(operands(1, 512, 256, 0))  # first launch: through the JIT, its compiled kernel kept
+    assert len(hopper._launched) == 1
     later = [operands(2, 1024, 640, 1), operands(3, 768, 384, 2)]
     direct = [run(ops) for ops in later]
     monkeypatch.setattr(hopper, "DIRECT_LAUNCH", False)
-    monkeypatch.setattr(hopper, "_compiled", {})
-    for ops, out in zip(later, direct):
+    monkeypatch.setattr(hopper, "_launched", {})
+    for ops, out in zip(later, direct):  # through the JIT: the first builds, the second is a JIT cache hit
         assert torch.equal(out, run(ops))
-    assert not hopper._compiled
+    assert len(hopper._launched) == 1
 
 
 @needs_cuda

@@ -80,17 +80,18 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 ENABLED = os.environ.get("DION3_HOPPER_KERNEL", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-_launched: set = set()  # kernel specializations that built and ran
+# Kernel specializations that built and ran (launch key → the kernel its first launch compiled).
+# Holds compiled code, never tensors.
+_launched: dict = {}
 
 # After a specialization's first launch through Triton's JIT, later launches call the kernel it
 # compiled directly (CompiledKernel[grid](every parameter in order)), skipping the JIT's argument
 # binding, specialization and cache lookup: 32–60 µs of host time per launch on the H200 machine
 # against 77–167 through the JIT (benchmarks/launch_overhead.py; kernels-h200-2026-11-29.md,
 # "Eighth run"). Only on Triton releases where that call was GPU-tested; the key names
-# everything the JIT would specialize on. Holds compiled code, never tensors.
+# everything the JIT would specialize on.
 DIRECT_LAUNCH_TRITON = ((3, 6),)
 DIRECT_LAUNCH = GLUON_AVAILABLE and tuple(int(p) for p in triton.__version__.split(".")[:2]) in DIRECT_LAUNCH_TRITON
-_compiled: dict = {}
 
 
 def _stop_direct_launches(error: Exception) -> None:
@@ -98,29 +99,28 @@ def _stop_direct_launches(error: Exception) -> None:
     of its arguments): warn once and launch through the JIT from now on."""
     global DIRECT_LAUNCH
     DIRECT_LAUNCH = False
-    _compiled.clear()
     warnings.warn(f"dion3: a direct launch of the Hopper Gluon kernel failed ({type(error).__name__}: "
                   f"{str(error)[:200]}); launching through Triton's JIT from now on", RuntimeWarning, stacklevel=3)
 
 
-def _launch_or_fall_back(key, launch: Callable[[], None]) -> bool:
-    """Run launch(); return True. If a specialization that never ran fails (the experimental
-    Gluon API of an untested Triton release, a ptxas refusal), warn once, switch this kernel off
-    for the process and return False: the caller falls back to the Triton kernel. Failures of
+def _launch_or_fall_back(key, launch: Callable[[], object]) -> bool:
+    """Run launch() (it returns the compiled kernel, kept in _launched); return True. If a
+    specialization that never ran fails (the experimental Gluon API of an untested Triton
+    release, a ptxas refusal), warn once, switch this kernel off for the process and return False: the caller falls back to the Triton kernel. Failures of
     a specialization that already ran are real errors and propagate."""
     global ENABLED
     if key in _launched:
         launch()
         return True
     try:
-        launch()
+        compiled = launch()
     except Exception as error:
         ENABLED = False
         warnings.warn(f"dion3: the Hopper Gluon symmetric-matmul kernel failed to build or launch "
                       f"({type(error).__name__}: {str(error)[:200]}); using the Triton kernel from now on",
                       RuntimeWarning, stacklevel=3)
         return False
-    _launched.add(key)
+    _launched[key] = compiled
     return True
 
 
@@ -432,7 +432,7 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
     shares_b = b_kmajor and block_n == BLOCK_M and _same_view(b3.mT, a3)
     shares_dt = block_n == BLOCK_M
     key = (a3.dtype, c3 is not None, b_kmajor, tiling, copy_a is not None, shares_b, shares_dt, a3.device.index)
-    compiled = _compiled.get(key)
+    compiled = _launched.get(key) if DIRECT_LAUNCH else None
     direct = compiled is not None
     a_desc = _flat_descriptor(a3, (BLOCK_M, BLOCK_K), direct)
     y_desc = _flat_descriptor(copy_a, (BLOCK_M, BLOCK_K), direct) if copy_a is not None else None
@@ -457,9 +457,7 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
             _stop_direct_launches(error)
             return symmetric_matmul_hopper(a3, b3, c3, alpha, beta, out3, panels, any_size, tiling, copy_a)
 
-    def launch() -> None:
-        built = _symmetric_matmul_hopper_kernel[grid](*args, num_warps=tiling.consumer_warps, maxnreg=tiling.registers)
-        if DIRECT_LAUNCH:
-            _compiled[key] = built
+    def launch():
+        return _symmetric_matmul_hopper_kernel[grid](*args, num_warps=tiling.consumer_warps, maxnreg=tiling.registers)
 
     return _launch_or_fall_back(key, launch)
