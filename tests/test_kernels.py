@@ -474,16 +474,20 @@ def test_hopper_tiling_rule_follows_wave_counts():
     lower-triangle tiles of an n×n block are Σ_i (i // r + 1) over its 128-row blocks, r = width/128."""
     from dion3.kernels.hopper_tiling import NARROW, WIDE, WIDE_LONG, default_tiling
 
-    sms = 132  # 4 waves = 528 tiles
-    # 8192²: 64 row blocks, Σ (i//2 + 1) = 2·(1 + … + 32) = 1056 wide tiles ≥ 528; K = 8192, no C
-    assert default_tiling(1, 1, 8192, 8192, False, sms) == WIDE_LONG
-    assert default_tiling(1, 1, 8192, 8192, True, sms) == WIDE  # a C term keeps C early
-    assert default_tiling(1, 1, 8192, 4096, False, sms) == WIDE  # K < 8192
-    # 4096²: 32 row blocks, 2·(1 + … + 16) = 272 wide tiles < 528, but 1 + … + 32 = 528 square ones
+    sms = 132  # 4 waves = 528 tiles, 6 waves = 792
+    # 8192²: 64 row blocks, Σ (i//2 + 1) = 2·(1 + … + 32) = 1056 wide tiles ≥ 792
+    assert default_tiling(1, 1, 8192, 8192, False, sms) == WIDE  # K < 16384: 3 stages
+    assert default_tiling(1, 1, 8192, 28672, False, sms) == WIDE_LONG  # long C-free reduction: the ring
+    assert default_tiling(1, 1, 8192, 28672, True, sms) == WIDE  # a C term keeps C early
+    # 4096²: 32 row blocks, 2·(1 + … + 16) = 272 wide tiles < 792, but 1 + … + 32 = 528 square ones
     assert default_tiling(1, 1, 4096, 16384, False, sms) == NARROW
     assert default_tiling(1, 1, 4096, 4096, True, sms) == NARROW
-    # 2 × 4096²: 544 wide tiles ≥ 528
-    assert default_tiling(2, 1, 4096, 4096, False, sms) == WIDE
+    # 2 × 4096²: 544 wide tiles < 792 (and > 132): square tiles, 1056 of them
+    assert default_tiling(2, 1, 4096, 4096, False, sms) == NARROW
+    assert default_tiling(3, 1, 4096, 4096, False, sms) == WIDE  # 816 wide tiles ≥ 792
+    # 2048 rows, one matrix: 2·(1 + … + 8) = 72 wide tiles fit one wave; C-free only
+    assert default_tiling(1, 1, 2048, 8192, False, sms) == WIDE
+    assert default_tiling(1, 1, 2048, 2048, True, sms) is None  # 72 wide < 792, 136 square < 528
     # n = 1024: 2048 is the wide tiles' floor; 32 × (1 + … + 8) = 1152 square tiles ≥ 528
     assert default_tiling(32, 1, 1024, 4096, False, sms) == NARROW
     assert default_tiling(14, 1, 1024, 1024, True, sms) is None  # 14 × 36 = 504 < 528
@@ -492,7 +496,8 @@ def test_hopper_tiling_rule_follows_wave_counts():
     assert default_tiling(8, 1, 1152, 4096, False, sms) is None  # 1152 = 9·128 rows: 8 × 45 = 360 < 528
     assert default_tiling(16, 1, 1152, 4096, False, sms) == NARROW  # 720
     # the diagonal blocks of a split product count per block: 2 panels of 2048 = 2 × 72 wide tiles
-    assert default_tiling(4, 2, 2048, 2048, False, sms) == WIDE  # 4 × 2 × 72 = 576
+    assert default_tiling(4, 2, 2048, 2048, False, sms) == NARROW  # 576 wide < 792; 4 × 2 × 136 square
+    assert default_tiling(6, 2, 2048, 2048, False, sms) == WIDE  # 864 wide tiles
 
 
 @needs_cuda

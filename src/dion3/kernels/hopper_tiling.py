@@ -43,7 +43,10 @@ class Tiling:
 # (±5–10%) of 3 stages with the current one.
 WIDE = Tiling(256, 3, False, 168)
 WIDE_LONG = Tiling(256, 4, True, 168)
-RING_EPILOGUE_MIN_K = 8192
+# Side by side with the public Triton kernel (do_bench, 2026-12-01, benchmarks/results/
+# kernels-vs-public-h200-2026-12-01.md): at K = 8192 the 3-stage layout ran 8192² in 0.838 ms
+# against 0.857 ms for the 4-stage ring and tied at 16×2048×8192; the ring stays for K ≥ 16384.
+RING_EPILOGUE_MIN_K = 16384
 # 128×128 tiles: twice the tiles of the wide layout, so twice as many waves on small outputs
 # (4096²: 528 tiles = 4.0 waves of 132 SMs against 2.06 for 128×256), and diagonal tiles that
 # compute nothing past the diagonal's own tile. Two programs per SM do not fit: ptxas needs ≥ 90
@@ -61,6 +64,12 @@ TILINGS = {"wide": WIDE, "wide_long": WIDE_LONG, "narrow": NARROW}
 MIN_BLOCK = 2048
 NARROW_MIN_BLOCK = 1024
 MIN_WAVES = 4
+# 128×256 tiles need more waves than 128×128 ones to win: at 2×4096×14336 (4.1 waves of wide
+# tiles, 8 of narrow) narrow ran 0.774 ms against 0.853 ms (2026-12-01 side-by-side run); at
+# 8 or more waves (8192², 16×2048×8192, 8×3584×4096) wide won or tied. A C-free product whose
+# wide tiles all fit in one wave also goes wide: 2048×8192 0.084 ms against 0.099 ms for the
+# Triton kernel's long-reduction config (a single wave of 128×128 tiles leaves 4 tiles over).
+WIDE_MIN_WAVES = 6
 
 
 def wide_tiling(k: int, has_c: bool) -> Tiling:
@@ -71,7 +80,8 @@ def wide_tiling(k: int, has_c: bool) -> Tiling:
 def default_tiling(batch: int, panels: int, block: int, k: int, has_c: bool, sms: int) -> Optional[Tiling]:
     """The tiling for a product of this size, None where the Triton kernel is faster."""
     if block % WIDE.block_n == 0 and block >= MIN_BLOCK:
-        if batch * panels * lower_tile_count(block, BLOCK_M, WIDE.block_n) >= MIN_WAVES * sms:
+        tiles = batch * panels * lower_tile_count(block, BLOCK_M, WIDE.block_n)
+        if tiles >= WIDE_MIN_WAVES * sms or (not has_c and tiles <= sms):
             return wide_tiling(k, has_c)
     if block % NARROW.block_n == 0 and block >= NARROW_MIN_BLOCK:
         if batch * panels * lower_tile_count(block, BLOCK_M, NARROW.block_n) >= MIN_WAVES * sms:
