@@ -22,6 +22,24 @@ def test_llama_presets_match_the_published_matrix_counts():
     assert sum(m.count for m in PRESETS["llama-8b"].matrices) == 32 * 7
 
 
+def test_llama_70b_preset_is_a_slice_of_eight_layers():
+    # Llama 3.1 70B: q,o 8192², k,v 1024×8192, gate/up 28672×8192, down 8192×28672, 80 layers.
+    per_layer = 2 * 8192 * 8192 + 2 * 1024 * 8192 + 2 * 28672 * 8192 + 8192 * 28672
+    preset = PRESETS["llama-70b"]
+    assert per_layer == 855_638_016
+    assert preset.layers == 8 and preset.matrix_numel == 8 * per_layer
+    assert "8 of its 80 layers" in preset.description
+    assert PRESETS["llama-8b"].layers == 32
+
+
+def test_per_layer_time_is_the_step_over_the_preset_layers(monkeypatch, tmp_path):
+    monkeypatch.setattr(step, "measure", lambda *args: dict(device_ms=12.0, host_ms=0.1))
+    args = step.parse_args(["--device", "cpu", "--no-graph", "--preset", "llama-70b"])
+    row = step.run_variant(step.parse_variant("dion3-1/4"), False, PRESETS["llama-70b"], args, torch.device("cpu"), None)
+    assert row["layer_ms"] == pytest.approx(12.0 / 8)
+    assert "ms/layer" in step.format_table([row])
+
+
 def test_parse_shapes_reads_counts_and_rejects_garbage():
     preset = parse_shapes("4096x4096:32, 1024x4096")
     assert [(m.rows, m.cols, m.count) for m in preset.matrices] == [(4096, 4096, 32), (1024, 4096, 1)]

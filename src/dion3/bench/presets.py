@@ -46,6 +46,7 @@ class Preset:
     matrices: tuple[MatrixShape, ...]
     scalars: tuple[ScalarShape, ...] = field(default=())
     description: str = ""
+    layers: int = 0  # transformer layers in `matrices` (0: not a layer stack); per-layer times use it
 
     @property
     def matrix_numel(self) -> int:
@@ -56,8 +57,11 @@ class Preset:
         return sum(s.numel for s in self.scalars)
 
 
-def llama(name: str, layers: int, dim: int, kv_dim: int, hidden: int, vocab: int, tied: bool) -> Preset:
-    """Matrices of a Llama decoder (weights stored out_features × in_features, as nn.Linear)."""
+def llama(name: str, layers: int, dim: int, kv_dim: int, hidden: int, vocab: int, tied: bool,
+          of_layers: int = 0) -> Preset:
+    """Matrices of a Llama decoder (weights stored out_features × in_features, as nn.Linear).
+    of_layers > layers: a slice of `layers` layers of an `of_layers`-layer model (one too large
+    for one GPU's memory), timed as a whole and reported per layer."""
     matrices = (
         MatrixShape("q,o", dim, dim, 2 * layers),
         MatrixShape("k,v", kv_dim, dim, 2 * layers),
@@ -68,8 +72,9 @@ def llama(name: str, layers: int, dim: int, kv_dim: int, hidden: int, vocab: int
         ScalarShape("embedding" if tied else "embedding,lm_head", (vocab, dim), 1 if tied else 2),
         ScalarShape("rmsnorm", (dim,), 2 * layers + 1),  # two per layer plus the final norm
     )
-    description = f"{layers} layers, d={dim}, kv={kv_dim}, ffn={hidden}, vocab={vocab}" + (", tied embeddings" if tied else "")
-    return Preset(name, matrices, scalars, description)
+    count = f"{layers} of its {of_layers} layers" if of_layers > layers else f"{layers} layers"
+    description = f"{count}, d={dim}, kv={kv_dim}, ffn={hidden}, vocab={vocab}" + (", tied embeddings" if tied else "")
+    return Preset(name, matrices, scalars, description, layers)
 
 
 PRESETS = {
@@ -77,6 +82,10 @@ PRESETS = {
     "llama-1b": llama("llama-1b", layers=16, dim=2048, kv_dim=512, hidden=8192, vocab=128256, tied=True),
     # Llama 3.1 8B: 32 layers, 6.98 B matrix parameters.
     "llama-8b": llama("llama-8b", layers=32, dim=4096, kv_dim=1024, hidden=14336, vocab=128256, tied=False),
+    # Llama 3.1 70B: 80 layers of 0.86 B matrix parameters each; 8 of them (6.85 B) fit one H200
+    # with fp32 parameters, gradients, momentum and Muon's workspace.
+    "llama-70b": llama("llama-70b", layers=8, dim=8192, kv_dim=1024, hidden=28672, vocab=128256, tied=False,
+                       of_layers=80),
 }
 
 _SHAPE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*(?::\s*(\d+))?\s*$")

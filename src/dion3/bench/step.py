@@ -190,6 +190,8 @@ def run_variant(variant: Variant, graph: bool, preset: Preset, args, device: tor
             cost = cost_of(variant, preset, device, args.scalars)
             row["model"] = asdict(cost)
             row.update(measure(variant, graph, preset, args, device, progress))
+        if preset.layers:
+            row["layer_ms"] = row["device_ms"] / preset.layers
         seconds = row["device_ms"] / 1e3
         row["tflops"] = cost.dense_flops / seconds / 1e12 if cost.dense_flops else None
         row["gbps"] = cost.bytes_moved / seconds / 1e9
@@ -215,7 +217,7 @@ COLUMNS = (
     ("variant", "name", "{}"), ("mode", "mode", "{}"), ("device ms", "device_ms", "{:.2f}"),
     ("host ms", "host_ms", "{:.3f}"), ("first s", "first_step_s", "{:.2f}"), ("ready s", "ready_s", "{:.2f}"),
     ("TFLOP/s", "tflops", "{:.3g}"), ("GB/s", "gbps", "{:.3g}"), ("sent MB", "bytes_sent", "{:.1f}"),
-    ("speedup", "speedup", "{:.2f}x"), ("peak GB", "peak_gb", "{:.1f}"),
+    ("speedup", "speedup", "{:.2f}x"), ("peak GB", "peak_gb", "{:.1f}"), ("ms/layer", "layer_ms", "{:.2f}"),
 )
 
 
