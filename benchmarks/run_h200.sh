@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call = one or more stages; results under $OUT (the device tool's output folder).
+# One GPU job = one or more stages; results under $OUT (the device tool's output folder).
 #   bash benchmarks/run_h200.sh check step cold      # GPU tests, step-time tables, cold first step
 #   bash benchmarks/run_h200.sh train dist            # gpu-small comparison, NCCL distributed script
 #   bash benchmarks/run_h200.sh kernels sweep         # dion3 bench kernels; variant sweep (VARIANTS=a,b,c: which ones,

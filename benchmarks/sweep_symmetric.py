@@ -1,4 +1,4 @@
-"""One-call sweep of symmetric-matmul kernel variants against cuBLAS (H200, issue 3).
+"""One-job sweep of symmetric-matmul kernel variants against cuBLAS (H200, issue 3).
 
     PYTHONPATH=src python3 benchmarks/sweep_symmetric.py            # GPU: check + time
     TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/sweep_symmetric.py --dry   # CPU logic check
@@ -37,7 +37,7 @@ STARTED = time.time()
 BUDGET_S = 290
 # Acceptance: error no worse than 2× cuBLAS's; Triton's interpreter truncates fp32→bf16 (one ulp,
 # not half), so the --dry logic check allows 3×.
-ERROR_FACTOR = 3.0 if os.environ.get("TRITON_INTERPRET") == "1" else 2.0  # stop timing new shapes after this many seconds (the call's limit is 330)
+ERROR_FACTOR = 3.0 if os.environ.get("TRITON_INTERPRET") == "1" else 2.0  # stop timing new shapes after this many seconds (the job's limit is 330)
 
 
 def _cfg(bm, bn, stages=3, **flags):
