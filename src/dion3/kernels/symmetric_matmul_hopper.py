@@ -21,7 +21,7 @@ A `Tiling` (hopper_tiling.py) says how a launch is laid out (tile width, ring de
 placement, registers, consumer warps); its rule picks 128×256 tiles for large products and
 128×128 tiles where those would make too few waves. One program per work item (tile × matrix ×
 diagonal block). A persistent launch (one program per SM looping over tiles) lost 10–20% on batched
-products on the H200 and was removed (benchmarks/README.md, "Tried and rejected").
+products on the H200 and was removed (docs/kernels.md, "Tried and rejected").
 
 Callers go through `symmetric_matmul_hopper(...)`, which returns False when the operands do not
 fit this kernel's requirements (see `pick_tiling`); the Triton kernel handles those.
