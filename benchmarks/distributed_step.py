@@ -1,7 +1,7 @@
 """Distributed optimizer step on GPUs (NCCL) or CPU (gloo): an equivalence check, then a
 step-time table for Llama-shaped matrices under FSDP2.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 benchmarks/distributed_step.py --out benchmarks/results
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 benchmarks/distributed_step.py --out OUT
     torchrun --nproc_per_node=2 benchmarks/distributed_step.py --device cpu --shapes 256x192:4 --out /tmp/r  # smoke
 
 1. Equivalence: mixed small shapes (repeated, tall, wide, fewer rows than ranks), sharded with

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One device call = one or more stages; results under $OUT (the device tool's output folder).
+# One GPU job = one or more stages; results under $OUT (the device tool's output folder).
 #   bash benchmarks/run_h200.sh check step cold      # GPU tests, step-time tables, cold first step
 #   bash benchmarks/run_h200.sh train dist            # gpu-small comparison, NCCL distributed script
 #   bash benchmarks/run_h200.sh kernels sweep         # dion3 bench kernels; variant sweep (VARIANTS=a,b,c: which ones,
 #                                                       SHAPES=x,y: only timed shapes whose label contains x or y,
 #                                                       NO_TESTS=1: no kernel tests in the background)
-#   bash benchmarks/run_h200.sh ab                    # whole steps with the Hopper Gluon kernel off/on
+#   bash benchmarks/run_h200.sh ab ab-narrow          # whole steps with the Hopper Gluon kernel off/on; with its 128×128 tiles off/on
+#   bash benchmarks/run_h200.sh quick elementwise profile   # headline step rows; memory-bound kernels' block sizes; per-kernel profile
+# Stages, commands and the results files they produce: benchmarks/README.md.
 set -uo pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 FINAL=${OUT:-/tmp/dion3-out}; OUT=$(mktemp -d)  # everything lands in $FINAL/results.tgz (the tool returns few files)
@@ -43,10 +45,6 @@ sys.exit(cli.main(['bench', '--preset', '${preset%%:*}', '--optimizers', 'muon,m
       done ;;
     elementwise)  # block sizes of the memory-bound kernels
       OUT="$OUT" run timeout 420 python3 benchmarks/sweep_elementwise.py 2>&1 | tee "$OUT/sweep-elementwise.txt" ;;
-    tall)  # the variants with tall (transposed) matrices and the Dion3 headline rows
-      run python3 -m pytest -q -m gpu tests/test_elementwise_kernels.py tests/test_kernels.py tests/test_graph.py tests/test_ortho.py 2>&1 | tee "$OUT/gpu-tests-tall.txt"
-      run dion3 bench --preset llama-8b --optimizers muon-gram,normuon,dion3-1/2,dion3-1/4 --steps 10 --warmup 4 --json "$OUT/step-llama-8b-tall.json" 2>&1 | tee "$OUT/step-llama-8b-tall.txt"
-      run dion3 bench --preset llama-1b --optimizers muon-gram,dion3-1/4 --steps 20 --json "$OUT/step-llama-1b-tall.json" 2>&1 | tee "$OUT/step-llama-1b-tall.txt" ;;
     cold)
       TRITON_CACHE_DIR=$(mktemp -d) run dion3 bench --preset llama-8b --optimizers dion3-1/4 --steps 10 --warmup 4 \
         --json "$OUT/step-llama-8b-cold.json" 2>&1 | tee "$OUT/step-llama-8b-cold.txt" ;;

@@ -1,4 +1,4 @@
-"""One-call sweep of symmetric-matmul kernel variants against cuBLAS (H200, issue 3).
+"""One-job sweep of symmetric-matmul kernel variants against cuBLAS (H200, issue 3).
 
     PYTHONPATH=src python3 benchmarks/sweep_symmetric.py            # GPU: check + time
     TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/sweep_symmetric.py --dry   # CPU logic check
@@ -37,35 +37,24 @@ STARTED = time.time()
 BUDGET_S = 290
 # Acceptance: error no worse than 2× cuBLAS's; Triton's interpreter truncates fp32→bf16 (one ulp,
 # not half), so the --dry logic check allows 3×.
-ERROR_FACTOR = 3.0 if os.environ.get("TRITON_INTERPRET") == "1" else 2.0  # stop timing new shapes after this many seconds (the call's limit is 330)
+ERROR_FACTOR = 3.0 if os.environ.get("TRITON_INTERPRET") == "1" else 2.0  # stop timing new shapes after this many seconds (the job's limit is 330)
 
 
 def _cfg(bm, bn, stages=3, **flags):
     return TileConfig(bm, bn, 64, num_warps=8, num_stages=stages, descriptors=True, **flags)
 
 
-# The first run (2026-11-29, commit 3f8ebe1) also swept persistent launches (one program per SM
-# looping over the tiles; with flatten and warp_specialize): no gain, flatten failed to compile on
-# Triton 3.6, so that code was removed. Results: benchmarks/results/kernels-h200-2026-11-29.md.
-# Second run (same day): split products (kernels/split.py: dense off-diagonal block on cuBLAS,
-# the two diagonal blocks on the kernel with this config) won on large C-free products; banded
-# tile orders (bands of 4/8/16 row blocks walked column by column) gained nothing consistent
-# and were removed again.
-# Third run (same day): block_k 128 with 2 stages, 4 stages, 4 warps (results: "Third run").
-# Fourth run (third session): a register cap of 128 per thread, so that two 8-warp programs
-# can share an SM and one's epilogue overlaps the other's main loop.
-# Fifth run (fourth session): the warp-specialized Gluon kernel (kernels/symmetric_matmul_hopper.py,
-# 128×256 tiles, one TMA producer warp, two consumer warpgroups), persistent (one program per SM)
-# or one program per tile, whole and split.
-# Sixth run (fifth session): a 4-stage ring whose A stages hold the epilogue tile against the
-# fourth session's 3 stages and separate tile (both per tile). Then the persistent launch was
-# removed, and the epilogue reworked (transposed tile in a drained ring, both stores issued
-# together, diagonal tiles by TMA, C loaded during the main loop): gluon3 / gluon4 force the
-# ring depth, gluon picks it from K.
-# Seventh run (sixth session): 128×128 tiles on the Gluon kernel (narrowS: S stages and a tile
-# buffer of its own; narrowSr: the epilogue in the drained rings), for outputs the 128×256 tiles
-# cover in few waves (4096²) and blocks of 1024 rows; pair: one consumer warpgroup per 128×128
-# tile, 3 stages and 96 KB, so that two programs share an SM.
+# What the variants are for (H200 sweeps of 2026-11-29; findings in
+# benchmarks/results/kernels-h200-2026-11-29.md, "Findings behind the kernels' configuration"):
+# store / reg128 / reg128_s2 / s4: the Triton kernel's Hopper config with TMA stores (commit
+# 3f8ebe1), with and without the 128-register cap (04783f0), with 2 or 4 stages (77ed8ec).
+# split / split_r128 / gluon_split: split products (7d878cf; kernels/split.py: dense
+# off-diagonal block on cuBLAS, the two diagonal blocks on the kernel with this config).
+# gluon / gluon3 / gluon4: the warp-specialized Gluon kernel's 128×256 tiles (0d0a9f3, epilogue
+# of 5aa30bb), ring depth from K or forced to 3 or 4 stages.
+# narrowS / narrowSr / pair: 128×128 Gluon tiles (37fc15a) with S stages and an epilogue tile of
+# their own, or the epilogue in the drained rings; pair: one consumer warpgroup per tile, 3 stages
+# and 96 KB, so that two programs share an SM.
 @dataclass(frozen=True)
 class Gluon:
     """Config slot of a Gluon variant: its tiling (None: the module's choice from K)."""

@@ -125,6 +125,24 @@ def test_table_has_unique_ids_and_every_row_is_documented():
     assert not missing, f"rows missing from {DOC}: {missing}"
 
 
+def test_flatten_refuses_a_parameter_whose_rows_cannot_be_viewed_in_place():
+    # A channels_last conv weight cannot be reshaped to [out, -1] without a copy: the optimizer
+    # would update the copy and leave the parameter untouched. It must refuse it up front.
+    conv = torch.nn.Conv2d(4, 8, 3, bias=False).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="flatten=True"):
+        Muon([conv.weight], flatten=True)
+
+
+def test_muon_rejects_a_misspelled_keyword_instead_of_ignoring_it():
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(TypeError, match="nesterv"):
+        Muon([weight], nesterv=True)
+    with pytest.raises(TypeError, match="weight_decy"):
+        NorMuon([weight], weight_decy=0.0)
+    # settings of the other algorithms stay accepted (groups may switch algorithm)
+    Muon([weight], fraction=0.5, muon_beta2=0.9, selection_scope="global")
+
+
 @pytest.mark.parametrize("shapes, edit", [([(4, 6)], None), ([(6, 4), (3, 5)], None), ([(4, 6), (3, 5)], drop_variance)])
 def test_rejected_state_dict_leaves_the_optimizer_untouched(shapes, edit):
     state_dict = stepped_state_dict()

@@ -235,6 +235,16 @@ def test_flatten_accepts_conv_weights(exact_orthogonalizer):
     torch.testing.assert_close(conv.detach().reshape(4, 12), ref.params[0], rtol=1e-10, atol=1e-12)
 
 
+def test_flatten_still_updates_a_contiguous_conv_weight_in_place():
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(8, 4, 3, 3))
+    before = weight.detach().clone()
+    optimizer = Muon([weight], flatten=True, lr=0.1, weight_decay=0.0)
+    weight.grad = torch.randn_like(weight)
+    optimizer.step()
+    assert (weight - before).abs().max() > 1e-3
+
+
 # ---------------------------------------------------------------- non-finite gradients
 
 ISOLATION = [(Dion3, "auto"), (Dion3, "newton_schulz"), (Muon, "gram"), (NorMuon, "auto")]

@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 SYMMETRIC_MIN_N = 1024
 # Split products (kernels/split.py) for C-free products (X·Xᵀ) from this n up, when their
-# diagonal launch fills the GPU SPLIT_MIN_WAVES times over. H200 sweep, second session
+# diagonal launch fills the GPU SPLIT_MIN_WAVES times over. H200 sweep at commit 7d878cf
 # (benchmarks/results/kernels-h200-2026-11-29.md): 8192² 1.80× cuBLAS split vs 1.61× whole,
 # 32×4096×14336 1.78× vs 1.58×, 16×2048×8192 1.56× vs 1.49×; but 4096×16384 (2 waves) 1.57×
 # vs 1.68×, and products with a C term lose (cuBLAS's fused C epilogue runs at ~550–600 TFLOP/s:
@@ -78,7 +78,7 @@ def symmetric_kernels_available(device, n: int | None = None) -> bool:
 
 
 # Measured speed of the symmetric kernel over a dense cuBLAS product of the same shape, on the
-# optimizer's sizes (H200, benchmarks/results/kernels-h200-*.md, "after kernel-perf": 1.4–1.7×,
+# optimizer's sizes (H200, benchmarks/results/kernels-h200-*.md, commit 3f8ebe1: 1.4–1.7×,
 # ~1.6× at n ≥ 2048). It sets where Gram NS starts to beat standard NS (ortho.choose_method).
 SYMMETRIC_SPEEDUP = 1.6
 
@@ -106,7 +106,7 @@ def split_worth_it(a, has_c: bool, b=None) -> bool:
     a3 = a if a.dim() == 3 else a.unsqueeze(0)
     b3 = a3.mT if b is None else (b if b.dim() == 3 else b.unsqueeze(0))
     # Where the Hopper kernel takes the whole product, keep one launch: H200 sweeps found no
-    # consistent winner between it and the split (kernels-h200-2026-11-29.md, "Fifth run").
+    # consistent winner between it and the split (kernels-h200-2026-11-29.md, "Split products").
     if _hopper_kernel is not None and _hopper_kernel.hopper_kernel_fits(a3, b3, None, None, n):
         return False
     major = torch.cuda.get_device_capability(a.device)[0]

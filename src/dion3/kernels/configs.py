@@ -47,11 +47,11 @@ class TileConfig:
 # kernel-perf sweep (benchmarks/sweep_symmetric.py): TMA stores of the off-diagonal tiles make it
 # 1.07–1.23× faster at every measured shape; 128×256 with TMA stores gains another 3–6% on
 # large C-free products but loses 13% at 1×4096×16384 and on R·R + C, persistent launches
-# lost or tied (kernels-h200-2026-11-29.md, "after kernel-perf").
-# Third session: a cap of 128 registers per thread (two 8-warp programs per SM) made whole
+# lost or tied (commit 3f8ebe1; kernels-h200-2026-11-29.md).
+# Commit 04783f0: a cap of 128 registers per thread (two 8-warp programs per SM) made whole
 # steps 3–4% faster in alternating A/B runs (Llama-8B Dion3 f=¼ 171.1–172.4 → 165.3–168.0 ms,
-# Llama-1B 18.5 → 17.7 ms, Muon + Gram 633 → 624–632 ms; step-h200-2026-11-29.md, "Register cap"),
-# although single products move by −8% … +2% (kernels-h200-2026-11-29.md, "Fourth run").
+# Llama-1B 18.5 → 17.7 ms, Muon + Gram 633 → 624–632 ms; step-h200-2026-11-29.md, "Findings"),
+# although single products move by −8% … +2% (kernels-h200-2026-11-29.md, "Findings").
 REGISTER_CAP = 128
 HOPPER = (
     (0, TileConfig(64, 64, 64, num_warps=4, num_stages=4, max_registers=REGISTER_CAP)),
@@ -59,7 +59,7 @@ HOPPER = (
                      max_registers=REGISTER_CAP)),
 )
 # C-free products with a long reduction (k ≥ LONG_REDUCTION·n, e.g. X·Xᵀ of a wide X in Gram
-# NS): a 4th pipeline stage. Two H200 sweeps (kernels-h200-2026-11-29.md, third run): 4096×16384
+# NS): a 4th pipeline stage. Two H200 sweeps (commit 77ed8ec, kernels-h200-2026-11-29.md): 4096×16384
 # 1.78–1.84× vs 1.61–1.70× with 3 stages, 32×4096×14336 1.63–1.64× vs 1.44–1.46×, 32×1024×14336
 # 1.56–1.63× vs 1.45–1.48×; with a C term 4 stages lose up to 25%, at k ≈ n about 3%.
 LONG_REDUCTION = 3.5

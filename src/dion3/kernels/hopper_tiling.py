@@ -37,9 +37,9 @@ class Tiling:
 # (16 + 32) KB = 192 KB for long reductions without C (K ≥ RING_EPILOGUE_MIN_K), the epilogue
 # then using the drained rings; otherwise 3 stages and a tile of the epilogue's own (224 KB),
 # into which C's tile arrives during the main loop. H200 sweeps (kernels-h200-2026-11-29.md,
-# "Sixth run"): with a late C (the 4-stage layout) 0.9·R·R − 1.7·R at 64×3584 ran at 1.41×
+# commit 5aa30bb): with a late C (the 4-stage layout) 0.9·R·R − 1.7·R at 64×3584 ran at 1.41×
 # cuBLAS against 1.79–1.81× with C loaded early; on C-free products 4 stages won at K ≥ 8192 with
-# the fourth session's epilogue (8192² 1.84× vs 1.69×) and are within the run-to-run spread
+# the epilogue before 5aa30bb (8192² 1.84× vs 1.69×) and are within the run-to-run spread
 # (±5–10%) of 3 stages with the current one.
 WIDE = Tiling(256, 3, False, 168)
 WIDE_LONG = Tiling(256, 4, True, 168)
@@ -53,12 +53,12 @@ RING_EPILOGUE_MIN_K = 16384
 # registers per thread for the 64×128 wgmma, and 2 × 12 warps × 32 × 88 > 65536.
 NARROW = Tiling(128, 5, False, 168)
 TILINGS = {"wide": WIDE, "wide_long": WIDE_LONG, "narrow": NARROW}
-# Where each tiling wins (H200 sweeps, kernels-h200-2026-11-29.md "Fifth run" to "Seventh
-# run"): 128×256 tiles on blocks of ≥ 2048 rows with at least 4 waves of them; 128×128 tiles
+# Where each tiling wins (H200 sweeps, kernels-h200-2026-11-29.md, commits 0d0a9f3 to
+# 37fc15a): 128×256 tiles on blocks of ≥ 2048 rows with at least 4 waves of them; 128×128 tiles
 # where those are too few (4096² at 1.69–1.72× cuBLAS against 1.33–1.39× for 128×256 and the
 # Triton kernel's 1.63–1.65×; 4096×16384 1.78–1.83× against 1.48–1.54× and 1.64–1.71×), with 5
 # stages (4 to 7 and the epilogue in the rings were within the run-to-run spread); GPU time
-# alone (CUDA graphs, launch-overhead-session6-h200-2026-11-29.json): 4096² 1.70×, R·R + R at
+# alone (CUDA graphs, benchmarks/launch_overhead.py at commit 0a57700): 4096² 1.70×, R·R + R at
 # 32×1024 1.56× against the Triton kernel's 1.30×. Below 1024 rows or with fewer than 4 waves
 # of 128×128 tiles the Triton kernel takes the product.
 MIN_BLOCK = 2048

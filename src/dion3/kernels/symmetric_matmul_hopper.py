@@ -21,7 +21,7 @@ A `Tiling` (hopper_tiling.py) says how a launch is laid out (tile width, ring de
 placement, registers, consumer warps); its rule picks 128×256 tiles for large products and
 128×128 tiles where those would make too few waves. One program per work item (tile × matrix ×
 diagonal block). A persistent launch (one program per SM looping over tiles) lost 10–20% on batched
-products on the H200 and was removed (benchmarks/README.md, "Tried and rejected").
+products on the H200 and was removed (docs/kernels.md, "Tried and rejected").
 
 Callers go through `symmetric_matmul_hopper(...)`, which returns False when the operands do not
 fit this kernel's requirements (see `pick_tiling`); the Triton kernel handles those.
@@ -88,7 +88,7 @@ _launched: dict = {}
 # compiled directly (CompiledKernel[grid](every parameter in order)), skipping the JIT's argument
 # binding, specialization and cache lookup: 32–60 µs of host time per launch on the H200 machine
 # against 77–167 through the JIT (benchmarks/launch_overhead.py; kernels-h200-2026-11-29.md,
-# "Eighth run"). Only on Triton releases where that call was GPU-tested; the key names
+# "Host time per launch"). Only on Triton releases where that call was GPU-tested; the key names
 # everything the JIT would specialize on.
 DIRECT_LAUNCH_TRITON = ((3, 6),)
 DIRECT_LAUNCH = GLUON_AVAILABLE and tuple(int(p) for p in triton.__version__.split(".")[:2]) in DIRECT_LAUNCH_TRITON
@@ -393,8 +393,8 @@ def _flat_descriptor(t: Tensor, block_shape: tuple, direct: bool):
     direct: only what a direct launch reads, without TensorDescriptor's checks (~10 µs each on
     the H200 machine; pick_tiling has checked contiguity and alignment). Never kept across
     launches: a descriptor holds its tensor, and a cache of them kept freed activations alive
-    (+20 GB peak on Llama-1B steps, out of memory on Llama-8B: kernels-h200-2026-11-29.md,
-    "Seventh run")."""
+    (+20 GB peak on Llama-1B steps, out of memory on Llama-8B: step-h200-2026-11-29.md,
+    "Findings")."""
     rows, cols = t.numel() // t.shape[-1], t.shape[-1]
     if direct:
         return _LaunchDescriptor(t, (rows, cols), (cols, 1))

@@ -15,7 +15,7 @@ def _tile_coordinates(t, RATIO: tl.constexpr):
     i // RATIO + 1 tiles, so groups of RATIO row blocks hold RATIO·(p+1) tiles and the first p
     groups RATIO·p·(p+1)/2; invert that with a square root, then fix float rounding.
     (Banded orders that walk a few row blocks column by column, for L2 reuse, were measured on
-    the H200 and gained nothing consistent: kernels-h200-2026-11-29.md, second session.)"""
+    the H200 and gained nothing consistent: docs/kernels.md, "Tried and rejected".)"""
     p = ((tl.sqrt(8.0 * t.to(tl.float32) / RATIO + 1.0) - 1.0) * 0.5).to(tl.int32)
     p = tl.where(RATIO * p * (p + 1) // 2 > t, p - 1, p)
     p = tl.where(RATIO * (p + 1) * (p + 2) // 2 <= t, p + 1, p)
