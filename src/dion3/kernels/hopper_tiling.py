@@ -54,7 +54,8 @@ RING_EPILOGUE_MIN_K = 16384
 NARROW = Tiling(128, 5, False, 168)
 TILINGS = {"wide": WIDE, "wide_long": WIDE_LONG, "narrow": NARROW}
 # Where each tiling wins (H200 sweeps, kernels-h200-2026-11-29.md, commits 0d0a9f3 to
-# 37fc15a): 128×256 tiles on blocks of ≥ 2048 rows with at least 4 waves of them; 128×128 tiles
+# 37fc15a): 128×256 tiles on blocks of ≥ 2048 rows with at least 4 waves of them (6 since
+# cbf3af6, WIDE_MIN_WAVES below); 128×128 tiles
 # where those are too few (4096² at 1.69–1.72× cuBLAS against 1.33–1.39× for 128×256 and the
 # Triton kernel's 1.63–1.65×; 4096×16384 1.78–1.83× against 1.48–1.54× and 1.64–1.71×), with 5
 # stages (4 to 7 and the epilogue in the rings were within the run-to-run spread); GPU time
