@@ -66,17 +66,13 @@ def matrix_view(tensor: Tensor, flatten: bool) -> Tensor:
     return tensor.unsqueeze(0) if tensor.dim() == 2 else tensor
 
 
-def group_blocks(group: dict, matrices: Tensor) -> list[blocks.Block]:
-    """The bucket entries of a parameter whose matrices are `matrices` [B, rows, cols]."""
-    sizes = blocks.block_sizes(matrices.shape[-2], group.get("num_heads"), group.get("split_sizes"))
-    return blocks.blocks_of(matrices, sizes)
-
-
 def add_matrix(buckets: dict, key_prefix: tuple, param: Tensor, local: Tensor, group: dict) -> None:
     """Put the entries of one matrix parameter (local: its local tensor) into `buckets`, keyed by
     (*key_prefix, entry shape, dtype, device)."""
     matrices = matrix_view(local.detach(), group["flatten"])
-    for block in group_blocks(group, matrices):
+    # .get: groups restored from checkpoints of versions without block options lack the keys
+    sizes = blocks.block_sizes(matrices.shape[-2], group.get("num_heads"), group.get("split_sizes"))
+    for block in blocks.blocks_of(matrices, sizes):
         view = block.cut(matrices)
         key = (*key_prefix, tuple(view.shape[1:]), param.dtype, local.device)
         bucket = buckets.setdefault(key, Bucket(shape=key[-3]))
