@@ -268,6 +268,31 @@ def test_state_dict_round_trip_of_a_per_block_group(option, value):
     assert saved["param_groups"][0][option] == value
 
 
+def test_checkpoint_without_block_settings_keeps_the_groups_split():
+    """A state dict whose groups do not mention num_heads/split_sizes (saved before they existed)
+    loads into a per-block optimizer without dropping its split: the resumed steps still equal
+    separate per-block parameters."""
+    gen = torch.Generator().manual_seed(6)
+    fused = torch.nn.Parameter(torch.randn(12, 8, generator=gen))
+    separate = [torch.nn.Parameter(b.detach().clone()) for b in fused.detach().split([6, 3, 3])]
+    opt = Dion3([dict(params=[fused], split_sizes=(6, 3, 3))], fraction=0.3)
+    saved = opt.state_dict()
+    for group in saved["param_groups"]:
+        del group["num_heads"], group["split_sizes"]
+    opt = Dion3([dict(params=[fused], split_sizes=(6, 3, 3))], fraction=0.3)
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["split_sizes"] == (6, 3, 3) and opt.param_groups[0]["num_heads"] is None
+    reference = Dion3([dict(params=separate)], fraction=0.3)
+    for _ in range(2):
+        g = torch.randn(12, 8, generator=gen)
+        fused.grad = g.clone()
+        for b, gb in zip(separate, g.split([6, 3, 3])):
+            b.grad = gb.clone()
+        opt.step()
+        reference.step()
+    assert torch.equal(fused.detach(), torch.cat([b.detach() for b in separate]))
+
+
 # ---------------------------------------------------------------- float64 references
 
 

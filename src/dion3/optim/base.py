@@ -230,7 +230,13 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_state_dict(state_dict, self.param_groups)  # before torch mutates anything
+        current = [dict(g) for g in self.param_groups]
         super().load_state_dict(state_dict)
+        # torch replaces each group by the saved one: a setting the checkpoint does not have (one
+        # saved before num_heads/split_sizes existed) keeps this optimizer's value.
+        for group, before in zip(self.param_groups, current):
+            for key, value in before.items():
+                group.setdefault(key, value)
         # torch casts floating state to the parameter's dtype; restore full-precision variance.
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
