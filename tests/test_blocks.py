@@ -435,6 +435,22 @@ def test_replay_gradient_sync_on_a_per_block_optimizer():
     assert torch.equal(captured, fresh) and captured is not fresh
 
 
+def test_capture_refuses_distributed_global_selection_for_dion2(tmp_path):
+    """Dion2 selects rows as Dion3 does: its distributed global selection syncs split sizes
+    through the host too, so capture is refused up front (checked before any CUDA test)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        w = torch.nn.Parameter(torch.randn(12, 8))
+        opt = Dion3([dict(params=[w], algorithm="dion2", num_heads=2)], distributed_mesh=dist.group.WORLD,
+                    selection_scope="global")
+        with pytest.raises(ValueError, match="selection_scope='global'"):
+            CapturedStep(opt)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("algorithm", ["muon", "normuon", "dion3", "dion2"])
