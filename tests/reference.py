@@ -44,7 +44,9 @@ def normuon_normalize(o: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[T
 
 
 class ReferenceOptimizer:
-    """Muon / NorMuon / Dion3 on float64 copies of the given matrices (2-D, or 3-D batches)."""
+    """Muon / NorMuon / Dion3 / Dion2 on float64 copies of the given matrices (2-D, or 3-D
+    batches). Dion2 is Dion3 without the per-row normalization. blocks: per parameter, None or
+    the row counts of the blocks its matrices split into; each block steps as its own matrix."""
 
     def __init__(
         self,
@@ -60,8 +62,9 @@ class ReferenceOptimizer:
         adjust_lr: Optional[str] = "spectral_norm",
         orthogonalizer: Callable[[Tensor], Tensor] = exact_polar,
         selector: Optional[Callable[[Tensor, int], Tensor]] = None,
+        blocks: Optional[list[Optional[list[int]]]] = None,
     ):
-        assert algorithm in ("muon", "normuon", "dion3")
+        assert algorithm in ("muon", "normuon", "dion3", "dion2")
         self.algorithm = algorithm
         self.lr, self.mu, self.beta2, self.wd, self.eps = lr, mu, muon_beta2, weight_decay, epsilon
         self.nesterov, self.fraction, self.adjust_lr = nesterov, fraction, adjust_lr
@@ -71,7 +74,8 @@ class ReferenceOptimizer:
         self.params = [p.detach().double().clone() for p in params]
         self.momentum = [torch.zeros_like(p) for p in self.params]
         self.variance = [torch.zeros(*p.shape[:-1], 1, dtype=torch.float64) for p in self.params]
-        self.selected: list[list[Tensor]] = []  # per param, per matrix: rows chosen last step
+        self.blocks = blocks or [None] * len(self.params)
+        self.selected: list[list[Tensor]] = []  # per param, per matrix (and block): rows chosen last step
 
     def step(self, grads: list[Optional[Tensor]]) -> None:
         self.selected = []
@@ -81,16 +85,24 @@ class ReferenceOptimizer:
                 x, m, v = self.params[index], self.momentum[index], self.variance[index]
                 g = grad.double()
                 batched = x.dim() == 3
+                rows = x.shape[-2]
+                sizes = self.blocks[index] or [rows]
+                assert sum(sizes) == rows
                 for b in range(x.shape[0] if batched else 1):
                     pick = (lambda t: t[b]) if batched else (lambda t: t)
-                    chosen.append(self._matrix_step(pick(x), pick(m), pick(v), pick(g)))
+                    start = 0
+                    for size in sizes:  # views of the block's rows: updated in place
+                        cut = slice(start, start + size)
+                        rows_moved = self._matrix_step(pick(x)[cut], pick(m)[cut], pick(v)[cut], pick(g)[cut])
+                        chosen.append(rows_moved + start)
+                        start += size
             self.selected.append(chosen)
 
     def _matrix_step(self, x: Tensor, m: Tensor, v: Tensor, g: Tensor) -> Tensor:
         """Updates x, m, v (views) in place; returns the rows that were updated."""
         rows, cols = x.shape
         lr_adjusted = self.lr * lr_multiplier(self.adjust_lr, rows, cols)
-        if self.algorithm == "dion3":
+        if self.algorithm in ("dion3", "dion2"):
             m += g
             scores = m.abs().sum(dim=1)
             k = selected_count(rows, self.fraction)
@@ -102,7 +114,7 @@ class ReferenceOptimizer:
             u = self.mu * m + g if self.nesterov else m.clone()
             chosen = torch.arange(rows)
         o = self.orth(u.unsqueeze(0))[0].double()
-        if self.algorithm != "muon":
+        if self.algorithm in ("normuon", "dion3"):
             o, v[chosen] = normuon_normalize(o, v[chosen], self.beta2, self.eps)
         x *= 1 - self.lr * self.wd
         x[chosen] -= lr_adjusted * o

@@ -59,6 +59,26 @@ def shared_param():
     Dion3([{"params": [w]}, {"params": [w], "algorithm": "muon"}])
 
 
+def sharded_with_heads():
+    """A row-sharded (FSDP2 Shard(0)) DTensor parameter in a num_heads group, on a one-rank gloo
+    group: refused until per-block orthogonalization of sharded parameters exists."""
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=0, world_size=1)
+        try:
+            mesh = init_device_mesh("cpu", (1,))
+            local = torch.randn(8, 4)
+            weight = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+            Dion3([{"params": [("attn.qkv", weight)], "num_heads": 2}], distributed_mesh=mesh)
+        finally:
+            dist.destroy_process_group()
+
+
 # (row id, action, error type, message fragment)
 CASES = [
     ("one-d-in-matrix-group", lambda: Dion3([param(8)]), ValueError, "is 1-D"),
@@ -92,6 +112,24 @@ CASES = [
     ("unknown-orthogonalizer", lambda: Dion3([param(4, 4)], orthogonalizer="svd"), ValueError, "unknown orthogonalizer 'svd'"),
     ("unknown-selection-scope", lambda: Dion3([param(4, 4)], selection_scope="world"), ValueError, "unknown selection_scope 'world'"),
     ("dion3-nesterov", lambda: Dion3([{"params": [param(4, 4)], "nesterov": True}]), ValueError, "Dion3 has no Nesterov variant"),
+    ("dion2-nesterov", lambda: Dion3([{"params": [param(4, 4)], "algorithm": "dion2", "nesterov": True}]), ValueError,
+     "Dion2 has no Nesterov variant"),
+    ("num-heads-not-dividing-rows", lambda: Muon([("attn.qkv", param(12, 8))], num_heads=5), ValueError,
+     "parameter 'attn.qkv' has 12 rows, which num_heads=5 does not split into equal heads"),
+    ("num-heads-of-3d-batch", lambda: NorMuon([param(2, 12, 8)], num_heads=8), ValueError, "has 12 rows, which num_heads=8"),
+    ("split-sizes-wrong-sum", lambda: Dion3([("mlp.gate_up", param(12, 8))], split_sizes=(6, 4)), ValueError,
+     "parameter 'mlp.gate_up' has 12 rows, but split_sizes=(6, 4) sum to 10"),
+    ("split-sizes-flattened-rows", lambda: Muon([param(8, 3, 2, 2)], flatten=True, split_sizes=(4, 2)), ValueError,
+     "has 8 rows, but split_sizes=(4, 2) sum to 6"),
+    ("split-sizes-not-positive", lambda: Muon([param(12, 8)], split_sizes=(12, 0)), ValueError, "split_sizes must hold positive integers"),
+    ("split-sizes-not-integers", lambda: Muon([param(12, 8)], split_sizes=(6.0, 6.0)), ValueError, "split_sizes must hold positive integers"),
+    ("split-sizes-not-a-sequence", lambda: Dion3([param(12, 8)], split_sizes=12), ValueError, "split_sizes must be a non-empty sequence"),
+    ("num-heads-not-positive", lambda: Dion3([param(12, 8)], num_heads=0), ValueError, "num_heads must be a positive integer or None"),
+    ("num-heads-and-split-sizes", lambda: Muon([{"params": [param(12, 8)], "num_heads": 2, "split_sizes": (6, 6)}]), ValueError,
+     "num_heads and split_sizes are both set"),
+    ("sharded-parameter-with-blocks", sharded_with_heads, ValueError,
+     "parameter 'attn.qkv' is row-sharded ((Shard(dim=0),)) and its group sets num_heads/split_sizes: per-block "
+     "orthogonalization of sharded parameters is not supported yet"),
     ("nan-gradient-check-finite", lambda: step_with_grad(float("nan")), FloatingPointError, "non-finite gradient in parameter 'w'"),
     ("inf-gradient-check-finite", lambda: step_with_grad(float("inf")), FloatingPointError, "non-finite gradient in parameter 'w'"),
     ("overflowing-gradient-norm-check-finite", lambda: step_with_grad(1e20), FloatingPointError, "its norm overflows float32"),

@@ -56,43 +56,55 @@ def owned_matrices(count: int, world_size: int, rank: int) -> range:
 
 
 def bucket_subset(bucket, keep: list[int]):
-    """A temporary bucket (same type: Bucket or a distributed ShardedBucket) of the parameters
-    `keep`, holding copies of their state, and the spans of that state in `bucket`."""
-    offsets = [0]
-    for view in bucket.views:
-        offsets.append(offsets[-1] + view.shape[0])
-    spans = [slice(offsets[i], offsets[i + 1]) for i in keep]
+    """A temporary bucket (same type: Bucket or a distributed ShardedBucket) of the entries
+    `keep`, holding stacked copies of their state, and the state tensors those copies came from
+    (views into `bucket`'s buffers, or its `pieces` of parameter-shaped state)."""
+    if getattr(bucket, "pieces", None) is not None:
+        sources = {key: [pieces[i] for i in keep] for key, pieces in bucket.pieces.items()}
+    else:
+        offsets = [0]
+        for view in bucket.views:
+            offsets.append(offsets[-1] + view.shape[0])
+        spans = [slice(offsets[i], offsets[i + 1]) for i in keep]
+        sources = {"momentum": [bucket.momentum[s] for s in spans]}
+        if bucket.variance is not None:
+            sources["variance"] = [bucket.variance[s] for s in spans]
     sub = copy.copy(bucket)
-    sub.params = [bucket.params[i] for i in keep]
-    sub.views = [bucket.views[i] for i in keep]
-    sub.momentum = torch.cat([bucket.momentum[s] for s in spans])
-    if bucket.variance is not None:
-        sub.variance = torch.cat([bucket.variance[s] for s in spans])
+    for name in ("params", "views", "blocks"):
+        if hasattr(bucket, name):
+            setattr(sub, name, [getattr(bucket, name)[i] for i in keep])
+    sub.momentum = torch.cat(sources["momentum"])
+    sub.variance = torch.cat(sources["variance"]) if "variance" in sources else None
+    if hasattr(sub, "pieces"):
+        sub.pieces = None
     if hasattr(sub, "slot_cache"):  # plans cached for the whole bucket do not fit the subset
         sub.slot_cache = {}
-    return sub, spans
+    return sub, sources
 
 
-def write_back_subset(bucket, sub, spans: list[slice]) -> None:
-    """Copy a stepped bucket_subset's state back into `bucket`."""
-    start = 0
-    for span in spans:
-        stop = start + span.stop - span.start
-        bucket.momentum[span].copy_(sub.momentum[start:stop])
-        if bucket.variance is not None:
-            bucket.variance[span].copy_(sub.variance[start:stop])
-        start = stop
+def write_back_subset(bucket, sub, sources: dict) -> None:
+    """Copy a stepped bucket_subset's state back where it came from."""
+    for key, targets in sources.items():
+        stepped = torch.split(getattr(sub, key), [t.shape[0] for t in targets])
+        torch._foreach_copy_(targets, list(stepped))
 
 
 def build_buckets(optimizer, group: dict, mesh: MeshInfo) -> list:
     """Buckets of one matrix group; replicated ones use the optimizer's own state allocation."""
-    from ..optim.base import Bucket, matrix_view  # deferred: optim.base imports this package
+    from ..optim.base import Bucket, add_matrix  # deferred: optim.base imports this package
 
     buckets: dict[tuple, object] = {}
     for index, p in enumerate(group["params"]):
         label = optimizer._param_label(group, index)
         local = local_tensor(p.detach())
         if is_row_sharded(p, mesh, label):
+            if group.get("num_heads") is not None or group.get("split_sizes") is not None:
+                raise ValueError(
+                    f"parameter {label} is row-sharded ({tuple(p.placements)}) and its group sets "
+                    "num_heads/split_sizes: per-block orthogonalization of sharded parameters is not "
+                    "supported yet; keep the parameter replicated (DDP) or put it in a group without "
+                    "num_heads/split_sizes"
+                )
             if p.dim() != 2 and not group["flatten"]:
                 raise ValueError(
                     f"parameter {label} is a row-sharded {p.dim()}-D tensor: sharding dim 0 of a batch of "
@@ -107,17 +119,14 @@ def build_buckets(optimizer, group: dict, mesh: MeshInfo) -> list:
                     f"parameter {label} holds {view.shape[1]} rows on rank {mesh.rank}, but torch.chunk "
                     f"row sharding of {shape[0]} rows over {mesh.world_size} ranks gives {bucket.local_rows}"
                 )
-        else:
-            view = matrix_view(local, group["flatten"])
-            key = ("replicate", tuple(view.shape[1:]), p.dtype, local.device)
-            bucket = buckets.setdefault(key, Bucket(shape=key[1]))
-        bucket.params.append(p)
-        bucket.views.append(view)
+            bucket.params.append(p)
+            bucket.views.append(view)
+        else:  # one entry per block of a num_heads/split_sizes group
+            add_matrix(buckets, ("replicate",), p, local, group)
     for bucket in buckets.values():
         if isinstance(bucket, ShardedBucket):
             allocate_sharded_state(bucket, group, optimizer.state)
-        else:
-            optimizer._allocate_bucket_state(bucket, group)
+    optimizer._allocate_buckets([b for b in buckets.values() if isinstance(b, Bucket)], group)
     return list(buckets.values())
 
 
@@ -125,7 +134,9 @@ def allocate_sharded_state(bucket: ShardedBucket, group: dict, state: dict) -> N
     rows, cols = bucket.shape
     like = bucket.views[0]
     bucket.momentum = torch.zeros((bucket.count, bucket.chunk, cols), dtype=like.dtype, device=like.device)
-    wants_variance = group["algorithm"] != "muon"
+    from ..optim.validation import NORMALIZING_ALGORITHMS  # deferred, as in build_buckets
+
+    wants_variance = group["algorithm"] in NORMALIZING_ALGORITHMS
     if wants_variance:
         bucket.variance = torch.zeros((bucket.count, bucket.chunk, 1), dtype=torch.float32, device=like.device)
     start, stop = local_row_span(rows, bucket.world_size, bucket.rank)

@@ -50,25 +50,34 @@ def run_step(work: list[tuple[dict, object]], rule_config, mesh: MeshInfo) -> Tr
         if not keep:
             continue
         body = sharded_step if isinstance(bucket, ShardedBucket) else replicated_step
-        if len(keep) == len(bucket.params):
+        if len(keep) == len(bucket.params) and getattr(bucket, "pieces", None) is None:
             steps.append(body(bucket, group, rule_config(group), mesh, traffic))
-        else:  # step a temporary bucket of the parameters with gradients, then write its state back
-            sub, spans = bucket_subset(bucket, keep)
-            steps.append(_then_write_back(body(sub, group, rule_config(group), mesh, traffic), bucket, sub, spans))
-        sizes.append(bucket.momentum.numel() * bucket.momentum.element_size())
+        else:  # step a temporary bucket of the entries with gradients (or of uneven blocks' state), then write it back
+            steps.append(_subset_step(body, bucket, keep, group, rule_config(group), mesh, traffic))
+        sizes.append(_state_bytes(bucket))
     interleave(steps, PIPELINE_DEPTH, sizes, _pipeline_budget(sizes, work))
     return traffic
 
 
+def _state_bytes(bucket) -> int:
+    if bucket.momentum is not None:
+        return bucket.momentum.numel() * bucket.momentum.element_size()
+    # uneven blocks (state in parameter-shaped pieces): the stacked copy is as large as the matrices
+    return sum(v.numel() for v in bucket.views) * bucket.views[0].element_size()
+
+
 def _pipeline_budget(sizes: list[int], work) -> float:
-    device = work[0][1].momentum.device if work else None
+    device = work[0][1].views[0].device if work else None
     memory = torch.cuda.get_device_properties(device).total_memory if device is not None and device.type == "cuda" else 0
     return max(PIPELINE_BUDGET * max(sizes, default=0), PIPELINE_MEMORY_SHARE * memory)
 
 
-def _then_write_back(step: Iterator, bucket, sub, spans) -> Iterator:
-    yield from step
-    write_back_subset(bucket, sub, spans)
+def _subset_step(body, bucket, keep: list[int], *args) -> Iterator:
+    """body on a temporary bucket of the entries `keep`, stacked when the step reaches it (not
+    before: only the buckets in flight hold copies), with its state written back after."""
+    sub, sources = bucket_subset(bucket, keep)
+    yield from body(sub, *args)
+    write_back_subset(bucket, sub, sources)
 
 
 def interleave(steps: list[Iterator], depth: int, sizes: list[int] | None = None, budget: float = float("inf")) -> None:
@@ -176,7 +185,8 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
         _apply(bucket, result.view(count, k, cols), local_rows, group)
     else:  # global scope: the number of rows per local matrix varies
         _apply(bucket, *_padded_selection(plan.rows, result, count, chunk, rows_here, max(mine)), group)
-    bucket.variance.view(-1, 1).index_copy_(0, plan.rows, back_variance.wait())
+    if sent_variance:  # Dion3 (Dion2 has no per-row normalization)
+        bucket.variance.view(-1, 1).index_copy_(0, plan.rows, back_variance.wait())
 
 
 def _padded_selection(flat_rows: Tensor, result: Tensor, count: int, chunk: int, rows_here: int, width: int):
@@ -214,9 +224,7 @@ def _in_received_order(placed: Tensor, slots) -> Tensor:
 
 
 def replicated_step(bucket, group: dict, cfg: rules.RuleConfig, mesh: MeshInfo, traffic: Traffic):
-    from ..optim.base import matrix_view  # deferred: optim.base imports this package
-
-    grads = [matrix_view(local_tensor(p.grad), group["flatten"]) for p in bucket.params]
+    grads = bucket.grads(group["flatten"])
     scaling = rules.snapshot_scaling(bucket.momentum, cfg, group)
     update, rows, norm, normalized = rules.pre_step(bucket.momentum, grads, cfg, want_norm=True, scaling=scaling)
     count = update.shape[0]

@@ -4,6 +4,14 @@ Matrix parameters of one group are bucketed by (matrix shape, dtype, device). Ea
 one stacked momentum buffer [N, rows, cols] (and one per-row variance buffer [N, rows, 1] in
 float32); the per-parameter optimizer state holds views into those buffers, so state_dict()
 has an entry per parameter while the step runs batched over the whole bucket.
+
+With `num_heads` / `split_sizes` (dion3.blocks) a parameter contributes one bucket entry per
+block. Equal heads fold into the batch ([B, H·h, C] → [B·H, h, C], a view), so the parameter's
+state stays one span of a bucket buffer. Uneven blocks land in buckets of different shapes, so
+no single buffer can hold their parameter's state: there the parameter-shaped state tensor is
+the owner, and each step stacks the bucket's blocks of it into a temporary buffer and copies
+them back afterwards (bucket_subset / write_back_subset, as for a partial step). Every other
+parameter of such a bucket owns its state the same way, so that the bucket is one stacked batch.
 """
 from __future__ import annotations
 
@@ -13,13 +21,15 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from .. import distributed, rules
+from .. import blocks, distributed, rules
 from ..distributed.plan import bucket_subset, write_back_subset
 from . import scalar
 from .validation import (
     ALIASES,
     MATRIX_ALGORITHMS,
+    NORMALIZING_ALGORITHMS,
     SCALAR_ALGORITHMS,
+    SELECTING_ALGORITHMS,
     check_state_dict,
     param_label,
     validate_group,
@@ -30,13 +40,23 @@ from .validation import (
 
 @dataclass
 class Bucket:
-    """Same-shape matrices of one group, orthogonalized together."""
+    """Same-shape matrices of one group, orthogonalized together. An entry is a parameter's
+    matrices or one block of them (a parameter split into blocks appears once per block)."""
 
     shape: tuple[int, int]  # (rows, cols) of each matrix
-    params: list[Tensor] = field(default_factory=list)
-    views: list[Tensor] = field(default_factory=list)  # each param as [B_i, rows, cols]
-    momentum: Optional[Tensor] = None  # [N, rows, cols]
+    params: list[Tensor] = field(default_factory=list)  # the parameter of each entry
+    views: list[Tensor] = field(default_factory=list)  # each entry as [B_i, rows, cols], a view of its param
+    blocks: list[blocks.Block] = field(default_factory=list)  # where each entry lies in its param's matrices
+    momentum: Optional[Tensor] = None  # [N, rows, cols]; None: stacked from `pieces` at each step
     variance: Optional[Tensor] = None  # [N, rows, 1] float32 (NorMuon / Dion3)
+    # Buckets of uneven blocks: each entry's state, as views of its parameter-shaped state
+    # ({"momentum": [...], "variance": [...]}); None when momentum/variance hold the state.
+    pieces: Optional[dict[str, list[Tensor]]] = None
+
+    def grads(self, flatten: bool) -> list[Tensor]:
+        """Each entry's gradient as [B_i, rows, cols] (local shard of a DTensor gradient)."""
+        return [block.cut(matrix_view(distributed.local_tensor(p.grad), flatten))
+                for p, block in zip(self.params, self.blocks)]
 
 
 def matrix_view(tensor: Tensor, flatten: bool) -> Tensor:
@@ -44,6 +64,21 @@ def matrix_view(tensor: Tensor, flatten: bool) -> Tensor:
     if flatten:
         return tensor.reshape(1, tensor.shape[0], -1)
     return tensor.unsqueeze(0) if tensor.dim() == 2 else tensor
+
+
+def add_matrix(buckets: dict, key_prefix: tuple, param: Tensor, local: Tensor, group: dict) -> None:
+    """Put the entries of one matrix parameter (local: its local tensor) into `buckets`, keyed by
+    (*key_prefix, entry shape, dtype, device)."""
+    matrices = matrix_view(local.detach(), group["flatten"])
+    # .get: groups restored from checkpoints of versions without block options lack the keys
+    sizes = blocks.block_sizes(matrices.shape[-2], group.get("num_heads"), group.get("split_sizes"))
+    for block in blocks.blocks_of(matrices, sizes):
+        view = block.cut(matrices)
+        key = (*key_prefix, tuple(view.shape[1:]), param.dtype, local.device)
+        bucket = buckets.setdefault(key, Bucket(shape=key[-3]))
+        bucket.params.append(param)
+        bucket.views.append(view)
+        bucket.blocks.append(block)
 
 
 class OrthogonalOptimizer(torch.optim.Optimizer):
@@ -110,13 +145,8 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                 continue
             if group["algorithm"] in MATRIX_ALGORITHMS:
                 for p in group["params"]:
-                    view = matrix_view(p.detach(), group["flatten"])
-                    key = (tuple(view.shape[1:]), p.dtype, p.device)
-                    bucket = buckets.setdefault(key, Bucket(shape=key[0]))
-                    bucket.params.append(p)
-                    bucket.views.append(view)
-                for bucket in buckets.values():
-                    self._allocate_bucket_state(bucket, group)
+                    add_matrix(buckets, (), p, p, group)
+                self._allocate_buckets(list(buckets.values()), group)
             else:
                 init = scalar.init_adamw_state if group["algorithm"] == "adamw" else scalar.init_lion_state
                 for p in group["params"]:
@@ -126,12 +156,60 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                         state[key] = state[key].to(value.device) if key in state else value
             self._buckets.append(list(buckets.values()))
 
+    def _allocate_buckets(self, buckets: list[Bucket], group: dict) -> None:
+        """State of one group's (replicated) buckets. A bucket whose parameters each have one
+        entry there and nowhere else gets stacked buffers that the state entries view; any other
+        bucket (one holding uneven blocks) steps through `pieces` of parameter-shaped state."""
+        entries: dict[int, int] = {}
+        for bucket in buckets:
+            for p in bucket.params:
+                entries[id(p)] = entries.get(id(p), 0) + 1
+        stacked = [all(entries[id(p)] == 1 for p in b.params) for b in buckets]
+        for bucket, whole in zip(buckets, stacked):
+            if whole:
+                self._allocate_bucket_state(bucket, group)
+        owned: dict[int, dict[str, Tensor]] = {}
+        for bucket, whole in zip(buckets, stacked):
+            if whole:
+                continue
+            bucket.pieces = {}
+            for p, block in zip(bucket.params, bucket.blocks):
+                if id(p) not in owned:
+                    owned[id(p)] = self._allocate_param_state(p, group)
+                for key, tensor in owned[id(p)].items():
+                    bucket.pieces.setdefault(key, []).append(block.cut(matrix_view(tensor, group["flatten"])))
+
+    def _allocate_param_state(self, p: Tensor, group: dict) -> dict[str, Tensor]:
+        """Parameter-shaped state tensors that own the state of p (loaded values kept)."""
+        local = distributed.local_tensor(p.detach())
+        fresh = {"momentum": torch.zeros(p.shape, dtype=local.dtype, device=local.device)}
+        if group["algorithm"] in NORMALIZING_ALGORITHMS:
+            fresh["variance"] = torch.zeros(variance_shape(p, group["flatten"]), dtype=torch.float32, device=local.device)
+        state = self.state[p]
+        for key, target in fresh.items():
+            if key in state:
+                self._load_into(target, state[key], key, p)
+            state[key] = target
+        for key in list(state):
+            if key not in fresh:
+                del state[key]
+        return fresh
+
+    @staticmethod
+    def _load_into(target: Tensor, loaded: Tensor, key: str, p: Tensor) -> None:
+        if loaded.numel() != target.numel():
+            raise ValueError(
+                f"state {key!r} of parameter with shape {tuple(p.shape)} has shape "
+                f"{tuple(loaded.shape)}; the state dict does not match these parameters"
+            )
+        target.copy_(loaded.reshape(target.shape))
+
     def _allocate_bucket_state(self, bucket: Bucket, group: dict) -> None:
         rows, cols = bucket.shape
         count = sum(v.shape[0] for v in bucket.views)
         like = bucket.views[0]
         bucket.momentum = torch.zeros((count, rows, cols), dtype=like.dtype, device=like.device)
-        wants_variance = group["algorithm"] != "muon"
+        wants_variance = group["algorithm"] in NORMALIZING_ALGORITHMS
         if wants_variance:
             bucket.variance = torch.zeros((count, rows, 1), dtype=torch.float32, device=like.device)
         offset = 0
@@ -144,13 +222,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                 targets["variance"] = (bucket.variance[span], variance_shape(p, group["flatten"]))
             for key, (target, shape) in targets.items():
                 if key in state:
-                    loaded = state[key]
-                    if loaded.numel() != target.numel():
-                        raise ValueError(
-                            f"state {key!r} of parameter with shape {tuple(p.shape)} has shape "
-                            f"{tuple(loaded.shape)}; the state dict does not match these parameters"
-                        )
-                    target.copy_(loaded.reshape(target.shape))
+                    self._load_into(target, state[key], key, p)
                 state[key] = target.view(shape)
             for key in list(state):
                 if key not in targets:
@@ -158,7 +230,13 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_state_dict(state_dict, self.param_groups)  # before torch mutates anything
+        current = [dict(g) for g in self.param_groups]
         super().load_state_dict(state_dict)
+        # torch replaces each group by the saved one: a setting the checkpoint does not have (one
+        # saved before num_heads/split_sizes existed) keeps this optimizer's value.
+        for group, before in zip(self.param_groups, current):
+            for key, value in before.items():
+                group.setdefault(key, value)
         # torch casts floating state to the parameter's dtype; restore full-precision variance.
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -247,10 +325,10 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
     def rule_config(group: dict) -> rules.RuleConfig:
         algorithm = group["algorithm"]
         return rules.RuleConfig(
-            fraction=group["fraction"] if algorithm == "dion3" else None,
+            fraction=group["fraction"] if algorithm in SELECTING_ALGORITHMS else None,
             mu=group["mu"],
             nesterov=group["nesterov"],
-            normalize=algorithm != "muon",
+            normalize=algorithm in NORMALIZING_ALGORITHMS,
             beta2=group["muon_beta2"],
             epsilon=group["epsilon"],
         )
@@ -259,10 +337,10 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         with_grad = [i for i, p in enumerate(bucket.params) if p.grad is not None]
         if not with_grad:
             return
-        if len(with_grad) < len(bucket.params):
+        if len(with_grad) < len(bucket.params) or bucket.pieces is not None:
             return self._partial_step(bucket, with_grad, group)
         cfg = self.rule_config(group)
-        grads = [matrix_view(p.grad, group["flatten"]) for p in bucket.params]
+        grads = bucket.grads(group["flatten"])
         update, rows, norm, normalized = rules.pre_step(
             bucket.momentum, grads, cfg, want_norm=True, scaling=rules.snapshot_scaling(bucket.momentum, cfg, group))
         variance = None
@@ -291,8 +369,9 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         return ortho, row_scale, variance
 
     def _partial_step(self, bucket: Bucket, keep: list[int], group: dict) -> None:
-        """Rare path: only some parameters of the bucket have gradients. Step a temporary
-        bucket holding copies of their state, then write that state back."""
-        sub, spans = bucket_subset(bucket, keep)
+        """Only some entries of the bucket have gradients, or its state lives in parameter-shaped
+        pieces (uneven blocks): step a temporary bucket holding stacked copies of the state of
+        the entries `keep`, then write that state back."""
+        sub, targets = bucket_subset(bucket, keep)
         self._matrix_step(sub, group)
-        write_back_subset(bucket, sub, spans)
+        write_back_subset(bucket, sub, targets)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .base import OrthogonalOptimizer
+from .validation import SELECTING_ALGORITHMS
 
 
 def to_device_scalars(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -75,7 +76,8 @@ class CapturedStep:
         if getattr(optimizer, "check_finite", False):
             raise ValueError("check_finite=True syncs with the host each step and cannot be captured; disable it")
         if getattr(optimizer, "_mesh", None) is not None and any(
-            g.get("algorithm") == "dion3" and g.get("selection_scope") == "global" for g in optimizer.param_groups
+            g.get("algorithm") in SELECTING_ALGORITHMS and g.get("selection_scope") == "global"
+            for g in optimizer.param_groups
         ):
             raise ValueError(
                 "selection_scope='global' exchanges split sizes through the host each step and cannot "

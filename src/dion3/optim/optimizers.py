@@ -1,7 +1,9 @@
 """The public optimizers: thin constructors over OrthogonalOptimizer with their own defaults.
 
 Every group may override any hyperparameter, including `algorithm`: one of "dion3" (alias
-"nordion2"), "muon", "normuon" for matrices, "adamw" or "lion" for everything else.
+"nordion2"), "dion2" (Dion3 without the per-row normalization), "muon", "normuon" for
+matrices, "adamw" or "lion" for everything else. `num_heads` / `split_sizes` orthogonalize
+the row blocks of each matrix separately (dion3.blocks).
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ SHARED_KEYS = frozenset({"fraction", "muon_beta2", "selection_scope"})
 
 def _defaults(algorithm: str, **values) -> dict:
     # Keys every algorithm may read, so a group can switch algorithm and still find its settings.
-    base = dict(fraction=0.25, muon_beta2=0.95, nesterov=False, selection_scope="local")
+    base = dict(fraction=0.25, muon_beta2=0.95, nesterov=False, selection_scope="local", num_heads=None,
+                split_sizes=None)
     base.update(values)
     base["algorithm"] = algorithm
     return base
@@ -28,7 +31,8 @@ def _defaults(algorithm: str, **values) -> dict:
 
 class Dion3(OrthogonalOptimizer):
     """Dion3: orthogonalize only the `fraction` of momentum rows with the largest L1 norm, with
-    error feedback on the selected rows and NorMuon's per-row normalization."""
+    error feedback on the selected rows and NorMuon's per-row normalization (a group with
+    algorithm="dion2" leaves that normalization out)."""
 
     def __init__(
         self,
@@ -47,11 +51,14 @@ class Dion3(OrthogonalOptimizer):
         ns_coefficients: Coefficients = "polar_express",
         selection_scope: str = "local",
         check_finite: bool = False,
+        num_heads: Optional[int] = None,
+        split_sizes: Optional[Sequence[int]] = None,
     ):
         defaults = _defaults(
             "dion3", lr=lr, fraction=fraction, mu=mu, muon_beta2=muon_beta2, betas=betas,
             weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr, flatten=flatten,
             orthogonalizer=orthogonalizer, ns_coefficients=ns_coefficients, selection_scope=selection_scope,
+            num_heads=num_heads, split_sizes=split_sizes,
         )
         super().__init__(params, defaults, distributed_mesh, check_finite)
 
@@ -76,6 +83,8 @@ class Muon(OrthogonalOptimizer):
         orthogonalizer: str = "auto",
         ns_coefficients: Coefficients = "polar_express",
         check_finite: bool = False,
+        num_heads: Optional[int] = None,
+        split_sizes: Optional[Sequence[int]] = None,
         **extra,
     ):
         unknown = sorted(set(extra) - SHARED_KEYS)  # a misspelled setting must not be dropped silently
@@ -84,7 +93,7 @@ class Muon(OrthogonalOptimizer):
         defaults = _defaults(
             self._algorithm, lr=lr, mu=mu, betas=betas, weight_decay=weight_decay, epsilon=epsilon,
             nesterov=nesterov, adjust_lr=adjust_lr, flatten=flatten, orthogonalizer=orthogonalizer,
-            ns_coefficients=ns_coefficients, **extra,
+            ns_coefficients=ns_coefficients, num_heads=num_heads, split_sizes=split_sizes, **extra,
         )
         super().__init__(params, defaults, distributed_mesh, check_finite)
 

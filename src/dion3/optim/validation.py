@@ -7,12 +7,14 @@ from typing import Any
 
 from torch import Tensor
 
-from .. import rules
+from .. import blocks, rules
 from ..distributed.mesh import local_tensor
 from ..ortho import get_schedule
 from ..ortho.newton_schulz import METHODS
 
-MATRIX_ALGORITHMS = ("dion3", "muon", "normuon")
+MATRIX_ALGORITHMS = ("dion3", "dion2", "muon", "normuon")
+SELECTING_ALGORITHMS = ("dion3", "dion2")  # row selection with error feedback
+NORMALIZING_ALGORITHMS = ("dion3", "normuon")  # NorMuon's per-row normalization (a variance state)
 SCALAR_ALGORITHMS = ("adamw", "lion")
 ALIASES = {"nordion2": "dion3"}
 SCOPES = ("local", "global")
@@ -58,9 +60,14 @@ def validate_group(group: dict, index: int) -> None:
         raise ValueError(f"{where}: unknown orthogonalizer {group['orthogonalizer']!r}; expected one of {METHODS}")
     if group["selection_scope"] not in SCOPES:
         raise ValueError(f"{where}: unknown selection_scope {group['selection_scope']!r}; expected one of {SCOPES}")
-    if algorithm == "dion3" and group["nesterov"]:
-        raise ValueError(f"{where}: Dion3 has no Nesterov variant; use nesterov=False")
+    if algorithm in SELECTING_ALGORITHMS and group["nesterov"]:
+        name = "Dion3" if algorithm == "dion3" else "Dion2"
+        raise ValueError(f"{where}: {name} has no Nesterov variant; use nesterov=False")
     get_schedule(group["ns_coefficients"])  # raises on unknown names
+    num_heads, split_sizes = group.get("num_heads"), group.get("split_sizes")
+    problem = blocks.option_error(num_heads, split_sizes)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
     for i, p in enumerate(group["params"]):
         label = param_label(group.get("param_names"), index, i, p)
         if not p.is_floating_point():
@@ -77,8 +84,7 @@ def validate_group(group: dict, index: int) -> None:
                     "flatten=True (its memory layout, e.g. channels_last, is not row-major); make it "
                     "contiguous (memory_format=torch.contiguous_format)"
                 )
-            continue
-        if p.dim() not in (2, 3):
+        elif p.dim() not in (2, 3):
             hint = (
                 "put 1-D parameters (biases, norms) in an 'adamw' or 'lion' group"
                 if p.dim() < 2
@@ -89,6 +95,19 @@ def validate_group(group: dict, index: int) -> None:
                 f"{p.dim()}-D, but algorithm {algorithm!r} needs 2-D matrices or 3-D batches of "
                 f"matrices; {hint}"
             )
+        _check_blocks(where, label, p, group["flatten"], num_heads, split_sizes)
+
+
+def _check_blocks(where: str, label: str, param: Tensor, flatten: bool, num_heads, split_sizes) -> None:
+    """The group's block split must fit the rows of the parameter's matrices (the rows of the
+    flattened matrix with flatten=True, of each matrix of a 3-D batch otherwise)."""
+    if num_heads is None and split_sizes is None:
+        return
+    rows = param.shape[0] if flatten or param.dim() == 2 else param.shape[1]
+    try:
+        blocks.block_sizes(rows, num_heads, split_sizes)
+    except ValueError as error:
+        raise ValueError(f"{where}: parameter {label} {error}") from None
 
 
 def _rows_view_in_place(param: Tensor) -> bool:
@@ -150,7 +169,7 @@ def expected_state_shapes(algorithm: str, param: Tensor, flatten: bool) -> dict[
         return {"step": (), "exp_avg": shape, "exp_avg_sq": shape}
     if algorithm == "lion":
         return {"exp_avg": shape}
-    if algorithm == "muon":
+    if algorithm not in NORMALIZING_ALGORITHMS:  # Muon, Dion2
         return {"momentum": shape}
     return {"momentum": shape, "variance": variance_shape(param, flatten)}
 

@@ -42,7 +42,7 @@ def param_groups(
 
     lm_head: the output layer, as a module or the name of a module or parameter of `model`
         (e.g. "lm_head"). Required. For a head tied to the embedding, name it all the same.
-    algorithm: for the hidden matrices — "dion3", "muon", "normuon", or "adamw"/"lion" to train
+    algorithm: for the hidden matrices — "dion3", "dion2", "muon", "normuon", or "adamw"/"lion" to train
         them with a scalar optimizer (the baseline).
     lr: learning rate of the matrix group; None keeps the optimizer's default.
     head_lr, embed_lr, scalar_lr: learning rates of the AdamW (or Lion) groups.
