@@ -60,8 +60,9 @@ class FractionWarmup:
         progress = step / self.steps
         if self.levels is not None:
             progress = math.floor(progress * (self.levels - 1) + 0.5) / (self.levels - 1)
-        # written as a weighted sum: exactly `start` at 0 and exactly `target` at 1
-        return self.start * (1.0 - progress) + self.target * progress
+        if progress == 1.0:  # rounded up to the last level: exactly the target
+            return self.target
+        return self.start + (self.target - self.start) * progress
 
 
 class FractionScheduler:
