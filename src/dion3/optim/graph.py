@@ -175,8 +175,6 @@ class CapturedStep:
         self.calls += 1
 
     def _capture(self, key: tuple):
-        if len(self.graphs) >= self.max_graphs:
-            self.graphs.popitem(last=False)  # the least recently used k
         grads = require_grads(self.optimizer)
         if not self._static_grads:
             self._static_grads = grads
@@ -187,6 +185,10 @@ class CapturedStep:
         graph = self._record()
         self.graphs[key] = graph
         self.captures += 1
+        # Dropped only now: a graph alive during the capture keeps the shared pool alive (a
+        # pool whose last graph is gone cannot be captured into again).
+        if len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)  # the least recently used k
         return graph
 
     # ------------------------------------------------------------ device work
