@@ -244,6 +244,9 @@ def run_study(runs: Sequence[Run], out: Path, jobs: int, devices: Sequence[str],
     """Run what is not in OUT/results.jsonl yet, `jobs` at a time; returns the number of failures."""
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
+    if results_path.exists() and not results_path.read_bytes().endswith(b"\n") and results_path.stat().st_size:
+        with open(results_path, "a") as handle:  # a line cut short by a kill: end it, so the next one is whole
+            handle.write("\n")
     done = {record["key"] for record in read_results(results_path)}
     todo = [run for run in runs if run.key not in done]
     print(f"quality study: {len(runs)} runs, {len(runs) - len(todo)} already in {results_path}, {len(todo)} to run, "
