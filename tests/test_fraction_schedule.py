@@ -290,6 +290,17 @@ def test_captured_step_runs_a_changing_k_eagerly():
     assert kinds[15:] == ["capture"] + ["replay"] * 5 and step.captures == 1
 
 
+def test_captured_step_of_a_torch_optimizer_has_one_selection():
+    """No Dion3 group (here torch's SGD, which has no 'algorithm' key): one graph, as before."""
+    weight = torch.nn.Parameter(torch.ones(4, 3))
+    step = _CPUCapturedStep(torch.optim.SGD([weight], lr=0.1), warmup_steps=2, max_graphs=4)
+    for _ in range(4):
+        weight.grad = torch.ones(4, 3)
+        step()
+    assert [kind for kind, _ in step.log] == ["eager", "eager", "capture", "replay", "replay"]
+    assert list(step.graphs) == [()] and torch.allclose(weight, torch.full((4, 3), 0.6))
+
+
 def test_captured_step_argument_checks():
     with pytest.raises(ValueError, match="max_graphs"):
         CapturedStep(Dion3(make_params()), max_graphs=0)

@@ -95,7 +95,7 @@ def check_fractions(groups: list[dict]) -> None:
     """The fraction of every Dion3 group, checked again at each step: a scheduler (or the user)
     may have changed it since the group was validated."""
     for index, group in enumerate(groups):
-        if group["algorithm"] == "dion3":
+        if group.get("algorithm") == "dion3":  # torch's own optimizers (CapturedStep takes them) have none
             check_range(f"parameter group {index}", "fraction", group["fraction"], 0.0, 1.0, low_open=True)
 
 
