@@ -11,7 +11,7 @@ import pathlib
 import pytest
 import torch
 
-from dion3 import Dion3, Muon, NorMuon, orthogonalize
+from dion3 import Dion3, FractionScheduler, Muon, NorMuon, orthogonalize
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 
@@ -54,6 +54,14 @@ def drop_variance(state_dict):
     del state_dict["state"][0]["variance"]
 
 
+def fraction_set_between_steps():
+    w = param(4, 4)
+    opt = Dion3([w])
+    opt.param_groups[0]["fraction"] = 0.0  # as a hand-written schedule might
+    w.grad = torch.randn_like(w)
+    opt.step()
+
+
 def shared_param():
     w = param(4, 4)
     Dion3([{"params": [w]}, {"params": [w], "algorithm": "muon"}])
@@ -93,6 +101,9 @@ CASES = [
     ("parameter-in-two-groups", shared_param, ValueError, "already belongs to parameter group 0"),
     ("fraction-zero", lambda: Dion3([param(4, 4)], fraction=0.0), ValueError, "fraction must lie in (0.0, 1.0]"),
     ("fraction-above-one", lambda: Dion3([param(4, 4)], fraction=1.5), ValueError, "fraction must lie in (0.0, 1.0]"),
+    ("fraction-schedule-out-of-range", lambda: FractionScheduler(Dion3([param(4, 4)]), lambda step: 1.5), ValueError,
+     "parameter group 0 (fraction schedule at step 0): fraction must lie in (0.0, 1.0]"),
+    ("fraction-set-between-steps", fraction_set_between_steps, ValueError, "parameter group 0: fraction must lie in (0.0, 1.0]"),
     ("unknown-algorithm", lambda: Dion3([{"params": [param(4, 4)], "algorithm": "sgd"}]), ValueError, "unknown algorithm 'sgd'"),
     ("unknown-coefficients", lambda: Muon([param(4, 4)], ns_coefficients="fast"), ValueError, "unknown ns_coefficients 'fast'"),
     ("coefficients-not-triples", lambda: Muon([param(4, 4)], ns_coefficients=[(3.0, -4.0)]), ValueError, "(a, b, c) triples"),

@@ -224,6 +224,35 @@ def test_same_seed_gives_identical_runs():
     assert runs[0].train_losses == runs[1].train_losses and runs[0].val_losses == runs[1].val_losses
 
 
+def test_fraction_warmup_run_logs_its_average_fraction_and_step_times():
+    """dion3 with a 2-step fraction warm-up to ¼ over 4 steps sets f = 1, ⅝, ¼, ¼ (mean 0.53125);
+    the first losses match the fixed-fraction run's and the later ones do not."""
+    tokens = _periodic_text(3000)
+    corpus = data.TokenData(tokens[:2500], tokens[2500:], 256, "periodic")
+    schedule = Schedule(steps=4, batch_size=4, eval_every=4, eval_batches=1)
+    warm = train(RunSpec("w", "dion3", 0.04, 0.25, 0.3, fraction_warmup=2), TINY, schedule, corpus, torch.device("cpu"))
+    fixed = train(RunSpec("f", "dion3", 0.04, 0.25, 0.3), TINY, schedule, corpus, torch.device("cpu"))
+    muon = train(RunSpec("m", "muon", 0.02), TINY, schedule, corpus, torch.device("cpu"))
+    assert warm.average_fraction == (1 + 0.625 + 0.25 + 0.25) / 4 and fixed.average_fraction == 0.25
+    assert muon.average_fraction is None and warm.fraction_warmup == 2
+    # the zero-initialized head gives the matrices no gradient at step 0: the fractions differ from step 1 on
+    assert warm.train_losses[:2] == fixed.train_losses[:2] and warm.val_losses[-1] != fixed.val_losses[-1]
+    assert warm.optimizer_ms_median > 0 and fixed.optimizer_ms_median > 0
+
+
+def test_compare_run_spec_names_with_a_fraction_warmup():
+    preset = compare.PRESETS["cpu-tiny"]
+    spec = compare.run_spec("dion3-f0.25-warm200", preset, {}, {})
+    assert (spec.algorithm, spec.fraction, spec.fraction_warmup) == ("dion3", 0.25, 200)
+    assert (spec.lr, spec.mu) == (preset.lrs["dion3-f0.25"], preset.mus["dion3-f0.25"])  # its fraction's values
+    spec = compare.run_spec("dion3-f0.25-warm50", preset, {"dion3-f0.25-warm50": 0.05}, {"dion3-f0.25": 0.6})
+    assert (spec.lr, spec.mu, spec.fraction_warmup) == (0.05, 0.6, 50)
+    assert compare.run_spec("dion3-f0.25", preset, {}, {}).fraction_warmup == 0
+    for bad in ("dion3-f0.25-warm", "dion3-f0.25-warm0", "dion3-f0.25-warmx", "dion3-f2-warm10"):
+        with pytest.raises(ValueError, match="--optimizers"):
+            compare.run_spec(bad, preset, {}, {})
+
+
 def test_schedule_warmup_and_cooldown():
     schedule = Schedule(steps=100, batch_size=1, eval_every=10, eval_batches=1, warmup_steps=4, cooldown_fraction=0.5)
     values = [schedule.lr_multiplier(s) for s in range(100)]
@@ -278,6 +307,7 @@ def test_compare_command_writes_table_logs_and_plot(tmp_path, monkeypatch, capsy
     assert len(rows) == 4 * 3 and {r["optimizer"] for r in rows} == set(runs)
     assert (out / "val_loss.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "summary.md").read_text().startswith("| optimizer |")
+    assert "| average fraction |" in printed.out and "| 0.250 |" in printed.out
 
 
 def test_compare_rejects_bad_options(tmp_path, capsys):

@@ -66,7 +66,9 @@ def local_plan(bucket: ShardedBucket, scores: Tensor, fraction: float) -> RowPla
     """Each rank's own top rows by L1 norm (scores: [N, local rows], from the momentum pass);
     counts are static, so no host sync is needed."""
     counts = [[local_select_count(bucket, fraction, s)] * bucket.count for s in range(bucket.world_size)]
-    slots = _static_slots(bucket, ("local", fraction), counts)
+    # keyed by the counts, not the fraction: a fraction schedule gives many fractions but few
+    # counts, and a captured step must find the slots of its k without a host copy
+    slots = _static_slots(bucket, ("local", tuple(row[0] for row in counts)), counts)
     k = counts[bucket.rank][0]
     if k == 0:
         return RowPlan(counts, scores.new_empty((0,), dtype=torch.long), slots)

@@ -30,6 +30,7 @@ from .validation import (
     NORMALIZING_ALGORITHMS,
     SCALAR_ALGORITHMS,
     SELECTING_ALGORITHMS,
+    check_fractions,
     check_state_dict,
     param_label,
     validate_group,
@@ -255,6 +256,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self.check_finite:
             self._raise_on_nonfinite()
+        check_fractions(self.param_groups)  # a group's fraction may change between steps, like lr
         if self._mesh is not None:
             self._distributed_matrix_step()
         for group, buckets in zip(self.param_groups, self._buckets):

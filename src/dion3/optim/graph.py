@@ -9,6 +9,9 @@
 What capture needs, and how it is provided here:
 - no host syncs in the step: the rules use fixed k (selection changes only indices) and
   never call .item(); `check_finite=True` syncs and is refused;
+- fixed shapes: k = max(1, ⌈f·rows⌉) sets the shapes, so a fraction that changes between
+  steps (dion3.FractionScheduler, or a group value set by hand) gets one graph per distinct
+  set of k, captured after `warmup_steps` eager steps with that k (selection_key);
 - lr and weight decay as device scalars: each group's `lr` and `weight_decay` become 0-d
   tensors on the parameters' device, so torch.optim.lr_scheduler updates them in place
   (schedulers call `fill_` on tensor learning rates) and the graph reads the new values;
@@ -19,13 +22,14 @@ What capture needs, and how it is provided here:
 from __future__ import annotations
 
 import operator
-from typing import Optional
+from collections import OrderedDict
 
 import torch
 from torch import Tensor
 
+from .. import rules
 from .base import OrthogonalOptimizer
-from .validation import SELECTING_ALGORITHMS
+from .validation import SELECTING_ALGORITHMS, check_fractions
 
 
 def to_device_scalars(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -64,15 +68,39 @@ def require_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return grads
 
 
-class CapturedStep:
-    """Call to run one optimizer step; after `warmup_steps` eager steps the step is captured
-    into a CUDA graph once and replayed from then on."""
+def selection_key(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
+    """The k of every Dion3/Dion2 bucket: all a captured step's shapes depend on among the group
+    values that may change between steps (lr and weight decay are device scalars). Row-sharded
+    buckets select from each rank's ⌈rows/W⌉-row chunk (local scope; global scope is refused)."""
+    key = []
+    for group, buckets in zip(optimizer.param_groups, getattr(optimizer, "_buckets", ())):
+        if group.get("algorithm") not in SELECTING_ALGORITHMS:
+            continue
+        for bucket in buckets:
+            rows = getattr(bucket, "chunk", bucket.shape[0])
+            key.append(rules.selected_row_count(rows, group["fraction"]))
+    return tuple(key)
 
-    def __init__(self, optimizer: OrthogonalOptimizer, warmup_steps: int = 3):
+
+class CapturedStep:
+    """Call to run one optimizer step. Each distinct selection (the k of every Dion3 bucket,
+    which a fraction schedule changes) runs `warmup_steps` eager steps, is then captured into
+    a CUDA graph once, and is replayed from then on.
+
+    max_graphs: graphs kept at once; capturing another one drops the least recently used (so
+    a schedule that passes through many k keeps only the latest graphs). All graphs share one
+    memory pool: their workspaces overlap, since only one step runs at a time, so the memory
+    is about that of the largest graph, not the sum. A k seen fewer than warmup_steps + 1
+    times (a schedule that changes k every step) always runs eagerly.
+    """
+
+    def __init__(self, optimizer: OrthogonalOptimizer, warmup_steps: int = 3, max_graphs: int = 4):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"CapturedStep needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be ≥ 1 (kernels are compiled before capture), got {warmup_steps}")
+        if not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ValueError(f"max_graphs must be an integer ≥ 1, got {max_graphs!r}")
         if getattr(optimizer, "check_finite", False):
             raise ValueError("check_finite=True syncs with the host each step and cannot be captured; disable it")
         if getattr(optimizer, "_mesh", None) is not None and any(
@@ -84,20 +112,41 @@ class CapturedStep:
                 "be captured in a CUDA graph; use selection_scope='local' for a captured distributed step"
             )
         params = stepped_params(optimizer)
-        self._params = params
         devices = {p.device for p in params}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             raise ValueError(f"CapturedStep needs all parameters on one CUDA device, got {sorted(map(str, devices))}")
+        device = next(iter(devices))
+        self._start(optimizer, warmup_steps, max_graphs, device)
+        self._stream = torch.cuda.Stream(device)
+        self._pool = None  # the graphs' shared memory pool, from the first capture
+        to_device_scalars(optimizer, device)
+
+    def _start(self, optimizer, warmup_steps: int, max_graphs: int, device: torch.device) -> None:
+        """The bookkeeping state (no device work)."""
         self.optimizer = optimizer
+        self._params = stepped_params(optimizer)
         self.warmup_steps = warmup_steps
-        self.device = next(iter(devices))
+        self.max_graphs = max_graphs
+        self.device = device
         self.calls = 0
-        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.captures = 0  # graphs captured so far (a dropped k captured again counts again)
+        self.graph = None  # the graph the last call replayed; None when it ran eagerly
+        self.graphs: OrderedDict[tuple, object] = OrderedDict()  # selection key → graph, least recent first
+        self.eager_calls: dict[tuple, int] = {}  # selection key → eager steps run with it
         self._static_grads: list[Tensor] = []
-        to_device_scalars(optimizer, self.device)
+        self._fractions = None  # the Dion3 fractions that _key was computed from
+        self._key: tuple = ()
+
+    def _selection_key(self) -> tuple:
+        # Recomputed only when a fraction changed: a replay's host time matters (≤ 0.2 ms).
+        fractions = [g["fraction"] for g in self.optimizer.param_groups if g.get("algorithm") in SELECTING_ALGORITHMS]
+        if fractions != self._fractions:
+            check_fractions(self.optimizer.param_groups)
+            self._key, self._fractions = selection_key(self.optimizer), fractions
+        return self._key
 
     def _sync_grads(self) -> None:
-        """Copy gradients that live in new tensors into the buffers the graph reads."""
+        """Copy gradients that live in new tensors into the buffers the graphs read."""
         # Host time per replay matters (≤ 0.2 ms): the usual case, every .grad still the
         # captured buffer, is one identity check per parameter (half of require_grads' time).
         if all(map(operator.is_, [p.grad for p in self._params], self._static_grads)):
@@ -108,26 +157,63 @@ class CapturedStep:
             torch._foreach_copy_([s for s, _ in stale], [g for _, g in stale])
 
     def __call__(self) -> None:
-        if self.graph is not None:
+        key = self._selection_key()
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
             self._sync_grads()
-            self.graph.replay()
+        elif self.eager_calls.get(key, 0) < self.warmup_steps:
+            require_grads(self.optimizer)
+            self._eager_step()  # compiles kernels and fills caches for this k
+            self.eager_calls[key] = self.eager_calls.get(key, 0) + 1
+            self.graph = None
+            self.calls += 1
             return
+        else:
+            graph = self._capture(key)
+        self._replay(graph)  # after a capture, which records only, this replay performs the step
+        self.graph = graph
+        self.calls += 1
+
+    def _capture(self, key: tuple):
         grads = require_grads(self.optimizer)
-        stream = torch.cuda.Stream(self.device)
+        if not self._static_grads:
+            self._static_grads = grads
+        else:  # every graph reads the same gradient buffers
+            self._sync_grads()
+            for p, static in zip(self._params, self._static_grads):
+                p.grad = static
+        graph = self._record()
+        self.graphs[key] = graph
+        self.captures += 1
+        # Dropped only now: a graph alive during the capture keeps the shared pool alive (a
+        # pool whose last graph is gone cannot be captured into again).
+        if len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)  # the least recently used k
+        return graph
+
+    # ------------------------------------------------------------ device work
+    def _eager_step(self) -> None:
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            if self.calls < self.warmup_steps:
-                self.optimizer.step()  # eager warm-up: compiles kernels, allocates workspaces
-            else:
-                self._static_grads = grads
-                # Blocks cached by the eager steps cannot serve the graph's private pool:
-                # hand them back so capture does not need twice the step's workspace.
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, stream=stream):
-                    self.optimizer.step()
+            self.optimizer.step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self.graph is not None:
-            self.graph.replay()  # capture records only; this replay performs the step
-        self.calls += 1
+
+    def _record(self):
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        # Blocks cached by the eager steps cannot serve the graphs' private pool: hand them
+        # back so capture does not need twice the step's workspace.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            self.optimizer.step()
+        if self._pool is None:
+            self._pool = graph.pool()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return graph
+
+    def _replay(self, graph) -> None:
+        graph.replay()

@@ -110,6 +110,14 @@ def _check_blocks(where: str, label: str, param: Tensor, flatten: bool, num_head
         raise ValueError(f"{where}: parameter {label} {error}") from None
 
 
+def check_fractions(groups: list[dict]) -> None:
+    """The fraction of every Dion3/Dion2 group, checked again at each step: a scheduler (or the user)
+    may have changed it since the group was validated."""
+    for index, group in enumerate(groups):
+        if group.get("algorithm") in SELECTING_ALGORITHMS:  # torch's own optimizers (CapturedStep takes them) have none
+            check_range(f"parameter group {index}", "fraction", group["fraction"], 0.0, 1.0, low_open=True)
+
+
 def _rows_view_in_place(param: Tensor) -> bool:
     """Whether the parameter (its local shard, for a DTensor) can be viewed as [rows, -1]
     without a copy, as the flatten=True step needs."""

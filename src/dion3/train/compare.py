@@ -68,27 +68,39 @@ PRESETS: dict[str, Preset] = {
 
 
 def run_spec(name: str, preset: Preset, lr_overrides: dict, mu_overrides: dict) -> RunSpec:
-    """"adamw", "muon", "normuon" or "dion3-f<fraction>"; a Dion3 fraction without a preset lr
-    gets the f=¼ lr scaled by the 1/√f rule of thumb (and the f=¼ momentum)."""
+    """"adamw", "muon", "normuon", "dion3-f<fraction>" or "dion3-f<fraction>-warm<steps>" (the
+    fraction warmed up linearly from 1 over the first <steps> steps). A Dion3 run without its own
+    lr/momentum takes those of its fraction without warm-up, else the f=¼ lr scaled by the 1/√f
+    rule of thumb (and the f=¼ momentum)."""
     lrs, mus = {**preset.lrs, **lr_overrides}, {**preset.mus, **mu_overrides}
     if name in ("adamw", "muon", "normuon"):
         return RunSpec(name, name, lrs[name], mu=mus.get(name))
     if name.startswith("dion3-f"):
+        fraction_text, _, warmup_text = name[len("dion3-f"):].partition("-warm")
         try:
-            fraction = float(name[len("dion3-f"):])
+            fraction = float(fraction_text)
         except ValueError:
             fraction = math.nan
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"--optimizers: {name!r} needs a fraction in (0, 1], e.g. dion3-f0.25")
-        lr = lrs.get(name, preset.lrs["dion3-f0.25"] * math.sqrt(0.25 / fraction))
-        return RunSpec(name, "dion3", lr, fraction, mus.get(name, preset.mus.get("dion3-f0.25")))
-    raise ValueError(f"--optimizers: unknown optimizer {name!r}; use adamw, muon, normuon or dion3-f<fraction>")
+        warmup = 0
+        if warmup_text or name.endswith("-warm"):
+            if not warmup_text.isdigit() or int(warmup_text) < 1:
+                raise ValueError(f"--optimizers: {name!r} needs a positive number of warm-up steps, e.g. dion3-f0.25-warm200")
+            warmup = int(warmup_text)
+        base = f"dion3-f{fraction_text}"
+        lr = lrs.get(name, lrs.get(base, preset.lrs["dion3-f0.25"] * math.sqrt(0.25 / fraction)))
+        mu = mus.get(name, mus.get(base, preset.mus.get("dion3-f0.25")))
+        return RunSpec(name, "dion3", lr, fraction, mu, warmup)
+    raise ValueError(
+        f"--optimizers: unknown optimizer {name!r}; use adamw, muon, normuon, dion3-f<fraction> or dion3-f<fraction>-warm<steps>")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dion3 compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="cpu-tiny", choices=sorted(PRESETS), help="model size, steps, lrs (default cpu-tiny)")
-    parser.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS), help="comma-separated (default: %(default)s)")
+    parser.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
+                        help="comma-separated; dion3-f<f>-warm<steps> warms the fraction up from 1 (default: %(default)s)")
     parser.add_argument("--steps", type=int, help="training steps per optimizer (preset default otherwise)")
     parser.add_argument("--batch-size", type=int, help="sequences per step")
     parser.add_argument("--eval-every", type=int, help="steps between validation evaluations")
@@ -149,12 +161,13 @@ class Progress:
 
 def summary_table(results: Sequence[RunResult]) -> str:
     lines = [
-        "| optimizer | matrix lr | momentum | final val loss | optimizer ms/step | total ms/step | tokens/s |",
-        "|---|---|---|---|---|---|---|",
+        "| optimizer | matrix lr | momentum | average fraction | final val loss | optimizer ms/step | total ms/step | tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        fraction = "—" if r.average_fraction is None else f"{r.average_fraction:.3f}"
         lines.append(
-            f"| {r.label} | {r.lr:g} | {'—' if r.mu is None else f'{r.mu:g}'} | {r.final_val_loss:.4f} | {r.optimizer_ms:.2f} | {r.total_ms:.1f} | {r.tokens_per_second:,.0f} |"
+            f"| {r.label} | {r.lr:g} | {'—' if r.mu is None else f'{r.mu:g}'} | {fraction} | {r.final_val_loss:.4f} | {r.optimizer_ms:.2f} | {r.total_ms:.1f} | {r.tokens_per_second:,.0f} |"
         )
     return "\n".join(lines)
 

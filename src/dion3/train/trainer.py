@@ -10,14 +10,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from ..optim import Dion3
+from ..optim import Dion3, FractionScheduler, FractionWarmup
 from .data import TokenData, train_batches, val_batches
 from .groups import param_groups
 from .model import GPT, GPTConfig, padded_vocab
@@ -34,6 +35,7 @@ class RunSpec:
     lr: float  # matrix learning rate
     fraction: Optional[float] = None  # Dion3 only
     mu: Optional[float] = None  # momentum of the matrix group; None keeps the optimizer default
+    fraction_warmup: int = 0  # Dion3 only: steps of a linear fraction warm-up from 1 to `fraction`
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,14 @@ class RunResult:
     lr: float
     fraction: Optional[float]
     mu: Optional[float]
+    fraction_warmup: int = 0
     eval_steps: list[int] = field(default_factory=list)
     eval_seconds: list[float] = field(default_factory=list)  # training time so far, evals excluded
     val_losses: list[float] = field(default_factory=list)
     train_losses: list[float] = field(default_factory=list)
     optimizer_ms: float = math.nan  # mean optimizer step time after warm-up
+    optimizer_ms_median: float = math.nan  # median of the same steps
+    average_fraction: Optional[float] = None  # Dion3: the fraction averaged over the steps
     total_ms: float = math.nan  # mean forward + backward + optimizer time after warm-up
     tokens_per_step: int = 0
 
@@ -119,7 +124,7 @@ def build_optimizer(model: GPT, spec: RunSpec) -> Dion3:
     # Dion3, Muon and NorMuon share one front-end; each group names its algorithm, so the class
     # only supplies defaults that every group here overrides or does not read.
     options = {key: value for key, value in (("fraction", spec.fraction), ("mu", spec.mu)) if value is not None}
-    return Dion3(param_groups(model, lm_head="lm_head", algorithm=spec.algorithm, lr=spec.lr, **options))
+    return Dion3(param_groups(model, lm_head=model.lm_head, algorithm=spec.algorithm, lr=spec.lr, **options))
 
 
 @torch.no_grad()
@@ -143,14 +148,22 @@ def train(
     bf16: bool = False,
     on_eval: Optional[Callable[[RunResult, int], None]] = None,
     on_step: Optional[Callable[[], None]] = None,
+    model_factory: Callable[[GPTConfig], nn.Module] = GPT,
 ) -> RunResult:
-    """Train a freshly initialized model (same seed → same weights and batches) with `spec`."""
+    """Train a freshly initialized model (same seed → same weights and batches) with `spec`.
+
+    model_factory: builds the model from the config (vocabulary padded to the data's); the
+    model maps (tokens, targets) to the mean loss and has an `lm_head` module."""
     config = dataclasses.replace(model_config, vocab_size=padded_vocab(data.vocab_size))
     torch.manual_seed(seed)
-    model = GPT(config).to(device)
+    model = model_factory(config).to(device)
     optimizer = build_optimizer(model, spec)
     for group in optimizer.param_groups:
         group["initial_lr"] = group["lr"]
+    fraction_schedule = None
+    if spec.fraction_warmup:
+        fraction_schedule = FractionScheduler(optimizer, FractionWarmup(spec.fraction, spec.fraction_warmup))
+    fractions = []  # the Dion3 group's fraction at each step
 
     def autocast():
         if bf16 and device.type == "cuda":
@@ -159,7 +172,8 @@ def train(
 
     batches = train_batches(data.train, schedule.batch_size, config.seq_len, seed)
     validation = val_batches(data.val, schedule.batch_size, config.seq_len, schedule.eval_batches)
-    result = RunResult(spec.label, spec.algorithm, spec.lr, spec.fraction, spec.mu, tokens_per_step=schedule.batch_size * config.seq_len)
+    result = RunResult(spec.label, spec.algorithm, spec.lr, spec.fraction, spec.mu, spec.fraction_warmup,
+                       tokens_per_step=schedule.batch_size * config.seq_len)
     clock = _StepClock(device)
     elapsed = 0.0  # seconds of training so far, evaluations excluded
 
@@ -184,6 +198,10 @@ def train(
         optimizer_start = clock.mark()
         optimizer.step()
         step_end = clock.mark()
+        if spec.algorithm == "dion3":
+            fractions.append(optimizer.param_groups[0]["fraction"])
+        if fraction_schedule is not None:
+            fraction_schedule.step()
         optimizer.zero_grad(set_to_none=True)
         clock.add("optimizer", optimizer_start, step_end)
         clock.add("total", step_start, step_end)
@@ -199,8 +217,12 @@ def train(
             segment_start = time.perf_counter()
 
     result.train_losses = [float(v) for v in result.train_losses]
+    if fractions:
+        result.average_fraction = sum(fractions) / len(fractions)
     for kind, attribute in (("optimizer", "optimizer_ms"), ("total", "total_ms")):
         times = clock.milliseconds(kind)
         kept = times[TIMING_WARMUP:] if len(times) > 2 * TIMING_WARMUP else times
         setattr(result, attribute, sum(kept) / len(kept))
+        if kind == "optimizer":
+            result.optimizer_ms_median = statistics.median(kept)
     return result

@@ -1,0 +1,401 @@
+"""Quality study: NorMuon against Dion3 (fixed fraction, and with a fraction warm-up) at several
+horizons, seeds and small lr/μ grids, on a model users can rebuild (docs/training.md).
+
+    python benchmarks/quality_study.py --model gpt-25m --horizons 400,1500 --seeds 0,1,2 --jobs 4
+    python benchmarks/quality_study.py --smoke            # CPU, seconds: what CI runs
+
+Every run is a separate process (several at once with --jobs: small models leave most of an
+H200 idle), trains from its seed on the same batches as every other run of that seed (the
+Python standard library's source as bytes, unless --data), and when it finishes appends one
+JSON line to OUT/results.jsonl: its settings, seed, horizon, final validation loss, average
+fraction and step times. A study that is stopped keeps what finished, and running it again
+skips those runs. OUT/summary.md gets the table: mean ± standard deviation over seeds per
+setting and horizon. Step times are measured with --jobs runs sharing the device: compare
+them within one study, or rerun with --jobs 1 for clean times.
+
+Models: gpt-25m (`dion3 compare --preset gpu-small`'s GPT, 8 × 512, context 1024), gpt-120m
+(16 × 768, 113 M parameters in the blocks), llama-hf (Hugging Face LlamaForCausalLM, 8 × 512, GQA
+8/4 heads, SwiGLU 1536, context 512; needs `pip install 'dion3[study]'`), gpt-tiny (--smoke).
+All train with bf16 autocast on CUDA, a 20-step lr warm-up and a linear decay to zero over the
+last 40% of the steps.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib.util
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src"
+if SRC.is_dir() and str(SRC) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(SRC))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    kind: str  # "gpt" (dion3.train.model.GPT) or "llama-hf"
+    seq_len: int
+    n_layer: int
+    n_head: int
+    d_model: int
+    batch_size: int
+    kv_heads: int = 0  # llama-hf only
+    mlp_width: int = 0  # llama-hf only
+
+
+MODELS = {
+    "gpt-tiny": ModelSpec("gpt", seq_len=32, n_layer=2, n_head=2, d_model=64, batch_size=4),
+    "gpt-25m": ModelSpec("gpt", seq_len=1024, n_layer=8, n_head=8, d_model=512, batch_size=16),
+    "gpt-120m": ModelSpec("gpt", seq_len=1024, n_layer=16, n_head=12, d_model=768, batch_size=16),
+    "llama-hf": ModelSpec("llama-hf", seq_len=512, n_layer=8, n_head=8, d_model=512, batch_size=16, kv_heads=4, mlp_width=1536),
+}
+FAMILIES = ("normuon", "dion3")
+SMOKE = dict(model="gpt-tiny", horizons="8", seeds="0,1", normuon_lr="0.02", normuon_mu="0.6", dion3_lr="0.04",
+             dion3_mu="0.3", fraction_warmup="0,4", lr_warmup=2, eval_batches=2, device="cpu", jobs=2)
+
+
+# ----------------------------------------------------------------------------- the runs
+@dataclass(frozen=True)
+class Run:
+    model: str
+    optimizer: str  # "normuon" or "dion3"
+    lr: float
+    mu: float
+    fraction: Optional[float]  # dion3 only
+    fraction_warmup: int  # dion3 only: steps of the linear warm-up from 1 (0: fixed fraction)
+    horizon: int
+    seed: int
+    batch_size: int
+    lr_warmup: int
+    cooldown: float
+    eval_batches: int
+    data: Optional[tuple[str, ...]]
+
+    @property
+    def setting(self) -> tuple:
+        """What the seeds of one setting share (the summary averages over seeds)."""
+        return (self.model, self.horizon, self.optimizer, self.fraction, self.fraction_warmup, self.lr, self.mu)
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha1(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def label(self) -> str:
+        if self.optimizer == "normuon":
+            name = "normuon"
+        else:
+            name = f"dion3-f{self.fraction:g}" + (f"-warm{self.fraction_warmup}" if self.fraction_warmup else "")
+        return f"{name} lr={self.lr:g} mu={self.mu:g} h={self.horizon} seed={self.seed}"
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"quality_study: {flag} expects comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise SystemExit(f"quality_study: {flag} is empty")
+    return values
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    values = _floats(text, flag)
+    if any(v != int(v) or v < 0 for v in values):
+        raise SystemExit(f"quality_study: {flag} expects comma-separated integers ≥ 0, got {text!r}")
+    return [int(v) for v in values]
+
+
+def warmup_steps(spec: str, horizon: int) -> int:
+    """"200" → 200 steps; "15%" → 15% of the horizon."""
+    spec = spec.strip()
+    try:
+        if spec.endswith("%"):
+            return round(float(spec[:-1]) / 100 * horizon)
+        return int(spec)
+    except ValueError:
+        raise SystemExit(f"quality_study: --fraction-warmup expects steps or P%, got {spec!r}") from None
+
+
+def plan_runs(args: argparse.Namespace) -> list[Run]:
+    """Every run of the study, short horizons first (a partial study then covers every setting)."""
+    horizons, seeds = sorted(set(_ints(args.horizons, "--horizons"))), _ints(args.seeds, "--seeds")
+    if any(h < 1 for h in horizons):
+        raise SystemExit("quality_study: --horizons must be positive")
+    families = [f.strip() for f in args.optimizers.split(",") if f.strip()]
+    for family in families:
+        if family not in FAMILIES:
+            raise SystemExit(f"quality_study: --optimizers: unknown {family!r}; expected some of {FAMILIES}")
+    if not 0.0 < args.fraction <= 1.0:
+        raise SystemExit(f"quality_study: --fraction must lie in (0, 1], got {args.fraction}")
+    model = MODELS[args.model]
+    common = dict(model=args.model, batch_size=args.batch_size or model.batch_size, lr_warmup=args.lr_warmup,
+                  cooldown=args.cooldown, eval_batches=args.eval_batches, data=tuple(args.data) if args.data else None)
+    runs = []
+    for horizon, seed in itertools.product(horizons, seeds):
+        if "normuon" in families:
+            for lr, mu in itertools.product(_floats(args.normuon_lr, "--normuon-lr"), _floats(args.normuon_mu, "--normuon-mu")):
+                runs.append(Run(optimizer="normuon", lr=lr, mu=mu, fraction=None, fraction_warmup=0, horizon=horizon, seed=seed, **common))
+        if "dion3" in families:
+            warmups = [warmup_steps(w, horizon) for w in args.fraction_warmup.split(",") if w.strip()]
+            for lr, mu, warm in itertools.product(_floats(args.dion3_lr, "--dion3-lr"), _floats(args.dion3_mu, "--dion3-mu"),
+                                                  dict.fromkeys(warmups)):
+                runs.append(Run(optimizer="dion3", lr=lr, mu=mu, fraction=args.fraction, fraction_warmup=warm,
+                                horizon=horizon, seed=seed, **common))
+    return runs
+
+
+# ----------------------------------------------------------------------------- one run (child process)
+def build_llama(spec: ModelSpec):
+    """A factory for the trainer: Hugging Face LlamaForCausalLM of `spec`'s shape, mapping
+    (tokens, targets) to the mean loss, with its head exposed as `lm_head`."""
+    import torch.nn.functional as F
+    from torch import nn
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class CausalLM(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.llama = LlamaForCausalLM(LlamaConfig(
+                vocab_size=config.vocab_size, hidden_size=spec.d_model, intermediate_size=spec.mlp_width,
+                num_hidden_layers=spec.n_layer, num_attention_heads=spec.n_head, num_key_value_heads=spec.kv_heads,
+                max_position_embeddings=spec.seq_len, tie_word_embeddings=False, attn_implementation="sdpa",
+            ))
+
+        @property
+        def lm_head(self):
+            return self.llama.lm_head
+
+        def forward(self, tokens, targets):
+            logits = self.llama(input_ids=tokens).logits
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    return CausalLM
+
+
+def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
+    import torch
+
+    from dion3.train.data import load_data
+    from dion3.train.model import GPT, GPTConfig
+    from dion3.train.trainer import RunSpec, Schedule, resolve_device, train
+
+    if threads:
+        torch.set_num_threads(threads)
+    spec = MODELS[run.model]
+    device = resolve_device(device_name)
+    data = load_data(list(run.data) if run.data else None)
+    config = GPTConfig(seq_len=spec.seq_len, n_layer=spec.n_layer, n_head=spec.n_head, d_model=spec.d_model)
+    factory = GPT if spec.kind == "gpt" else build_llama(spec)
+    schedule = Schedule(steps=run.horizon, batch_size=run.batch_size, eval_every=run.horizon, eval_batches=run.eval_batches,
+                        warmup_steps=run.lr_warmup, cooldown_fraction=run.cooldown)
+    run_spec = RunSpec(run.label, run.optimizer, run.lr, run.fraction, run.mu, run.fraction_warmup)
+    started = time.perf_counter()
+    result = train(run_spec, config, schedule, data, device, run.seed, bf16=True, model_factory=factory)
+    return {
+        "key": run.key, "config": dataclasses.asdict(run), "seed": run.seed, "horizon": run.horizon,
+        "final_val_loss": result.final_val_loss,
+        "average_fraction": result.average_fraction if run.optimizer == "dion3" else 1.0,
+        "optimizer_ms_median": result.optimizer_ms_median, "optimizer_ms_mean": result.optimizer_ms,
+        "total_ms_mean": result.total_ms, "minutes": (time.perf_counter() - started) / 60,
+        "device": str(device), "torch": torch.__version__,
+    }
+
+
+# ----------------------------------------------------------------------------- the study (parent)
+def read_results(path: Path) -> list[dict]:
+    """Finished runs; a line cut short by a kill is ignored (the run is done again)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _launch(run: Run, device: str, threads: Optional[int], out: Path) -> subprocess.Popen:
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(Path(__file__).resolve()), "--run-one", json.dumps(dataclasses.asdict(run)),
+               "--device", device, "--result", str(logs / f"{run.key}.json")]
+    if threads:
+        command += ["--threads", str(threads)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])))
+    with open(logs / f"{run.key}.log", "w") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def run_study(runs: Sequence[Run], out: Path, jobs: int, devices: Sequence[str], threads: Optional[int],
+              stop_after: Optional[float]) -> int:
+    """Run what is not in OUT/results.jsonl yet, `jobs` at a time; returns the number of failures."""
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.jsonl"
+    if results_path.exists() and not results_path.read_bytes().endswith(b"\n") and results_path.stat().st_size:
+        with open(results_path, "a") as handle:  # a line cut short by a kill: end it, so the next one is whole
+            handle.write("\n")
+    done = {record["key"] for record in read_results(results_path)}
+    todo = [run for run in runs if run.key not in done]
+    print(f"quality study: {len(runs)} runs, {len(runs) - len(todo)} already in {results_path}, {len(todo)} to run, "
+          f"{jobs} at a time on {', '.join(devices)}", flush=True)
+    started, failures, finished = time.perf_counter(), 0, 0
+    running: dict = {}  # process → (run, start time)
+    slot = itertools.count()
+    try:
+        while todo or running:
+            late = stop_after is not None and time.perf_counter() - started > stop_after * 60
+            while todo and len(running) < jobs and not late:
+                run = todo.pop(0)
+                device = devices[next(slot) % len(devices)]
+                running[_launch(run, device, threads, out)] = (run, time.perf_counter())
+                print(f"started {run.label} on {device}", flush=True)
+            if late and todo:
+                print(f"--stop-after {stop_after:g} min reached: {len(todo)} runs not started (run again to do them)", flush=True)
+                todo = []
+            for process in [p for p in running if p.poll() is not None]:
+                run, begun = running.pop(process)
+                result_file = out / "logs" / f"{run.key}.json"
+                if process.returncode == 0 and result_file.exists():
+                    record = json.loads(result_file.read_text())
+                    with open(results_path, "a") as handle:
+                        handle.write(json.dumps(record) + "\n")
+                    finished += 1
+                    fraction = record["average_fraction"]
+                    print(f"[{finished + failures}/{finished + failures + len(todo) + len(running)}] {run.label}: "
+                          f"val {record['final_val_loss']:.4f}, average fraction {fraction:.3f}, "
+                          f"optimizer {record['optimizer_ms_median']:.2f} ms (median), {time.perf_counter() - begun:.0f} s", flush=True)
+                else:
+                    failures += 1
+                    tail = (out / "logs" / f"{run.key}.log").read_text().splitlines()[-15:]
+                    print(f"FAILED {run.label} (exit {process.returncode}); log {out / 'logs' / (run.key + '.log')}:\n  "
+                          + "\n  ".join(tail), flush=True)
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        for process in running:
+            process.terminate()
+        for process in running:
+            process.wait()
+        print(f"interrupted: {finished} runs finished and kept in {results_path}", flush=True)
+        raise
+    print(f"{finished} runs finished, {failures} failed, {(time.perf_counter() - started) / 60:.1f} min", flush=True)
+    return failures
+
+
+def _setting_label(setting: tuple) -> tuple[str, str]:
+    _, _, optimizer, fraction, warmup, _, _ = setting
+    if optimizer == "normuon":
+        return "NorMuon", "—"
+    return f"Dion3 f={fraction:g}", (f"1 → {fraction:g} over {warmup} steps" if warmup else "fixed")
+
+
+def summary_table(records: Sequence[dict]) -> str:
+    """Markdown: one row per setting and horizon, mean ± standard deviation over its seeds,
+    best mean loss first within each horizon and model."""
+    groups: dict[tuple, list[dict]] = {}
+    for record in records:
+        groups.setdefault(Run(**{**record["config"], "data": None}).setting, []).append(record)
+    lines = [
+        "| model | horizon | optimizer | fraction schedule | lr | μ | seeds | final val loss | average fraction | optimizer ms (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = []
+    for setting, members in groups.items():
+        losses = [m["final_val_loss"] for m in members]
+        mean = statistics.fmean(losses)
+        spread = statistics.stdev(losses) if len(losses) > 1 else 0.0
+        rows.append((setting[0], setting[1], mean, setting, len(losses), spread,
+                     statistics.fmean(m["average_fraction"] for m in members),
+                     statistics.median(m["optimizer_ms_median"] for m in members)))
+    for model, horizon, mean, setting, count, spread, fraction, step_ms in sorted(rows, key=lambda r: r[:3]):
+        name, schedule = _setting_label(setting)
+        lines.append(f"| {model} | {horizon} | {name} | {schedule} | {setting[5]:g} | {setting[6]:g} | {count} | "
+                     f"{mean:.4f} ± {spread:.4f} | {fraction:.3f} | {step_ms:.2f} |")
+    return "\n".join(lines)
+
+
+def write_summary(out: Path, jobs: int) -> str:
+    records = read_results(out / "results.jsonl")
+    table = summary_table(records)
+    note = (f"Final validation loss (nats per byte), mean ± standard deviation over seeds; optimizer step "
+            f"time: median over each run's steps after the first 5, median over seeds, measured with up to "
+            f"{jobs} runs sharing the device. {len(records)} runs in results.jsonl.")
+    (out / "summary.md").write_text(f"# Quality study\n\n{note}\n\n{table}\n")
+    return table
+
+
+# ----------------------------------------------------------------------------- command line
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gpt-25m", choices=sorted(MODELS))
+    parser.add_argument("--horizons", default="400,1500,4000", help="training steps per run, comma-separated")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--optimizers", default="normuon,dion3", help="families to run (default: %(default)s)")
+    parser.add_argument("--normuon-lr", default="0.02")
+    parser.add_argument("--normuon-mu", default="0.6,0.8")
+    parser.add_argument("--dion3-lr", default="0.04,0.08")
+    parser.add_argument("--dion3-mu", default="0.3,0.6")
+    parser.add_argument("--fraction", type=float, default=0.25, help="Dion3's (final) fraction")
+    parser.add_argument("--fraction-warmup", default="0,200",
+                        help="Dion3 fraction warm-ups from 1, comma-separated: steps, or P%% of the horizon; 0 = fixed fraction")
+    parser.add_argument("--batch-size", type=int, help="sequences per step (default: the model's, 16)")
+    parser.add_argument("--lr-warmup", type=int, default=20, help="lr warm-up steps (default 20)")
+    parser.add_argument("--cooldown", type=float, default=0.4, help="share of the steps with linear lr decay to 0")
+    parser.add_argument("--eval-batches", type=int, default=16, help="validation batches at the end of each run")
+    parser.add_argument("--data", nargs="+", metavar="PATH", help="text files/directories (default: the Python standard library)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, each its own process (default 1)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]; comma-separated to spread runs over devices")
+    parser.add_argument("--threads", type=int, help="CPU threads per run (default: CPU cores ÷ jobs)")
+    parser.add_argument("--stop-after", type=float, metavar="MINUTES", help="start no run after this many minutes")
+    parser.add_argument("--out", type=Path, help="output directory (default benchmarks/results/quality-study-<model>)")
+    parser.add_argument("--smoke", action="store_true", help="tiny GPT on the CPU, a few steps: checks the machinery in seconds")
+    parser.add_argument("--summary-only", action="store_true", help="rewrite summary.md from results.jsonl and stop")
+    parser.add_argument("--run-one", help=argparse.SUPPRESS)  # internal: one run's settings, as JSON
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)  # internal: where --run-one writes
+    args = parser.parse_args(argv)
+    if args.smoke:
+        defaults = {action.dest: action.default for action in parser._actions}
+        for name, value in SMOKE.items():
+            if getattr(args, name) == defaults[name]:  # smoke values unless given on the command line
+                setattr(args, name, value)
+    for name in ("jobs", "eval_batches"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be ≥ 1")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.run_one:
+        settings = json.loads(args.run_one)
+        settings["data"] = tuple(settings["data"]) if settings["data"] else None
+        args.result.write_text(json.dumps(run_one(Run(**settings), args.device, args.threads)))
+        return 0
+    out = args.out or HERE / "results" / f"quality-study-{args.model}"
+    if not args.summary_only:
+        if MODELS[args.model].kind == "llama-hf" and importlib.util.find_spec("transformers") is None:
+            raise SystemExit("quality_study: --model llama-hf needs transformers: pip install 'dion3[study]'")
+        devices = [d.strip() for d in args.device.split(",") if d.strip()]
+        threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
+        failures = run_study(plan_runs(args), out, args.jobs, devices, threads, args.stop_after)
+    else:
+        failures = 0
+    table = write_summary(out, args.jobs)
+    print(f"\n{table}\n\nwrote {out / 'summary.md'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,376 @@
+"""A fraction that changes between steps: FractionWarmup's values, the scheduler against setting
+the fraction by hand and against the float64 reference, validation, checkpoints, the captured
+step's graph bookkeeping (CPU, with stand-ins for capture) and, on a GPU, captured vs eager."""
+from __future__ import annotations
+
+import copy
+import io
+import json
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dion3 import Dion3, FractionScheduler, FractionWarmup
+from dion3.optim.graph import CapturedStep, selection_key, to_device_scalars
+from reference import ReferenceOptimizer, selected_count
+
+SHAPES = [(16, 12), (16, 12), (20, 8), (2, 12, 10)]
+
+
+def make_params(shapes=SHAPES, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype).to(device)) for s in shapes]
+
+
+def grads_at(step, shapes=SHAPES, dtype=torch.float32, device="cpu"):
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=gen, dtype=dtype).to(device) for s in shapes]
+
+
+def set_grads(params, grads):
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+
+
+# ------------------------------------------------------------------------- FractionWarmup
+def test_warmup_values_by_hand():
+    # 1 → ¼ over 4 steps: 1 − ¾·s/4
+    assert [FractionWarmup(0.25, 4)(s) for s in range(7)] == [1.0, 0.8125, 0.625, 0.4375, 0.25, 0.25, 0.25]
+    # 4 levels (1, ¾, ½, ¼) over 6 steps: progress s/6 rounded to the nearest third
+    assert [FractionWarmup(0.25, 6, levels=4)(s) for s in range(8)] == [1.0, 0.75, 0.75, 0.5, 0.5, 0.25, 0.25, 0.25]
+    assert [FractionWarmup(0.5, 2, start=0.75)(s) for s in range(3)] == [0.75, 0.625, 0.5]
+    assert FractionWarmup(0.25, 0)(0) == 0.25  # no warm-up: the target from the start
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(target=0.0, steps=10), "target"),
+    (dict(target=0.25, steps=10, start=1.5), "start"),
+    (dict(target=0.25, steps=-1), "steps"),
+    (dict(target=0.25, steps=2.5), "steps"),
+    (dict(target=0.25, steps=10, levels=1), "levels"),
+])
+def test_warmup_rejects_bad_arguments(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        FractionWarmup(**kwargs)
+
+
+# ------------------------------------------------------------------------- eager steps
+def _moved_rows(before, after):
+    """Rows that changed, per matrix (no weight decay: only selected rows move)."""
+    out = []
+    for x0, x1 in zip(before, after):
+        x0, x1 = x0.reshape(-1, *x0.shape[-2:]), x1.reshape(-1, *x1.shape[-2:])
+        out += [int((a != b).any(dim=1).sum()) for a, b in zip(x0, x1)]
+    return out
+
+
+def test_scheduled_fraction_equals_setting_it_by_hand():
+    """The scheduler sets exactly what a user setting group['fraction'] before each step sets;
+    k follows the fraction (rows moved = ⌈f·rows⌉), and groups other than Dion3's are untouched."""
+    schedule = FractionWarmup(0.25, 4)
+    scheduled, by_hand = make_params(), make_params()
+    bias_a, bias_b = torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(5))
+    opt_a = Dion3([dict(params=scheduled), dict(params=[bias_a], algorithm="adamw", lr=0.01)], lr=0.05, weight_decay=0.0)
+    opt_b = Dion3([dict(params=by_hand), dict(params=[bias_b], algorithm="adamw", lr=0.01)], lr=0.05, weight_decay=0.0)
+    scheduler = FractionScheduler(opt_a, schedule)
+    assert scheduler.groups == [0]
+    fractions = [1.0, 0.8125, 0.625, 0.4375, 0.25, 0.25]
+    for step, fraction in enumerate(fractions):
+        opt_b.param_groups[0]["fraction"] = fraction
+        assert opt_a.param_groups[0]["fraction"] == fraction and scheduler.get_last_fraction() == [fraction]
+        grads = grads_at(step)
+        set_grads(scheduled, grads)
+        set_grads(by_hand, grads)
+        bias_a.grad, bias_b.grad = torch.ones(5), torch.ones(5)
+        before = [p.detach().clone() for p in scheduled]
+        opt_a.step()
+        opt_b.step()
+        scheduler.step()
+        rows = [s[-2] for s in SHAPES[:3]] + [SHAPES[3][1]] * 2
+        assert _moved_rows(before, [p.detach() for p in scheduled]) == [selected_count(r, fraction) for r in rows]
+        for a, b in zip(scheduled + [bias_a], by_hand + [bias_b]):
+            assert torch.equal(a, b)
+    assert opt_a.param_groups[1]["fraction"] == 0.25  # the AdamW group's (unused) default, untouched
+
+
+def test_scheduled_fraction_matches_float64_reference(exact_orthogonalizer):
+    """Against tests/reference.py (float64, one matrix at a time) fed the same fractions."""
+    shapes = [(16, 12), (12, 20)]
+    params = make_params(shapes, dtype=torch.float64)
+    opt = Dion3(params, lr=0.05, mu=0.6, weight_decay=0.1)
+    scheduler = FractionScheduler(opt, FractionWarmup(0.25, 3))
+    ref = ReferenceOptimizer(params, "dion3", lr=0.05, mu=0.6, weight_decay=0.1)
+    for step in range(5):
+        ref.fraction = [1.0, 0.75, 0.5, 0.25, 0.25][step]
+        grads = grads_at(step, shapes, torch.float64)
+        set_grads(params, grads)
+        opt.step()
+        ref.step(grads)
+        scheduler.step()
+        assert [len(chosen[0]) for chosen in ref.selected] == [selected_count(r, ref.fraction) for r, _ in shapes]
+        for p, expected in zip(params, ref.params):
+            torch.testing.assert_close(p.detach(), expected, rtol=2e-6, atol=2e-7)
+
+
+def test_dion2_groups_are_scheduled_and_their_rows_follow_k():
+    # Dion2 selects rows like Dion3: the scheduler takes its groups by default, and the rows that
+    # move each step are k = ⌈f·rows⌉ of the 16-row matrix (weight decay off, so only they move).
+    params = make_params([(16, 12)])
+    opt = Dion3([dict(params=params, algorithm="dion2")], lr=0.1, weight_decay=0.0)
+    scheduler = FractionScheduler(opt, FractionWarmup(0.25, 2))  # 1, 0.625, 0.25
+    moved = []
+    for step in range(3):
+        before = params[0].detach().clone()
+        set_grads(params, grads_at(step, [(16, 12)]))
+        opt.step()
+        scheduler.step()
+        moved.append(int((params[0].detach() != before).any(dim=1).sum()))
+    assert moved == [16, 10, 4]
+    assert scheduler.get_last_fraction() == [0.25]
+
+
+def test_fraction_outside_range_raises_naming_the_group():
+    params = make_params()
+    opt = Dion3([dict(params=[torch.nn.Parameter(torch.ones(3))], algorithm="adamw"), dict(params=params)])
+    with pytest.raises(ValueError, match=r"parameter group 1 \(fraction schedule at step 0\): fraction must lie in \(0.0, 1.0\], got 1.5"):
+        FractionScheduler(opt, lambda step: 1.5)
+    scheduler = FractionScheduler(opt, lambda step: 0.5 if step < 2 else 0.0)
+    scheduler.step()
+    with pytest.raises(ValueError, match=r"parameter group 1 \(fraction schedule at step 2\).*got 0.0"):
+        scheduler.step()
+    with pytest.raises(ValueError, match="parameter group 0 has algorithm 'adamw'"):
+        FractionScheduler(opt, lambda step: 0.5, groups=[0])
+    with pytest.raises(ValueError, match="no parameter group with algorithm 'dion3' or 'dion2'"):
+        FractionScheduler(Dion3([dict(params=[torch.nn.Parameter(torch.ones(3))], algorithm="adamw")]), lambda s: 0.5)
+    with pytest.raises(TypeError, match="callable"):
+        FractionScheduler(opt, 0.25)
+    # set by hand between steps, like lr: checked when the step runs
+    opt.param_groups[1]["fraction"] = 2.0
+    set_grads(params, grads_at(0))
+    with pytest.raises(ValueError, match=r"parameter group 1: fraction must lie in \(0.0, 1.0\], got 2.0"):
+        opt.step()
+
+
+def _build(params):
+    opt = Dion3(params, lr=0.05, mu=0.6, weight_decay=0.1)
+    return opt, FractionScheduler(opt, FractionWarmup(0.25, 6))
+
+
+@pytest.mark.parametrize("optimizer_first", [True, False])
+def test_state_dict_round_trip_mid_schedule_is_bit_identical(optimizer_first):
+    unbroken, resumed = make_params(), make_params()
+    opt_u, sched_u = _build(unbroken)
+    opt_r, sched_r = _build(resumed)
+    for step in range(8):
+        if step == 3:  # mid-schedule: save, rebuild everything, load
+            buffer = io.BytesIO()
+            torch.save({"model": [p.detach() for p in resumed], "optim": opt_r.state_dict(), "sched": sched_r.state_dict()}, buffer)
+            buffer.seek(0)
+            saved = torch.load(buffer, weights_only=True)
+            resumed = [torch.nn.Parameter(t.clone()) for t in saved["model"]]
+            opt_r, sched_r = _build(resumed)
+            assert opt_r.param_groups[0]["fraction"] == 1.0  # a fresh scheduler starts at step 0
+            loads = [lambda: opt_r.load_state_dict(saved["optim"]), lambda: sched_r.load_state_dict(saved["sched"])]
+            for load in loads if optimizer_first else loads[::-1]:
+                load()
+            assert sched_r.last_step == 3 and opt_r.param_groups[0]["fraction"] == FractionWarmup(0.25, 6)(3)
+        for params, opt, sched in ((unbroken, opt_u, sched_u), (resumed, opt_r, sched_r)):
+            set_grads(params, grads_at(step))
+            opt.step()
+            sched.step()
+    for a, b in zip(unbroken, resumed):
+        assert torch.equal(a, b)
+    for a, b in zip(unbroken, resumed):
+        for key, value in opt_u.state[a].items():
+            assert torch.equal(value, opt_r.state[b][key]), key
+
+
+def test_resume_without_scheduler_state_differs():
+    """The round trip above can fail: restarting the schedule from step 0 changes the run."""
+    unbroken, resumed = make_params(), make_params()
+    opt_u, sched_u = _build(unbroken)
+    opt_r, sched_r = _build(resumed)
+    for step in range(6):
+        if step == 3:
+            saved = copy.deepcopy(opt_r.state_dict())
+            opt_r, sched_r = _build(resumed)
+            opt_r.load_state_dict(saved)  # the scheduler's state is not loaded
+        for params, opt, sched in ((unbroken, opt_u, sched_u), (resumed, opt_r, sched_r)):
+            set_grads(params, grads_at(step))
+            opt.step()
+            sched.step()
+    assert any(not torch.equal(a, b) for a, b in zip(unbroken, resumed))
+
+
+def test_scheduler_state_dict_is_checked():
+    opt, sched = _build(make_params())
+    with pytest.raises(ValueError, match="last_step"):
+        sched.load_state_dict({"last_step": -1})
+    with pytest.raises(ValueError, match="does not match"):
+        sched.load_state_dict({"last_step": 2, "groups": [3]})
+
+
+# ------------------------------------------------------------------------- captured step bookkeeping
+class _RecordedGraph:
+    """Stands in for a CUDA graph on the CPU: replaying runs the step eagerly, after checking that
+    the selection is the one it was captured with (a real graph's shapes are fixed)."""
+
+    def __init__(self, owner, key):
+        self.owner, self.key, self.replays = owner, key, 0
+
+    def replay(self):
+        assert selection_key(self.owner.optimizer) == self.key, "a graph replayed for another k"
+        self.replays += 1
+        # a graph reads the gradient buffers it was captured with, whatever .grad is now
+        params, current = self.owner._params, [p.grad for p in self.owner._params]
+        for p, static in zip(params, self.owner._static_grads):
+            p.grad = static
+        self.owner.optimizer.step()
+        for p, grad in zip(params, current):
+            p.grad = grad
+
+
+class _CPUCapturedStep(CapturedStep):
+    """CapturedStep's own bookkeeping with the device work replaced (its constructor needs CUDA)."""
+
+    def __init__(self, optimizer, warmup_steps, max_graphs):
+        to_device_scalars(optimizer, torch.device("cpu"))
+        self._start(optimizer, warmup_steps, max_graphs, torch.device("cpu"))
+        self.log = []
+
+    def _eager_step(self):
+        self.log.append(("eager", self._key))
+        self.optimizer.step()
+
+    def _record(self):
+        self.log.append(("capture", self._key))
+        return _RecordedGraph(self, self._key)
+
+    def _replay(self, graph):
+        self.log.append(("replay", graph.key))
+        graph.replay()
+
+
+def test_captured_step_keeps_one_graph_per_k_and_drops_the_least_recent():
+    """warmup_steps=2, max_graphs=2, 16/20-row matrices: fractions 1 (k 16, 20), 0.625 (10, 13),
+    0.25 (4, 5) from FractionWarmup(levels=3), then back to 1 by hand: a dropped k is captured
+    again (its kernels were compiled by its eager steps already). Fresh gradient tensors every
+    step (set_to_none) must reach the graphs' fixed buffers. Results equal a plain eager run."""
+    shapes = [(16, 12), (20, 8)]
+    params, plain = make_params(shapes), make_params(shapes)
+    opt = Dion3(params, lr=0.05, weight_decay=0.1)
+    opt_plain = Dion3(plain, lr=0.05, weight_decay=0.1)
+    step = _CPUCapturedStep(opt, warmup_steps=2, max_graphs=2)
+    scheduler = FractionScheduler(opt, FractionWarmup(0.25, 12, levels=3))
+    fractions = []
+    for i in range(16):
+        if i == 13:
+            opt.param_groups[0]["fraction"] = 1.0
+        fractions.append(opt.param_groups[0]["fraction"])
+        opt_plain.param_groups[0]["fraction"] = fractions[-1]
+        for p, g in zip(params, grads_at(i, shapes)):
+            p.grad = g.clone()  # a new tensor every step
+        set_grads(plain, grads_at(i, shapes))
+        step()
+        opt_plain.step()
+        if i < 12:
+            scheduler.step()
+    full, mid, low = (16, 20), (10, 13), (4, 5)
+    assert fractions == [1.0] * 3 + [0.625] * 6 + [0.25] * 4 + [1.0] * 3
+    expected = (
+        [("eager", full)] * 2 + [("capture", full), ("replay", full)]
+        + [("eager", mid)] * 2 + [("capture", mid), ("replay", mid)] + [("replay", mid)] * 3
+        + [("eager", low)] * 2 + [("capture", low), ("replay", low)] + [("replay", low)]
+        + [("capture", full), ("replay", full)] + [("replay", full)] * 2
+    )
+    assert step.log == expected
+    assert step.captures == 4 and list(step.graphs) == [low, full]  # mid was dropped for full
+    assert step.eager_calls == {full: 2, mid: 2, low: 2}
+    assert step.graph is step.graphs[full] and step.calls == 16
+    for a, b in zip(params, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_captured_step_runs_a_changing_k_eagerly():
+    """A fraction that changes k every step never reaches warmup_steps + 1 calls for one k: no
+    graph until the schedule settles."""
+    opt = Dion3(make_params([(16, 12)]), lr=0.05)
+    step = _CPUCapturedStep(opt, warmup_steps=3, max_graphs=4)
+    scheduler = FractionScheduler(opt, FractionWarmup(0.25, 12))
+    for i in range(20):
+        set_grads(opt.param_groups[0]["params"], grads_at(i, [(16, 12)]))
+        step()
+        scheduler.step()
+    kinds = [kind for kind, _ in step.log]
+    assert kinds[:15] == ["eager"] * 15  # 12 warm-up steps (k 16 → 5) + 3 at k = 4
+    assert kinds[15:] == ["capture"] + ["replay"] * 5 and step.captures == 1
+
+
+def test_captured_step_of_a_torch_optimizer_has_one_selection():
+    """No Dion3 group (here torch's SGD, which has no 'algorithm' key): one graph, as before."""
+    weight = torch.nn.Parameter(torch.ones(4, 3))
+    step = _CPUCapturedStep(torch.optim.SGD([weight], lr=0.1), warmup_steps=2, max_graphs=4)
+    for _ in range(4):
+        weight.grad = torch.ones(4, 3)
+        step()
+    assert [kind for kind, _ in step.log] == ["eager", "eager", "capture", "replay", "replay"]
+    assert list(step.graphs) == [()] and torch.allclose(weight, torch.full((4, 3), 0.6))
+
+
+def test_captured_step_argument_checks():
+    with pytest.raises(ValueError, match="max_graphs"):
+        CapturedStep(Dion3(make_params()), max_graphs=0)
+
+
+# ------------------------------------------------------------------------- distributed (gloo)
+def test_distributed_schedule_matches_one_process(tmp_path):
+    import schedule_worker
+
+    out = tmp_path / "results.json"
+    mp.spawn(schedule_worker.worker, args=(2, str(out)), nprocs=2)
+    results = json.loads(out.read_text())
+    for name, error in results["errors"].items():
+        assert error <= 1e-5, (name, error)
+    assert set(results["errors"]) == {f"{layout}/{scope}" for layout in ("fsdp", "ddp") for scope in ("global", "local")}
+    # four fractions with one k per rank chunk: one cached plan, not four
+    assert results["local_slot_entries"] == [1, 1]
+    assert results["disagreement_raised"] == [True, True]
+
+
+# ------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_schedule_equals_eager_on_cuda():
+    """Levels 1 → ¾ → ½ → ¼ then back to 1 with max_graphs=2 (graphs dropped and captured
+    again, sharing one memory pool), an LR schedule, fresh gradient tensors every other step."""
+    device = "cuda"
+    shapes = [(256, 128)] * 3 + [(128, 384), (4, 64, 96)]
+    eager, graph = make_params(shapes, device=device), make_params(shapes, device=device)
+    opt_eager = Dion3(eager, lr=0.02, mu=0.6, weight_decay=0.1)
+    opt_graph = Dion3(graph, lr=0.02, mu=0.6, weight_decay=0.1)
+    to_device_scalars(opt_eager, torch.device(device))
+    step = CapturedStep(opt_graph, warmup_steps=2, max_graphs=2)
+    warmup = FractionWarmup(0.25, 24, levels=4)
+    schedules = [FractionScheduler(o, warmup) for o in (opt_eager, opt_graph)]
+    lrs = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=40) for o in (opt_eager, opt_graph)]
+    for i in range(40):
+        if i == 32:
+            for o in (opt_eager, opt_graph):
+                o.param_groups[0]["fraction"] = 1.0
+        if i % 2:
+            for p in graph:
+                p.grad = None
+        for params in (eager, graph):
+            for p, g in zip(params, grads_at(i, shapes, device=device)):
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.copy_(g)
+        opt_eager.step()
+        step()
+        for s in lrs + (schedules if i < 32 else []):
+            s.step()
+    assert step.captures >= 5 and len(step.graphs) == 2 and step.graph is not None
+    for a, b in zip(eager, graph):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)

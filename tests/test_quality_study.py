@@ -1,0 +1,93 @@
+"""benchmarks/quality_study.py: the run plan, the summary's statistics (by hand), and the CPU
+smoke mode end to end: runs in separate processes, one JSON line each, a rerun skips them."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("quality_study", ROOT / "benchmarks" / "quality_study.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["quality_study"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("quality_study", None)
+
+
+def test_plan_covers_the_grid_short_horizons_first(study):
+    args = study.parse_args(["--horizons", "400,100", "--seeds", "0,1", "--normuon-mu", "0.6,0.8", "--dion3-lr", "0.04",
+                             "--dion3-mu", "0.3", "--fraction-warmup", "0,50,25%"])
+    runs = study.plan_runs(args)
+    # per horizon and seed: 2 NorMuon (μ) + 1 Dion3 lr/μ × 3 warm-ups (0, 50, 25% of the horizon)
+    assert len(runs) == 2 * 2 * (2 + 3)
+    assert [r.horizon for r in runs] == [100] * 10 + [400] * 10
+    assert sorted({r.fraction_warmup for r in runs if r.horizon == 400}) == [0, 50, 100]
+    assert sorted({r.fraction_warmup for r in runs if r.horizon == 100}) == [0, 25, 50]
+    assert len({r.key for r in runs}) == len(runs)
+    assert all(r.fraction is None and r.fraction_warmup == 0 for r in runs if r.optimizer == "normuon")
+    with pytest.raises(SystemExit, match="--fraction-warmup"):
+        study.plan_runs(study.parse_args(["--fraction-warmup", "ten"]))
+    with pytest.raises(SystemExit, match="unknown 'adamw'"):
+        study.plan_runs(study.parse_args(["--optimizers", "adamw"]))
+
+
+def _record(study, optimizer, loss, seed, fraction=None, warmup=0, average=1.0, ms=2.0):
+    run = study.Run("gpt-tiny", optimizer, 0.02, 0.6, fraction, warmup, 400, seed, 16, 20, 0.4, 4, None)
+    return {"key": run.key, "config": json.loads(json.dumps(run.__dict__)), "seed": seed, "horizon": 400,
+            "final_val_loss": loss, "average_fraction": average, "optimizer_ms_median": ms}
+
+
+def test_summary_is_mean_and_standard_deviation_over_seeds(study):
+    records = [
+        _record(study, "normuon", 1.50, 0, ms=3.0), _record(study, "normuon", 1.60, 1, ms=5.0),
+        _record(study, "normuon", 1.70, 2, ms=4.0),
+        _record(study, "dion3", 1.40, 0, 0.25, 100, average=0.4375, ms=1.0),
+        _record(study, "dion3", 1.44, 1, 0.25, 100, average=0.4375, ms=3.0),
+    ]
+    table = study.summary_table(records).splitlines()
+    assert len(table) == 2 + 2
+    dion3, normuon = table[2], table[3]  # best mean loss first
+    assert "| Dion3 f=0.25 | 1 → 0.25 over 100 steps |" in dion3 and "| 2 | 1.4200 ± 0.0283 | 0.438 | 2.00 |" in dion3
+    assert f"{statistics.stdev([1.5, 1.6, 1.7]):.4f}" == "0.1000"
+    assert "| NorMuon | — |" in normuon and "| 3 | 1.6000 ± 0.1000 | 1.000 | 4.00 |" in normuon
+
+
+@pytest.mark.slow
+def test_smoke_study_writes_one_line_per_run_and_skips_finished_runs(study, tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = (ROOT / "src" / "dion3" / "rules.py").read_bytes()
+    for i in range(12):
+        (corpus / f"f{i}.py").write_bytes(text[i * 500:(i + 1) * 500 + 2000])
+    out = tmp_path / "study"
+    base = ["--smoke", "--data", str(corpus), "--out", str(out)]
+    assert study.main(base + ["--seeds", "0"]) == 0
+    first = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(first) == 3  # NorMuon, Dion3 fixed, Dion3 with a 4-step warm-up, at 8 steps
+    for record in first:
+        assert record["horizon"] == 8 and record["seed"] == 0 and record["config"]["model"] == "gpt-tiny"
+        assert record["final_val_loss"] < math.log(256) and record["optimizer_ms_median"] > 0  # below the uniform loss
+    fractions = sorted(r["average_fraction"] for r in first)
+    # fixed ¼; warm-up 1 → ¼ over 4 steps then ¼: (1 + 0.8125 + 0.625 + 0.4375 + 4·0.25)/8; NorMuon: every row
+    assert fractions == [0.25, pytest.approx((1 + 0.8125 + 0.625 + 0.4375 + 1.0) / 8), 1.0]
+    # a study killed while writing leaves a cut line: ignored, and seed 1's runs are added
+    with open(out / "results.jsonl", "a") as handle:
+        handle.write('{"key": "cut sh')
+    capsys.readouterr()
+    assert study.main(base) == 0
+    printed = capsys.readouterr().out
+    assert "6 runs, 3 already in" in printed and "3 to run" in printed
+    records = study.read_results(out / "results.jsonl")
+    assert len(records) == 6 and records[:3] == first
+    summary = (out / "summary.md").read_text()
+    assert summary.count("| gpt-tiny | 8 |") == 3 and summary.count("| 2 |") == 3
