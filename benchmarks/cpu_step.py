@@ -27,7 +27,11 @@ import torch
 
 from dion3.bench.presets import llama
 from dion3.bench.step import make_optimizer, make_parameters, parse_variant
-from dion3.ortho import cpu_compute_dtype
+try:
+    from dion3.ortho import cpu_compute_dtype
+except ImportError:  # commits before the CPU dtype choice: always float32
+    def cpu_compute_dtype() -> torch.dtype:
+        return torch.float32
 
 
 def commit() -> str:

@@ -62,16 +62,12 @@ def post_update_reference(
         torch._foreach_mul_(group, factor)
     coefficient = step if row_scale is None else row_scale.to(compute) * step
     change = update.to(compute) * coefficient  # [N, k, C]
-    offset = 0
-    for work in works:
-        count = work.shape[0]
-        piece = change[offset : offset + count].to(work.dtype)
-        if rows is None:
-            work.sub_(piece)
-        else:
-            for b in range(count):
-                work[b].index_add_(0, rows[offset + b], piece[b], alpha=-1)
-        offset += count
+    if rows is None:
+        torch._foreach_sub_(works, [piece.to(w.dtype) for w, piece in zip(works, change.split([w.shape[0] for w in works]))])
+    else:  # one index_add_ per matrix, on views made in bulk (Python indexing costs ~µs each)
+        matrices = [m for w in works for m in w.unbind(0)]
+        for matrix, selected, piece in zip(matrices, rows.unbind(0), change.unbind(0)):
+            matrix.index_add_(0, selected, piece.to(matrix.dtype), alpha=-1)
     for work, param in zip(works, params):
         if work is not param:
             param.copy_(work)

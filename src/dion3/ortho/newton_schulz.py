@@ -93,11 +93,19 @@ def _normalized_wide(x: Tensor, scaling: InputScaling, norm: Optional[Tensor] = 
 
 
 def newton_schulz(x: Tensor, schedule: Schedule) -> Tensor:
-    """Standard NS on a normalized wide batch: X ← aX + (bA + cA²)X, A = XXᵀ."""
+    """Standard NS on a normalized wide batch: X ← aX + (bA + cA²)X, A = XXᵀ.
+
+    Off CUDA in float32/float64, X ← (aI + bA + cA²)·X: a enters on the diagonal of the n×n
+    polynomial and one product writes the new X (a CPU baddbmm first copies its n×m input into
+    the output). Not in half precision: a ≈ 8 rounded into a bf16 diagonal loses 0.03."""
+    fold_identity = x.device.type != "cuda" and x.dtype in (torch.float32, torch.float64)
     for a, b, c in schedule.steps:
         gram, spare = gram_with_copy(x)
         poly = symmetric_matmul(gram, gram, gram, alpha=c, beta=b)
-        if spare is not None:  # a copy of X came with A: update it in place, no copy into a new output
+        if fold_identity:
+            poly.diagonal(dim1=-2, dim2=-1).add_(a)
+            x = torch.bmm(poly, x)
+        elif spare is not None:  # a copy of X came with A: update it in place, no copy into a new output
             x = spare.baddbmm_(poly, x, beta=a, alpha=1.0)
         else:
             x = torch.baddbmm(x, poly, x, beta=a, alpha=1.0)
