@@ -35,12 +35,17 @@ except ImportError:  # commits before the CPU dtype choice: always float32
 
 
 def commit() -> str:
+    """The commit of the dion3 package being timed (not of this script), +dirty if modified."""
+    import dion3
+
+    where = os.path.dirname(dion3.__file__)
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
+        head = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no", "."],
+                               capture_output=True, text=True).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return f"unknown ({where} is not in a git checkout)"
 
 
 def cpu_name() -> str:
