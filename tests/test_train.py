@@ -13,7 +13,9 @@ from torch import nn
 from dion3 import Dion3, param_groups
 from dion3.train import compare, data
 from dion3.train.model import GPT, GPTConfig, padded_vocab
-from dion3.train.trainer import RunSpec, Schedule, resolve_device, train
+from dion3.optim.graph import to_device_scalars
+from dion3.train import trainer
+from dion3.train.trainer import RunSpec, Schedule, resolve_device, train, use_captured_step
 
 TINY = GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=32)
 
@@ -272,7 +274,81 @@ def test_device_selection():
         resolve_device("gpu0")
 
 
+def test_captured_step_by_default_on_a_gpu_only():
+    assert use_captured_step(torch.device("cuda")) and use_captured_step(torch.device("cuda:1"), eager=False)
+    assert not use_captured_step(torch.device("cuda"), eager=True)
+    assert not use_captured_step(torch.device("cpu")) and not use_captured_step(torch.device("cpu"), eager=True)
+
+
+class FakeCapturedStep:
+    """Stands in for CapturedStep on the CPU: it makes lr a device tensor as the real one does,
+    and checks at every call that the trainer filled that same tensor with the scheduled lr."""
+
+    instances: list = []
+
+    def __init__(self, optimizer):
+        self.optimizer, self.seen = optimizer, []
+        to_device_scalars(optimizer, torch.device("cpu"))
+        self.lr_tensors = [g["lr"] for g in optimizer.param_groups]
+        FakeCapturedStep.instances.append(self)
+
+    def __call__(self):
+        groups = self.optimizer.param_groups
+        assert all(g["lr"] is t for g, t in zip(groups, self.lr_tensors)), "lr tensor replaced: a graph would not see it"
+        self.seen.append([float(g["lr"]) / g["initial_lr"] for g in groups])
+        self.optimizer.step()
+
+
+def test_trainer_drives_a_captured_step_through_device_lr_and_kept_gradients(monkeypatch):
+    """The wiring of captured=True, run on the CPU with the graph faked: the step object is
+    called once per step, the lr schedule reaches it through the same tensors, gradients are
+    zeroed in place (the buffers a graph reads), and the run matches the eager one."""
+    FakeCapturedStep.instances = []
+    monkeypatch.setattr(trainer, "CapturedStep", FakeCapturedStep)
+    tokens = _periodic_text(3000)
+    corpus = data.TokenData(tokens[:2500], tokens[2500:], 256, "periodic")
+    schedule = Schedule(steps=6, batch_size=4, eval_every=3, eval_batches=1, warmup_steps=2, cooldown_fraction=0.5)
+    spec = RunSpec("d", "dion3", 0.04, 0.25)
+    eager = train(spec, TINY, schedule, corpus, torch.device("cpu"), seed=3)
+    captured = train(spec, TINY, schedule, corpus, torch.device("cpu"), seed=3, captured=True)
+    (fake,) = FakeCapturedStep.instances
+    expected = [schedule.lr_multiplier(step) for step in range(schedule.steps)]
+    assert len(fake.seen) == schedule.steps
+    for row, multiplier in zip(fake.seen, expected):  # every group, float32 lr tensors
+        assert row == pytest.approx([multiplier] * len(row), rel=1e-6)
+    assert all(p.grad is not None for g in fake.optimizer.param_groups for p in g["params"])
+    assert captured.train_losses == pytest.approx(eager.train_losses, rel=1e-4)
+    assert captured.val_losses == pytest.approx(eager.val_losses, rel=1e-4)
+
+
 # ----------------------------------------------------------------------------- dion3 compare
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("device, flags, expected", [
+    ("cuda", [], True), ("cuda", ["--eager"], False), ("cpu", [], False), ("cpu", ["--eager"], False),
+])
+def test_compare_captures_gpu_steps_unless_eager(tmp_path, monkeypatch, capsys, device, flags, expected):
+    """The device is faked (no GPU needed): compare must hand train() captured=True on CUDA by
+    default, False with --eager and always False on the CPU."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_bytes(bytes(_periodic_text(4000).tolist()))
+    seen = {}
+
+    def fake_train(*args, **kwargs):
+        seen.update(device=args[4], captured=kwargs.get("captured"))
+        raise _Stop
+
+    monkeypatch.setattr(compare, "resolve_device", lambda requested: torch.device(device))
+    monkeypatch.setattr(compare, "train", fake_train)
+    with pytest.raises(_Stop):
+        compare.main(["--optimizers", "muon", "--data", str(corpus), "--out", str(tmp_path / "out"), *flags])
+    assert seen == {"device": torch.device(device), "captured": expected}
+    assert ("captured optimizer steps" if expected else "eager optimizer steps") in capsys.readouterr().out
+
+
 def test_compare_command_writes_table_logs_and_plot(tmp_path, monkeypatch, capsys):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

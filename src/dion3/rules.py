@@ -96,6 +96,8 @@ def pre_step(
     want_norm: also return each matrix's Frobenius norm of U ([N, 1, 1], float32 or wider),
     summed from per-row squares that the momentum pass measures on the way (so Newton–Schulz
     need not read U again to normalize it); None for Nesterov, whose U that pass never sees.
+    Dion3 off CUDA measures the snapshot U instead (k rows rather than all of them), then
+    scales it in place.
     scaling (Dion3 only, from ortho.input_scaling for the [N, k, C] selection): the snapshot
     writes U already normalized in Newton–Schulz's compute dtype (normalized=True), sparing
     the float32 copy of U and the pass that scales it.
@@ -106,9 +108,21 @@ def pre_step(
         update = _stacked(grads).add(momentum, alpha=cfg.mu) if cfg.nesterov else momentum
         return PreStep(update, None, _frobenius(squares))
     measure = want_norm or scaling is not None
-    scores, squares = accumulate_momentum(momentum, grads, 1.0, scores=rows is None, squares=measure)
+    # The fused CUDA momentum pass measures row squares for free; elsewhere that costs a pass
+    # over all R rows, against one over the k rows of the snapshot: measure U there instead.
+    on_the_way = momentum.device.type == "cuda"
+    scores, squares = accumulate_momentum(momentum, grads, 1.0, scores=rows is None, squares=measure and on_the_way)
     if rows is None:
         rows = top_rows(scores, selected_row_count(momentum.shape[-2], cfg.fraction))
+    if measure and not on_the_way:
+        update = snapshot_rows(momentum, rows, cfg.mu)  # a fresh copy: scaled in place
+        # the same row-wise sums as the momentum pass would give: no rounding difference
+        norm = _frobenius(torch.linalg.vector_norm(update, dim=-1, dtype=torch.promote_types(update.dtype, torch.float32)).square())
+        if scaling is None:
+            return PreStep(update, rows, norm)
+        factor = scaling.factor(norm)
+        scaled = update.mul_(factor) if update.dtype == scaling.dtype else (update * factor).to(scaling.dtype)
+        return PreStep(scaled, rows, norm, True)
     norm = _frobenius(squares.gather(-1, rows)) if measure else None
     if scaling is None:
         return PreStep(snapshot_rows(momentum, rows, cfg.mu), rows, norm)

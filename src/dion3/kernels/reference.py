@@ -47,23 +47,30 @@ def post_update_reference(
     With row_scale ([N, k] or [N, k, 1], one factor per row of update) the change of row i is
     step·row_scale[i]·update[i] (NorMuon's normalization, without a scaled copy of update).
     Computed in float32 and rounded once to the param's dtype.
+
+    One decay call for all params and one product for the whole change; the selected rows are
+    then subtracted with index_add_ per matrix (several times faster on CPU than gather, sub
+    and scatter, and the same arithmetic: decayed row + (−change), rounded once).
     """
     row_scale = row_scale_column(row_scale, update)
-    offset = 0
-    for param in params:
-        count = param.shape[0]
-        compute = torch.promote_types(param.dtype, torch.float32)  # float64 params stay float64
-        piece = update[offset : offset + count].to(compute)
-        work = param.to(compute).mul_(decay)  # a copy for low-precision params; in place otherwise
-        coefficient = step if row_scale is None else row_scale[offset : offset + count].to(compute) * step
-        if rows is None:
-            work.sub_(piece * coefficient)
-        else:
-            index = rows[offset : offset + count].unsqueeze(-1).expand(-1, -1, param.shape[-1])
-            work.scatter_(1, index, work.gather(1, index) - piece * coefficient)
-        if work.data_ptr() != param.data_ptr():
+    # float64 params stay float64; half-precision params are updated in a float32 copy
+    works = [p if p.dtype == torch.promote_types(p.dtype, torch.float32) else p.float() for p in params]
+    compute = torch.promote_types(update.dtype, works[0].dtype) if works else update.dtype
+    for dtype in {w.dtype for w in works}:
+        group = [w for w in works if w.dtype == dtype]
+        factor = decay.to(dtype) if isinstance(decay, Tensor) else decay
+        torch._foreach_mul_(group, factor)
+    coefficient = step if row_scale is None else row_scale.to(compute) * step
+    change = update.to(compute) * coefficient  # [N, k, C]
+    if rows is None:
+        torch._foreach_sub_(works, [piece.to(w.dtype) for w, piece in zip(works, change.split([w.shape[0] for w in works]))])
+    else:  # one index_add_ per matrix, on views made in bulk (Python indexing costs ~µs each)
+        matrices = [m for w in works for m in w.unbind(0)]
+        for matrix, selected, piece in zip(matrices, rows.unbind(0), change.unbind(0)):
+            matrix.index_add_(0, selected, piece.to(matrix.dtype), alpha=-1)
+    for work, param in zip(works, params):
+        if work is not param:
             param.copy_(work)
-        offset += count
 
 
 def accumulate_momentum_reference(
@@ -80,7 +87,8 @@ def accumulate_momentum_reference(
     else:
         torch._foreach_add_(list(momentum.split([g.shape[0] for g in grads])), list(grads))
     dtype = torch.promote_types(momentum.dtype, torch.float32)
-    l1 = torch.linalg.vector_norm(momentum, ord=1, dim=-1, dtype=dtype) if scores else None
+    # abs + sum: ~2.5× faster on CPU than vector_norm(ord=1), whose reduction is not vectorized
+    l1 = momentum.abs().sum(dim=-1, dtype=dtype) if scores else None
     l2_squared = torch.linalg.vector_norm(momentum, dim=-1, dtype=dtype).square() if squares else None
     return l1, l2_squared
 
@@ -91,9 +99,18 @@ def snapshot_rows_reference(
     """U = momentum[rows] (a copy) and momentum[rows] ← mu·momentum[rows]; rows: [N, k].
     With scale ([N, 1, 1] per matrix or [N, k, 1] per row) returns U·scale in out_dtype
     (default: momentum's) instead."""
-    index = rows.unsqueeze(-1).expand(*rows.shape, momentum.shape[-1])
-    update = momentum.gather(-2, index)
-    momentum.scatter_(-2, index, update * mu)
+    width = momentum.shape[-1]
+    if momentum.dim() == 3 and momentum.is_contiguous():  # rows of the flat [N·R, C] view:
+        # index_select/index_copy_ move whole rows, ~1.7× faster on CPU than gather/scatter
+        count, height, _ = momentum.shape
+        flat = momentum.view(count * height, width)
+        index = (rows + torch.arange(count, device=rows.device).unsqueeze(1) * height).reshape(-1)
+        update = flat.index_select(0, index).view(*rows.shape, width)
+        flat.index_copy_(0, index, (update * mu).view(-1, width))
+    else:
+        index = rows.unsqueeze(-1).expand(*rows.shape, width)
+        update = momentum.gather(-2, index)
+        momentum.scatter_(-2, index, update * mu)
     if scale is None:
         return update if out_dtype in (None, update.dtype) else update.to(out_dtype)
     return scale_cast_reference(update, scale, out_dtype or update.dtype)

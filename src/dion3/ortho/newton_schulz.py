@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..kernels import contiguous_cast, gram_with_copy, scale_cast, symmetric_matmul, symmetric_speedup
 from .coefficients import CoefficientSpec, Schedule, get_schedule
+from .precision import cpu_compute_dtype
 from .restarts import default_restarts
 
 METHODS = ("auto", "newton_schulz", "gram")
@@ -44,11 +45,14 @@ def _resolve(rows: int, cols: int, device: torch.device, method: str) -> str:
 
 
 def default_compute_dtype(device: torch.device, method: str, input_dtype: torch.dtype = torch.float32) -> torch.dtype:
-    """bf16 for standard NS and fp16 for Gram NS on GPU (fp16 has more mantissa and R ≤ 1);
-    on CPU, where half-precision matmuls are slow and gain nothing, float32 (float64 inputs
-    stay float64)."""
+    """bf16 for standard NS and fp16 for Gram NS on GPU (fp16 has more mantissa and R ≤ 1).
+    On CPU: float64 inputs stay float64; Gram NS runs in float32; standard NS in
+    precision.cpu_compute_dtype() (bf16 where this CPU's bf16 products are clearly faster,
+    else float32; DION3_CPU_NS_DTYPE / set_cpu_compute_dtype choose explicitly)."""
     if device.type != "cuda":
-        return torch.float64 if input_dtype == torch.float64 else torch.float32
+        if input_dtype == torch.float64:
+            return torch.float64
+        return torch.float32 if method == "gram" else cpu_compute_dtype()
     return torch.float16 if method == "gram" else torch.bfloat16
 
 
@@ -89,11 +93,19 @@ def _normalized_wide(x: Tensor, scaling: InputScaling, norm: Optional[Tensor] = 
 
 
 def newton_schulz(x: Tensor, schedule: Schedule) -> Tensor:
-    """Standard NS on a normalized wide batch: X ← aX + (bA + cA²)X, A = XXᵀ."""
+    """Standard NS on a normalized wide batch: X ← aX + (bA + cA²)X, A = XXᵀ.
+
+    Off CUDA in float32/float64, X ← (aI + bA + cA²)·X: a enters on the diagonal of the n×n
+    polynomial and one product writes the new X (a CPU baddbmm first copies its n×m input into
+    the output). Not in half precision: a ≈ 8 rounded into a bf16 diagonal loses 0.03."""
+    fold_identity = x.device.type != "cuda" and x.dtype in (torch.float32, torch.float64)
     for a, b, c in schedule.steps:
         gram, spare = gram_with_copy(x)
         poly = symmetric_matmul(gram, gram, gram, alpha=c, beta=b)
-        if spare is not None:  # a copy of X came with A: update it in place, no copy into a new output
+        if fold_identity:
+            poly.diagonal(dim1=-2, dim2=-1).add_(a)
+            x = torch.bmm(poly, x)
+        elif spare is not None:  # a copy of X came with A: update it in place, no copy into a new output
             x = spare.baddbmm_(poly, x, beta=a, alpha=1.0)
         else:
             x = torch.baddbmm(x, poly, x, beta=a, alpha=1.0)
@@ -151,7 +163,8 @@ def orthogonalize(
     coefficients: "polar_express", "jordan", "you" or an explicit list of (a, b, c).
     restarts: Gram NS restart positions (steps after which to restart); None picks the
     autotuned default for the schedule (one restart).
-    dtype: compute dtype; None means bf16 (NS) / fp16 (Gram) on CUDA and float32 on CPU.
+    dtype: compute dtype; None means bf16 (NS) / fp16 (Gram) on CUDA; on CPU float32, or bf16
+    for standard NS where the CPU's bf16 products are clearly faster (see ortho.precision).
     out_dtype: dtype of the result; None means x's dtype.
     norm: the Frobenius norm of each matrix of x (shape [B, 1, 1] for the flattened batch of B
     matrices) when the caller already knows it; None measures it.

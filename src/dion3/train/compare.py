@@ -23,7 +23,7 @@ import torch
 from .data import load_data
 from .model import GPTConfig
 from .plot import plot_validation
-from .trainer import RunResult, RunSpec, Schedule, resolve_device, train
+from .trainer import RunResult, RunSpec, Schedule, resolve_device, train, use_captured_step
 
 DEFAULT_OPTIMIZERS = ("adamw", "muon", "normuon", "dion3-f0.5", "dion3-f0.25")
 
@@ -111,6 +111,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--device", help="auto, cpu or cuda[:N] (preset default otherwise)")
     parser.add_argument("--seed", type=int, default=0, help="model initialization and batch order (default 0)")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: the preset's, else torch's choice)")
+    parser.add_argument("--eager", action="store_true",
+                        help="on a GPU, run eager optimizer steps instead of one captured CUDA graph per step "
+                             "(the default there); CPU steps are always eager")
     args = parser.parse_args(argv)
     for name in ("steps", "batch_size", "eval_every", "threads"):
         value = getattr(args, name)
@@ -204,23 +207,26 @@ def _compare(args: argparse.Namespace) -> int:
     changes = {k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("eval_every", args.eval_every)) if v}
     schedule = dataclasses.replace(preset.schedule, **changes)
     device = resolve_device(args.device or preset.device)
+    captured = use_captured_step(device, args.eager)
     out = args.out or Path(f"compare-{args.preset}")
     data = load_data(args.data)
     print(f"dion3 compare --preset {args.preset}: {len(specs)} runs × {schedule.steps} steps on {device} "
-          f"(torch {torch.__version__}, {torch.get_num_threads()} threads); data: {data.description}, "
+          f"(torch {torch.__version__}, {torch.get_num_threads()} threads, {'captured' if captured else 'eager'} "
+          f"optimizer steps); data: {data.description}, "
           f"{data.train.numel():,} train / {data.val.numel():,} val tokens", flush=True)
 
     results, started = [], time.perf_counter()
     for spec in specs:
         progress = Progress(spec.label, schedule.steps)
-        results.append(train(spec, preset.model, schedule, data, device, args.seed, preset.bf16, progress.evaluated, progress.step))
+        results.append(train(spec, preset.model, schedule, data, device, args.seed, preset.bf16, progress.evaluated, progress.step,
+                             captured=captured))
         progress.close()
     total_minutes = (time.perf_counter() - started) / 60
 
     table = summary_table(results)
     settings = {
         "preset": args.preset, "model": dataclasses.asdict(preset.model), "schedule": dataclasses.asdict(schedule),
-        "device": str(device), "bf16": preset.bf16, "seed": args.seed, "data": data.description,
+        "device": str(device), "bf16": preset.bf16, "captured_step": captured, "seed": args.seed, "data": data.description,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.platform(),
         "total_minutes": round(total_minutes, 2),
     }

@@ -3,7 +3,8 @@ order, evaluate on a fixed validation set, and time the optimizer step separatel
 
 Times come from CUDA events on a GPU (no host sync inside the step) and from perf_counter on
 the CPU. The first `TIMING_WARMUP` steps are left out of the per-step means (allocation, kernel
-autotuning, lazy initialization).
+autotuning, lazy initialization). On a GPU the optimizer step can run as one captured CUDA graph
+(optim.graph.CapturedStep), as a training loop that cares for speed would run it.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..optim import Dion3, FractionScheduler, FractionWarmup
+from ..optim.graph import CapturedStep
 from .data import TokenData, train_batches, val_batches
 from .groups import param_groups
 from .model import GPT, GPTConfig, padded_vocab
@@ -120,6 +122,23 @@ def resolve_device(requested: str = "auto") -> torch.device:
     return device
 
 
+def use_captured_step(device: torch.device, eager: bool = False) -> bool:
+    """Whether to run the optimizer step as a captured CUDA graph: on a GPU unless eager steps
+    are asked for; never on the CPU (there is no graph to capture)."""
+    return device.type == "cuda" and not eager
+
+
+def set_lr_multiplier(optimizer: torch.optim.Optimizer, multiplier: float) -> None:
+    """lr ← initial_lr · multiplier for every group; a tensor lr (a captured step reads it on
+    the device) is filled in place, so the graph sees the new value."""
+    for group in optimizer.param_groups:
+        value = group["initial_lr"] * multiplier
+        if isinstance(group["lr"], Tensor):
+            group["lr"].fill_(value)
+        else:
+            group["lr"] = value
+
+
 def build_optimizer(model: GPT, spec: RunSpec) -> Dion3:
     # Dion3, Muon and NorMuon share one front-end; each group names its algorithm, so the class
     # only supplies defaults that every group here overrides or does not read.
@@ -149,11 +168,14 @@ def train(
     on_eval: Optional[Callable[[RunResult, int], None]] = None,
     on_step: Optional[Callable[[], None]] = None,
     model_factory: Callable[[GPTConfig], nn.Module] = GPT,
+    captured: bool = False,
 ) -> RunResult:
     """Train a freshly initialized model (same seed → same weights and batches) with `spec`.
 
     model_factory: builds the model from the config (vocabulary padded to the data's); the
-    model maps (tokens, targets) to the mean loss and has an `lm_head` module."""
+    model maps (tokens, targets) to the mean loss and has an `lm_head` module.
+    captured: run the optimizer step through CapturedStep (CUDA only; see use_captured_step);
+    a fraction warm-up then runs its ramp eagerly and is captured once k settles."""
     config = dataclasses.replace(model_config, vocab_size=padded_vocab(data.vocab_size))
     torch.manual_seed(seed)
     model = model_factory(config).to(device)
@@ -164,6 +186,9 @@ def train(
     if spec.fraction_warmup:
         fraction_schedule = FractionScheduler(optimizer, FractionWarmup(spec.fraction, spec.fraction_warmup))
     fractions = []  # the Dion3 group's fraction at each step
+    # Captured: lr lives in device tensors, and gradients are zeroed in place (not set to None)
+    # so that each backward writes the buffers the graph reads, with no copy before a replay.
+    optimizer_step = CapturedStep(optimizer) if captured else optimizer.step
 
     def autocast():
         if bf16 and device.type == "cuda":
@@ -192,17 +217,15 @@ def train(
         with autocast():
             loss = model(inputs, targets)
         loss.backward()
-        multiplier = schedule.lr_multiplier(step)
-        for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * multiplier
+        set_lr_multiplier(optimizer, schedule.lr_multiplier(step))
         optimizer_start = clock.mark()
-        optimizer.step()
+        optimizer_step()
         step_end = clock.mark()
         if spec.algorithm == "dion3":
             fractions.append(optimizer.param_groups[0]["fraction"])
         if fraction_schedule is not None:
             fraction_schedule.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not captured)
         clock.add("optimizer", optimizer_start, step_end)
         clock.add("total", step_start, step_end)
         result.train_losses.append(loss.detach())

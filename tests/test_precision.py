@@ -1,0 +1,169 @@
+"""The CPU compute dtype of Newton–Schulz: the measured choice (with the CPU's capability and
+speed faked), the explicit switches that override it, and the bf16 path's accuracy against
+float64 math."""
+import math
+
+import pytest
+import torch
+
+from dion3 import Muon
+from dion3 import rules
+from dion3.ortho import SCHEDULES, orthogonalize, precision, set_cpu_compute_dtype
+from dion3.ortho.newton_schulz import default_compute_dtype
+from dion3.ortho.quality import relative_difference
+from reference import ReferenceOptimizer
+from test_ortho import known_svd, polynomial_image, scalar_image
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch):
+    """No explicit choice (neither set_cpu_compute_dtype nor the environment, which conftest
+    pins to float32) and no cached measurement, before and after the test."""
+    monkeypatch.delenv(precision.ENV_VAR, raising=False)
+    monkeypatch.setattr(precision, "_override", None)
+    precision.native_bf16_matmul.cache_clear()
+    yield
+    precision.native_bf16_matmul.cache_clear()
+
+
+def fake_cpu(monkeypatch, capability: str, machine: str = "x86_64", speedup=None):
+    """Fake torch's CPU capability, the machine type and the measured bf16 speedup; returns
+    the list of measurements taken (a speedup of None fails the test if it is measured)."""
+    taken = []
+
+    def measure(*args, **kwargs):
+        taken.append(1)
+        assert speedup is not None, f"bf16 speed measured on a {machine} CPU with capability {capability}"
+        return speedup
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(precision.platform, "machine", lambda: machine)
+    monkeypatch.setattr(precision, "bf16_speedup", measure)
+    return taken
+
+
+# ---------------------------------------------------------------- the choice
+
+
+@pytest.mark.parametrize("capability", ["DEFAULT", "NO AVX", "AVX2"])
+def test_x86_without_avx512_gets_float32_without_measuring(monkeypatch, fresh_choice, capability):
+    taken = fake_cpu(monkeypatch, capability, speedup=None)
+    assert precision.cpu_compute_dtype() == torch.float32
+    assert taken == []
+
+
+@pytest.mark.parametrize("speedup, expected", [(2.2, torch.bfloat16), (1.3, torch.bfloat16), (1.2, torch.float32), (0.5, torch.float32)])
+def test_avx512_cpu_takes_bf16_only_when_clearly_faster(monkeypatch, fresh_choice, speedup, expected):
+    taken = fake_cpu(monkeypatch, "AVX512", speedup=speedup)
+    assert precision.cpu_compute_dtype() == expected
+    assert precision.cpu_compute_dtype() == expected
+    assert len(taken) == 1  # decided once per process, then cached
+
+
+@pytest.mark.parametrize("machine, capability", [("aarch64", "DEFAULT"), ("aarch64", "SVE256"), ("ppc64le", "VSX")])
+def test_other_architectures_are_measured(monkeypatch, fresh_choice, machine, capability):
+    taken = fake_cpu(monkeypatch, capability, machine, speedup=3.0)
+    assert precision.cpu_compute_dtype() == torch.bfloat16
+    assert len(taken) == 1
+
+
+def test_explicit_switch_wins_over_the_measurement(monkeypatch, fresh_choice):
+    taken = fake_cpu(monkeypatch, "AVX512", speedup=3.0)
+    set_cpu_compute_dtype(torch.float32)
+    assert precision.cpu_compute_dtype() == torch.float32
+    monkeypatch.setenv(precision.ENV_VAR, "bfloat16")  # the program's choice beats the environment
+    assert precision.cpu_compute_dtype() == torch.float32
+    set_cpu_compute_dtype(None)  # back to the environment
+    assert precision.cpu_compute_dtype() == torch.bfloat16
+    monkeypatch.setenv(precision.ENV_VAR, "float32")
+    assert precision.cpu_compute_dtype() == torch.float32
+    monkeypatch.setenv(precision.ENV_VAR, "auto")
+    assert precision.cpu_compute_dtype() == torch.bfloat16
+    assert len(taken) == 1
+
+
+def test_environment_can_force_bf16_on_a_slow_cpu(monkeypatch, fresh_choice):
+    taken = fake_cpu(monkeypatch, "AVX2", speedup=None)
+    monkeypatch.setenv(precision.ENV_VAR, "bf16")
+    assert precision.cpu_compute_dtype() == torch.bfloat16
+    set_cpu_compute_dtype("bfloat16")
+    assert precision.cpu_compute_dtype() == torch.bfloat16
+    assert taken == []
+
+
+def test_bad_choices_are_rejected_by_name(monkeypatch, fresh_choice):
+    with pytest.raises(ValueError, match=r"set_cpu_compute_dtype\(dtype\).*float16"):
+        set_cpu_compute_dtype(torch.float16)
+    with pytest.raises(ValueError, match=r"set_cpu_compute_dtype\(dtype\).*'fp8'"):
+        set_cpu_compute_dtype("fp8")
+    monkeypatch.setenv(precision.ENV_VAR, "half")
+    with pytest.raises(ValueError, match=r"DION3_CPU_NS_DTYPE.*'half'"):
+        precision.cpu_compute_dtype()
+
+
+def test_only_standard_ns_on_float32_inputs_follows_the_cpu_choice(monkeypatch, fresh_choice):
+    fake_cpu(monkeypatch, "AVX512", speedup=3.0)
+    assert default_compute_dtype(CPU, "newton_schulz", torch.float32) == torch.bfloat16
+    assert default_compute_dtype(CPU, "gram", torch.float32) == torch.float32  # bf16 Gram NS drifts
+    assert default_compute_dtype(CPU, "newton_schulz", torch.float64) == torch.float64
+    assert default_compute_dtype(CPU, "gram", torch.float64) == torch.float64
+
+
+def test_real_measurement_returns_a_ratio():
+    ratio = precision.bf16_speedup(size=32, batch=1, repeats=1)
+    assert math.isfinite(ratio) and ratio > 0
+
+
+# ---------------------------------------------------------------- the bf16 path's accuracy
+
+# bf16 keeps 8 significant bits: unit roundoff u = 2⁻⁸ ≈ 3.9e-3. Each NS step rounds X, A = XXᵀ
+# and bA + cA² to bf16 (products accumulate in float32); errors of early steps are damped as the
+# singular values contract into the band, the last step's are not, so the output differs from
+# the exact float64 image by a few u when every singular value converges (spectra down to 0.1:
+# 0.010–0.019 measured, float32: ~3e-6). 10u = 0.039 bounds that with a 2× margin, and is four
+# orders of magnitude above what a float32 computation would show.
+BF16_TOLERANCE = 10 * 2.0**-8
+
+
+@pytest.mark.parametrize("rows, cols", [(32, 32), (64, 64), (96, 48), (256, 256)])
+def test_bf16_cpu_path_is_close_to_the_float64_image(monkeypatch, fresh_choice, rows, cols):
+    fake_cpu(monkeypatch, "AVX512", speedup=3.0)
+    schedule = SCHEDULES["polar_express"]
+    x, u, sigma, v = known_svd(3, rows, cols, 0.1)
+    expected, _ = polynomial_image(schedule, u, sigma, v)
+    ortho = rules.orthogonalize_rows(x.float(), "newton_schulz", "polar_express")
+    assert ortho.dtype == torch.bfloat16  # ran in bf16, left in it for the update
+    assert relative_difference(ortho, expected).max() < BF16_TOLERANCE
+    out = orthogonalize(x.float(), "newton_schulz")
+    assert out.dtype == torch.float32
+    assert relative_difference(out, expected).max() < BF16_TOLERANCE
+
+
+def polynomial_polar(u: torch.Tensor) -> torch.Tensor:
+    """Polar Express's image of u in float64, from its SVD: what the optimizers' Newton–Schulz
+    computes with exact arithmetic."""
+    schedule = SCHEDULES["polar_express"]
+    left, sigma, right = torch.linalg.svd(u.double(), full_matrices=False)
+    sigma_hat = sigma / (schedule.norm_scale * sigma.norm(dim=-1, keepdim=True))
+    image = torch.from_numpy(scalar_image(schedule, sigma_hat.numpy()))
+    return (left * image[..., None, :]) @ right
+
+
+def test_muon_step_with_bf16_cpu_ns_tracks_float64(monkeypatch, fresh_choice):
+    """A Muon step whose Newton–Schulz ran in bf16 moves the weights as float64 math does, up to
+    bf16 precision in the update (the update is lr·O, so its error is lr·‖O‖·tolerance)."""
+    fake_cpu(monkeypatch, "AVX512", speedup=3.0)
+    lr = 0.05
+    grads = [known_svd(1, 48, 48, 0.1)[0][0].float(), known_svd(1, 24, 48, 0.1)[0][0].float()]
+    params = [torch.nn.Parameter(torch.randn(g.shape)) for g in grads]
+    reference = ReferenceOptimizer(params, "muon", lr=lr, adjust_lr=None, orthogonalizer=polynomial_polar)
+    optimizer = Muon(params, lr=lr, weight_decay=0.0, adjust_lr=None, orthogonalizer="newton_schulz")
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    before = [p.detach().double().clone() for p in params]
+    optimizer.step()
+    reference.step(grads)
+    for p, old, expected in zip(params, before, reference.params):
+        assert relative_difference(p.detach().double() - old, expected - old) < BF16_TOLERANCE
