@@ -9,13 +9,13 @@ sharded state while the step runs batched.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ..buckets import Bucket, matrix_view
 from .mesh import DTensor, MeshInfo, is_row_sharded, local_row_span, local_tensor
 
 
@@ -55,39 +55,8 @@ def owned_matrices(count: int, world_size: int, rank: int) -> range:
     return range(min(rank * block, count), min((rank + 1) * block, count))
 
 
-def bucket_subset(bucket, keep: list[int]):
-    """A temporary bucket (same type: Bucket or a distributed ShardedBucket) of the parameters
-    `keep`, holding copies of their state, and the spans of that state in `bucket`."""
-    offsets = [0]
-    for view in bucket.views:
-        offsets.append(offsets[-1] + view.shape[0])
-    spans = [slice(offsets[i], offsets[i + 1]) for i in keep]
-    sub = copy.copy(bucket)
-    sub.params = [bucket.params[i] for i in keep]
-    sub.views = [bucket.views[i] for i in keep]
-    sub.momentum = torch.cat([bucket.momentum[s] for s in spans])
-    if bucket.variance is not None:
-        sub.variance = torch.cat([bucket.variance[s] for s in spans])
-    if hasattr(sub, "slot_cache"):  # plans cached for the whole bucket do not fit the subset
-        sub.slot_cache = {}
-    return sub, spans
-
-
-def write_back_subset(bucket, sub, spans: list[slice]) -> None:
-    """Copy a stepped bucket_subset's state back into `bucket`."""
-    start = 0
-    for span in spans:
-        stop = start + span.stop - span.start
-        bucket.momentum[span].copy_(sub.momentum[start:stop])
-        if bucket.variance is not None:
-            bucket.variance[span].copy_(sub.variance[start:stop])
-        start = stop
-
-
 def build_buckets(optimizer, group: dict, mesh: MeshInfo) -> list:
     """Buckets of one matrix group; replicated ones use the optimizer's own state allocation."""
-    from ..optim.base import Bucket, matrix_view  # deferred: optim.base imports this package
-
     buckets: dict[tuple, object] = {}
     for index, p in enumerate(group["params"]):
         label = optimizer._param_label(group, index)

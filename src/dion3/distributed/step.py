@@ -26,7 +26,8 @@ from ..kernels import accumulate_momentum, scale_cast, snapshot_rows
 from ..ortho import input_scaling
 from .exchange import Traffic, exchange_rows, gather_chunks, sum_across
 from .mesh import MeshInfo, local_tensor
-from .plan import ShardedBucket, bucket_subset, owned_matrices, write_back_subset
+from ..buckets import bucket_subset, matrix_view, write_back_subset
+from .plan import ShardedBucket, owned_matrices
 from .selection import all_rows_plan, global_plan, local_plan, padded_scores
 
 PIPELINE_DEPTH = 4  # buckets in flight at once: enough overlap, bounded extra memory
@@ -214,8 +215,6 @@ def _in_received_order(placed: Tensor, slots) -> Tensor:
 
 
 def replicated_step(bucket, group: dict, cfg: rules.RuleConfig, mesh: MeshInfo, traffic: Traffic):
-    from ..optim.base import matrix_view  # deferred: optim.base imports this package
-
     grads = [matrix_view(local_tensor(p.grad), group["flatten"]) for p in bucket.params]
     scaling = rules.snapshot_scaling(bucket.momentum, cfg, group)
     update, rows, norm, normalized = rules.pre_step(bucket.momentum, grads, cfg, want_norm=True, scaling=scaling)

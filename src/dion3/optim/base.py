@@ -7,14 +7,13 @@ has an entry per parameter while the step runs batched over the whole bucket.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from .. import distributed, rules
-from ..distributed.plan import bucket_subset, write_back_subset
+from ..buckets import Bucket, bucket_subset, matrix_view, write_back_subset
 from . import scalar
 from .validation import (
     ALIASES,
@@ -25,25 +24,6 @@ from .validation import (
     validate_group,
     variance_shape,
 )
-
-
-
-@dataclass
-class Bucket:
-    """Same-shape matrices of one group, orthogonalized together."""
-
-    shape: tuple[int, int]  # (rows, cols) of each matrix
-    params: list[Tensor] = field(default_factory=list)
-    views: list[Tensor] = field(default_factory=list)  # each param as [B_i, rows, cols]
-    momentum: Optional[Tensor] = None  # [N, rows, cols]
-    variance: Optional[Tensor] = None  # [N, rows, 1] float32 (NorMuon / Dion3)
-
-
-def matrix_view(tensor: Tensor, flatten: bool) -> Tensor:
-    """A parameter (or its gradient) as a batch of matrices [B, rows, cols]."""
-    if flatten:
-        return tensor.reshape(1, tensor.shape[0], -1)
-    return tensor.unsqueeze(0) if tensor.dim() == 2 else tensor
 
 
 class OrthogonalOptimizer(torch.optim.Optimizer):
