@@ -24,6 +24,7 @@ class Bucket:
     views: list[Tensor] = field(default_factory=list)  # each param as [B_i, rows, cols]
     momentum: Optional[Tensor] = None  # [N, rows, cols]
     variance: Optional[Tensor] = None  # [N, rows, 1] float32 (NorMuon / Dion3)
+    mesh: Optional[object] = None  # distributed: the group that replicates it (DDP); None: stepped alone
 
 
 def matrix_view(tensor: Tensor, flatten: bool) -> Tensor:

@@ -16,7 +16,10 @@ import torch
 from torch import Tensor
 
 from ..buckets import Bucket, matrix_view
-from .mesh import DTensor, MeshInfo, is_row_sharded, local_row_span, local_tensor
+from .layout import Axes, MatrixLayout, classify, member_layouts
+from .mesh import (
+    DTensor, MeshInfo, Replicate, Shard, axes_group, group_coordinates, is_dtensor, local_row_span, local_tensor,
+)
 
 
 @dataclass
@@ -31,6 +34,7 @@ class ShardedBucket:
     momentum: Optional[Tensor] = None  # [N, chunk, cols], rows ≥ local_rows are zero padding
     variance: Optional[Tensor] = None  # [N, chunk, 1] float32 (NorMuon / Dion3)
     slot_cache: dict = field(default_factory=dict)  # owner slots of plans with static split sizes
+    mesh: Optional[MeshInfo] = None  # the row-sharding axis' group (rank = mesh coordinate)
 
     @property
     def chunk(self) -> int:
@@ -55,39 +59,141 @@ def owned_matrices(count: int, world_size: int, rank: int) -> range:
     return range(min(rank * block, count), min((rank + 1) * block, count))
 
 
-def build_buckets(optimizer, group: dict, mesh: MeshInfo) -> list:
-    """Buckets of one matrix group; replicated ones use the optimizer's own state allocation."""
+@dataclass
+class LayoutBucket:
+    """Same-layout matrices of one group in the general case (any mix of row, column, strided
+    and expert sharding): each rank holds a block of rows (any index set) and a column range of
+    each matrix, described for every member of the matrix axes' group by `members`.
+
+    A "matrix" of the bucket is one matrix of one parameter (an expert of a 3-D stack counts as
+    one); all parameters of a bucket share their global shape, mesh and placements, so every
+    member holds the same matrices of the bucket, each cut the same way."""
+
+    shape: tuple[int, int]  # global (rows, cols) of each matrix
+    mesh: Optional[MeshInfo]  # group over the axes that split rows or columns; None: whole matrices here
+    members: list[MatrixLayout]  # every group member's piece, in group-rank order
+    col_mesh: Optional[MeshInfo] = None  # group over the column axes: sums partial row scores
+    params: list[Tensor] = field(default_factory=list)
+    views: list[Tensor] = field(default_factory=list)  # local piece of each param as [B, rows held, cols held]
+    momentum: Optional[Tensor] = None  # [N, rows held, cols held]
+    variance: Optional[Tensor] = None  # [N, rows held, 1] float32 (NorMuon / Dion3)
+    slot_cache: dict = field(default_factory=dict)  # static plans and index tensors, built once
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.mesh is None else self.mesh.rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def local(self) -> MatrixLayout:
+        return self.members[self.rank]
+
+    @property
+    def count(self) -> int:
+        return sum(v.shape[0] for v in self.views)
+
+    def row_classes(self) -> list[int]:
+        """Per member: the index of its row set among the distinct row sets (members of one
+        class differ only in columns and send the same rows)."""
+        seen: dict[tuple, int] = {}
+        return [seen.setdefault(m.rows, len(seen)) for m in self.members]
+
+
+def _layout_key(p: Tensor, flatten: bool) -> tuple:
+    return ("layout", p.device_mesh, tuple(p.placements), tuple(p.shape), flatten)
+
+
+def build_buckets(optimizer, group: dict, mesh: Optional[MeshInfo]) -> list:
+    """Buckets of one matrix group. `mesh`: the optimizer's distributed_mesh (None: each DTensor
+    parameter's own mesh). Replicated buckets use the optimizer's own state allocation."""
     buckets: dict[tuple, object] = {}
     for index, p in enumerate(group["params"]):
         label = optimizer._param_label(group, index)
         local = local_tensor(p.detach())
-        if is_row_sharded(p, mesh, label):
-            if p.dim() != 2 and not group["flatten"]:
-                raise ValueError(
-                    f"parameter {label} is a row-sharded {p.dim()}-D tensor: sharding dim 0 of a batch of "
-                    "matrices splits the batch, not rows; pass flatten=True or keep it replicated"
-                )
-            shape = (p.shape[0], p.numel() // max(p.shape[0], 1))
-            key = ("shard", shape, p.dtype, local.device)
-            bucket = buckets.setdefault(key, ShardedBucket(shape, mesh.world_size, mesh.rank))
-            view = local.reshape(1, local.shape[0], shape[1])
-            if view.shape[1] != bucket.local_rows:
-                raise ValueError(
-                    f"parameter {label} holds {view.shape[1]} rows on rank {mesh.rank}, but torch.chunk "
-                    f"row sharding of {shape[0]} rows over {mesh.world_size} ranks gives {bucket.local_rows}"
-                )
-        else:
-            view = matrix_view(local, group["flatten"])
+        flatten = group["flatten"]
+        if not is_dtensor(p):
+            view = matrix_view(local, flatten)
             key = ("replicate", tuple(view.shape[1:]), p.dtype, local.device)
-            bucket = buckets.setdefault(key, Bucket(shape=key[1]))
+            bucket = buckets.setdefault(key, Bucket(shape=key[1], mesh=mesh))
+        else:
+            axes = classify(p, label, flatten)
+            _check_mesh(p, label, axes, mesh)
+            fast = _row_sharded_axis(p, axes, flatten)
+            if not axes.matrix and not axes.batch:  # replicated DTensor: split the work like DDP
+                view = matrix_view(local, flatten)
+                key = ("replicate", tuple(view.shape[1:]), p.dtype, local.device, p.device_mesh)
+                info = axes_group(p.device_mesh, tuple(range(p.device_mesh.ndim)))
+                bucket = buckets.setdefault(key, Bucket(shape=key[1], mesh=info))
+            elif fast is not None:  # rows in torch.chunk blocks over one axis (FSDP2, HSDP)
+                info = axes_group(p.device_mesh, (fast,))
+                shape = (p.shape[0], p.numel() // max(p.shape[0], 1))
+                key = ("shard", shape, p.dtype, local.device, p.device_mesh, fast)
+                bucket = buckets.setdefault(key, ShardedBucket(shape, info.world_size, info.rank, mesh=info))
+                view = local.reshape(1, local.shape[0], shape[1])
+            else:
+                key = (*_layout_key(p, flatten), p.dtype, local.device)
+                if key not in buckets:
+                    info = axes_group(p.device_mesh, axes.matrix)
+                    buckets[key] = LayoutBucket(
+                        _matrix_shape(p, flatten), info, member_layouts(p, info, flatten),
+                        axes_group(p.device_mesh, axes.cols))
+                bucket = buckets[key]
+                view = local.reshape(bucket.local.local_shape)
         bucket.params.append(p)
         bucket.views.append(view)
     for bucket in buckets.values():
         if isinstance(bucket, ShardedBucket):
             allocate_sharded_state(bucket, group, optimizer.state)
+        elif isinstance(bucket, LayoutBucket):
+            allocate_layout_state(bucket, group, optimizer.state)
         else:
             optimizer._allocate_bucket_state(bucket, group)
     return list(buckets.values())
+
+
+def _matrix_shape(p: Tensor, flatten: bool) -> tuple[int, int]:
+    if flatten or p.dim() == 2:
+        return p.shape[0], p.numel() // max(p.shape[0], 1)
+    return p.shape[-2], p.shape[-1]
+
+
+def _row_sharded_axis(p: Tensor, axes: Axes, flatten: bool) -> Optional[int]:
+    """The axis of the fast row-sharded path (plain Shard(0) rows over one axis whose process
+    group orders its members as the mesh does, nothing else sharded), else None."""
+    if axes.batch or axes.cols or len(axes.rows) != 1 or (p.dim() != 2 and not flatten):
+        return None
+    axis = axes.rows[0]
+    if type(p.placements[axis]) is not Shard:  # _StridedShard rows are not torch.chunk blocks
+        return None
+    info = axes_group(p.device_mesh, (axis,))
+    coords = group_coordinates(info)
+    return axis if all(c[axis] == g for g, c in enumerate(coords)) else None
+
+
+def _check_mesh(p: Tensor, label: str, axes: Axes, mesh: Optional[MeshInfo]) -> None:
+    """A DTensor parameter and the optimizer's distributed_mesh must agree: the parameter's own
+    mesh, or (as for HSDP's shard sub-mesh) a 1-D mesh whose group is its one sharded axis."""
+    if mesh is None:
+        return
+    if mesh.kind != "device_mesh":
+        raise ValueError(
+            f"parameter {label} is a DTensor (placements {tuple(p.placements)}) but distributed_mesh is "
+            "a ProcessGroup; pass distributed_mesh=None (each DTensor's own mesh is read) or its DeviceMesh"
+        )
+    given = mesh.device_mesh
+    if given == p.device_mesh:
+        return
+    sharded = axes.matrix + axes.batch
+    if given.ndim == 1 and len(sharded) == 1 and p.device_mesh.get_group(sharded[0]) == given.get_group():
+        return
+    raise ValueError(
+        f"parameter {label} lives on {p.device_mesh} with placements {tuple(p.placements)}, which is not "
+        f"the distributed_mesh {given} (nor a 1-D sub-mesh of its one sharded axis); pass "
+        "distributed_mesh=None to read each parameter's own mesh and placements"
+    )
 
 
 def allocate_sharded_state(bucket: ShardedBucket, group: dict, state: dict) -> None:
@@ -134,3 +240,67 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
+
+
+def allocate_layout_state(bucket: LayoutBucket, group: dict, state: dict) -> None:
+    """Stacked local state [N, rows held, cols held] with per-parameter DTensor views carrying
+    the parameter's placements (the variance, one value per row, is replicated over the column
+    axes), so distributed checkpoints reshard it between layouts."""
+    like = bucket.views[0]
+    batch, rows, cols = bucket.local.local_shape
+    bucket.momentum = torch.zeros((bucket.count, rows, cols), dtype=like.dtype, device=like.device)
+    wants_variance = group["algorithm"] != "muon"
+    if wants_variance:
+        bucket.variance = torch.zeros((bucket.count, rows, 1), dtype=torch.float32, device=like.device)
+    offset = 0
+    for p, view in zip(bucket.params, bucket.views):
+        span = slice(offset, offset + view.shape[0])
+        offset += view.shape[0]
+        local_shape = local_tensor(p).shape
+        targets = {"momentum": (bucket.momentum[span], local_shape, p.shape, tuple(p.placements))}
+        if wants_variance:
+            col_dim = p.dim() - 1 if not group["flatten"] else 1
+            per_row = tuple(Replicate() if _splits_dim(pl, col_dim, p.dim()) else pl for pl in p.placements)
+            global_shape = variance_shape(p, group["flatten"])
+            targets["variance"] = (bucket.variance[span], (*local_shape[: len(global_shape) - 1], 1), global_shape, per_row)
+        entry = state[p]
+        for key, (target, shape_here, global_shape, placements) in targets.items():
+            if key in entry:
+                _load_piece(target, entry[key], bucket, key, p)
+            entry[key] = DTensor.from_local(
+                target.view(shape_here), p.device_mesh, placements, run_check=False,
+                shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape),
+            )
+        for key in list(entry):
+            if key not in targets:
+                del entry[key]
+
+
+def variance_shape(p: Tensor, flatten: bool) -> tuple[int, ...]:
+    return (p.shape[0], 1) if flatten else (*p.shape[:-1], 1)
+
+
+def _splits_dim(placement, dim: int, ndim: int) -> bool:
+    return hasattr(placement, "dim") and not isinstance(placement, Replicate) and placement.dim % ndim == dim
+
+
+def _load_piece(target: Tensor, loaded: Tensor, bucket: LayoutBucket, key: str, param: Tensor) -> None:
+    """Copy saved state into this rank's piece: a DTensor contributes its local tensor, a plain
+    tensor of the global shape the experts, rows and columns this rank holds."""
+    piece, (rows, cols) = bucket.local, bucket.shape
+    last = cols if key == "momentum" else 1
+    if isinstance(loaded, DTensor):
+        values = local_tensor(loaded)
+    elif loaded.numel() % (rows * last) == 0:
+        whole = loaded.reshape(-1, rows, last)
+        index = torch.tensor(piece.rows, dtype=torch.long, device=whole.device)
+        values = whole[list(piece.batch)].index_select(1, index)
+        values = values[..., piece.cols[0] : piece.cols[1]] if key == "momentum" else values
+    else:
+        values = loaded
+    if values.numel() != target.numel():
+        raise ValueError(
+            f"state {key!r} of parameter with shape {tuple(param.shape)} has shape {tuple(loaded.shape)}; "
+            "the state dict does not match these parameters"
+        )
+    target.copy_(values.reshape(target.shape))

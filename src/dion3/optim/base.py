@@ -36,6 +36,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         self.communication_bytes_by_kind: dict[str, int] = {}
         self.check_finite = bool(check_finite)
         self._buckets: list[list[Bucket]] = []
+        self._has_dtensors = False
         self._ready = False
         super().__init__(params, defaults)
         self._ready = True
@@ -83,9 +84,10 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         """(Re)create the stacked state buffers, keeping any per-parameter state already present
         (after load_state_dict), and create state for every parameter up front."""
         self._buckets = []
+        self._has_dtensors = any(distributed.is_dtensor(p) for g in self.param_groups for p in g["params"])
         for group in self.param_groups:
             buckets: dict[tuple, Bucket] = {}
-            if self._mesh is not None and group["algorithm"] in MATRIX_ALGORITHMS:
+            if self._is_distributed() and group["algorithm"] in MATRIX_ALGORITHMS:
                 self._buckets.append(distributed.build_buckets(self, group, self._mesh))
                 continue
             if group["algorithm"] in MATRIX_ALGORITHMS:
@@ -105,6 +107,11 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                     for key, value in fresh.items():
                         state[key] = state[key].to(value.device) if key in state else value
             self._buckets.append(list(buckets.values()))
+
+    def _is_distributed(self) -> bool:
+        """A distributed_mesh was given, or some parameter is a DTensor (its own mesh is read);
+        known once the buckets are built."""
+        return self._mesh is not None or self._has_dtensors
 
     def _allocate_bucket_state(self, bucket: Bucket, group: dict) -> None:
         rows, cols = bucket.shape
@@ -157,14 +164,17 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self.check_finite:
             self._raise_on_nonfinite()
-        if self._mesh is not None:
-            self._distributed_matrix_step()
+        alone = []  # buckets stepped on this rank by itself (no group: single device, or no mesh)
         for group, buckets in zip(self.param_groups, self._buckets):
+            if group["algorithm"] in MATRIX_ALGORITHMS:
+                alone += [(group, b) for b in buckets if type(b) is Bucket and b.mesh is None]
+        if self._is_distributed():
+            self._distributed_matrix_step()
+        for group, bucket in alone:
+            self._matrix_step(bucket, group)
+        for group in self.param_groups:
             if group["algorithm"] in SCALAR_ALGORITHMS:
                 self._scalar_step(group)
-            elif self._mesh is None:
-                for bucket in buckets:
-                    self._matrix_step(bucket, group)
         return loss
 
     def _distributed_matrix_step(self) -> None:
@@ -174,8 +184,9 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             for group, buckets in zip(self.param_groups, self._buckets)
             if group["algorithm"] in MATRIX_ALGORITHMS
             for bucket in buckets
+            if type(bucket) is not Bucket or bucket.mesh is not None
         ]
-        traffic = distributed.run_step(work, self.rule_config, self._mesh)
+        traffic = distributed.run_step(work, self.rule_config)
         self.communication_bytes = traffic.total
         self.communication_bytes_by_kind = dict(traffic.by_kind)
 
@@ -190,7 +201,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             torch.isfinite(torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)))
             for g in grads])
         here = finite
-        if self._mesh is not None:  # all ranks must agree, or the others would hang in the step
+        if self._is_distributed():  # all ranks must agree, or the others would hang in the step
             finite = distributed.all_ranks_true(finite, self._mesh)
         for ok, ok_here, grad, (group, index, _) in zip(finite.cpu().tolist(), here.cpu().tolist(), grads, checked):
             if ok:
