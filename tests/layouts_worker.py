@@ -12,6 +12,7 @@ see the same numbers. Rank 0 writes the results to a JSON file. Not a test modul
 from __future__ import annotations
 
 import json
+import os
 import math
 import sys
 
@@ -136,7 +137,7 @@ def recipe_scenarios(mesh, dp=("dp",)) -> dict:
     return {"errors": errors, "same_rows": moved}
 
 
-def local_scope_error(mesh) -> float:
+def local_scope_error(mesh, dp=("dp",)) -> float:
     """Dion3 "local" on the recipe against a float64 one-process emulation of its definition:
     each row shard (rows a rank holds, whatever columns) picks its own top
     min(⌈f·b⌉, rows held) rows by full-row L1 score, b = the most rows any shard holds. The row
@@ -146,7 +147,7 @@ def local_scope_error(mesh) -> float:
     from dion3 import orthogonalize
 
     fraction = 0.25
-    model, _ = recipe(mesh, dim=16, hidden=24)
+    model, _ = recipe(mesh, dim=16, hidden=24, dp=dp)
     params = list(model.parameters())
     shards = []
     for p in params:
@@ -220,6 +221,66 @@ def expert_scenarios(world: int) -> dict:
     return out
 
 
+def checkpoint_errors(mesh, world: int, directory: str) -> dict:
+    """Dion3 (global selection) on (dp=2, tp=2) for 3 steps → DCP save → load on (dp=4, FSDP2
+    only) → 1 step → save → load in one process → 2 steps, against one uninterrupted process.
+    Optimizer state entries are DTensors with each layout's placements, so DCP reshards them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    options = {**SETTINGS, "selection_scope": "global", "fraction": 0.25}
+    reference = Block(8, 12, seed=0)
+    ref_opt = Dion3(list(reference.parameters()), **options)
+    shapes = [tuple(p.shape) for p in reference.parameters()]
+    trajectory = []
+    for step in range(6):
+        for p, g in zip(reference.parameters(), grads_for(shapes, step)):
+            p.grad = g
+        ref_opt.step()
+        trajectory.append([p.detach().clone() for p in reference.parameters()])
+
+    def steps(model, opt, first, last):
+        for step in range(first, last):
+            for p, g in zip(model.parameters(), grads_for(shapes, step)):
+                p.grad = cut(g, p)
+            opt.step()
+
+    def restore(model, opt, path, **load_options):
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=path, **load_options)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def save(model, opt, path):
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+    errors = {}
+    model, _ = recipe(mesh)
+    opt = Dion3(list(model.parameters()), **options)
+    steps(model, opt, 0, 3)
+    errors["dp_tp"] = max_relative_error([full(p) for p in model.parameters()], trajectory[2])
+    save(model, opt, f"{directory}/dp_tp")
+
+    flat = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = Block(8, 12, seed=1)  # other weights: the checkpoint must replace them
+    fully_shard(model, mesh=flat)
+    opt = Dion3(list(model.parameters()), **options)
+    restore(model, opt, f"{directory}/dp_tp")
+    steps(model, opt, 3, 4)
+    errors["dp4"] = max_relative_error([full(p) for p in model.parameters()], trajectory[3])
+    save(model, opt, f"{directory}/dp4")
+    dist.barrier()
+
+    if dist.get_rank() == 0:
+        model = Block(8, 12, seed=2)
+        opt = Dion3(list(model.parameters()), **options)
+        restore(model, opt, f"{directory}/dp4", no_dist=True)
+        steps(model, opt, 4, 6)
+        errors["one_process"] = max_relative_error([p.detach() for p in model.parameters()], trajectory[5])
+    return errors
+
+
 def rejected_layouts(mesh) -> dict:
     """The ValueError text for each layout the optimizer refuses (None if it did not refuse)."""
     from torch.distributed.tensor import Partial
@@ -258,9 +319,11 @@ def worker(rank: int, world: int, out_path: str, which: str) -> None:
             results["traffic"] = traffic(mesh)
             results["experts"] = expert_scenarios(world)
             results["rejected"] = rejected_layouts(mesh)
+            results["checkpoint"] = checkpoint_errors(mesh, world, os.path.dirname(out_path))
         else:  # HSDP + TP: (replicate=2, shard=2, tp=2)
             mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
             results = recipe_scenarios(mesh, dp=("replicate", "shard"))
+            results["errors"]["local_scope"] = local_scope_error(mesh, dp=("replicate", "shard"))
             model, _ = recipe(mesh, dp=("replicate", "shard"))
             results["placements"] = {n: [str(pl) for pl in p.placements] for n, p in model.named_parameters()}
         if rank == 0:
