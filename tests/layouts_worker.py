@@ -221,6 +221,49 @@ def expert_scenarios(world: int) -> dict:
     return out
 
 
+def host_syncs(mesh) -> dict:
+    """Whether a step after the first (which builds the static plans) reads a device value on the
+    host or copies a host list to the device: what a CUDA graph cannot capture. The methods that
+    do so raise while the step runs. Global selection must (its split sizes go through the host),
+    showing the check can fail."""
+    out = {}
+    for name, kind, options in (("muon", "muon", {}), ("normuon", "normuon", {}),
+                                ("dion3_local", "dion3", {"selection_scope": "local"}),
+                                ("dion3_global", "dion3", {"selection_scope": "global"})):
+        model, _ = recipe(mesh)
+        params = list(model.parameters())
+        opt = OPTIMIZERS[kind](params, **SETTINGS, **options)
+        for step in range(2):
+            for p, g in zip(params, grads_for([tuple(p.shape) for p in params], step)):
+                p.grad = cut(g, p)
+            if step == 0:
+                opt.step()
+                continue
+            saved = {n: getattr(torch.Tensor, n) for n in ("tolist", "item", "nonzero", "__bool__", "cpu")}
+            saved_tensor = torch.tensor
+
+            def refuse(*args, **kwargs):
+                raise RuntimeError("host sync")
+
+            for n in saved:
+                setattr(torch.Tensor, n, refuse)
+            torch.tensor = refuse
+            try:
+                opt.step()
+                out[name] = False
+            except RuntimeError as error:
+                if "host sync" not in str(error):
+                    raise
+                out[name] = True
+            finally:
+                for n, f in saved.items():
+                    setattr(torch.Tensor, n, f)
+                torch.tensor = saved_tensor
+        if out[name]:  # a rank that stopped early left collectives behind: start a fresh group state
+            dist.barrier()
+    return out
+
+
 def checkpoint_errors(mesh, world: int, directory: str) -> dict:
     """Dion3 (global selection) on (dp=2, tp=2) for 3 steps → DCP save → load on (dp=4, FSDP2
     only) → 1 step → save → load in one process → 2 steps, against one uninterrupted process.
@@ -319,6 +362,7 @@ def worker(rank: int, world: int, out_path: str, which: str) -> None:
             results["traffic"] = traffic(mesh)
             results["experts"] = expert_scenarios(world)
             results["rejected"] = rejected_layouts(mesh)
+            results["host_syncs"] = host_syncs(mesh)
             results["checkpoint"] = checkpoint_errors(mesh, world, os.path.dirname(out_path))
         else:  # HSDP + TP: (replicate=2, shard=2, tp=2)
             mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))

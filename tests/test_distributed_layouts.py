@@ -119,3 +119,13 @@ def test_rejected_layouts_name_the_parameter_and_the_fix(dp_tp, case):
     assert message is not None, f"{case} was accepted"
     for words in REJECTED[case]:
         assert words in message, (case, message)
+
+
+@pytest.mark.parametrize("scenario", ["muon", "normuon", "dion3_local"])
+def test_static_split_sizes_step_without_host_syncs(dp_tp, scenario):
+    # what CUDA graph capture needs (CapturedStep refuses global selection for this reason)
+    assert dp_tp["host_syncs"][scenario] is False
+
+
+def test_global_selection_does_sync_the_host(dp_tp):
+    assert dp_tp["host_syncs"]["dion3_global"] is True  # the check above can fail

@@ -150,9 +150,9 @@ def _prod(values) -> int:
     return out
 
 
-def member_layouts(param: Tensor, info: Optional[MeshInfo], flatten: bool) -> list[MatrixLayout]:
+def member_layouts(param: Tensor, info: Optional[MeshInfo], axes: tuple[int, ...], flatten: bool) -> list[MatrixLayout]:
     """The layout of every member of `info`'s group, in group-rank order ([own] if None)."""
     mesh = param.device_mesh
-    coords = [tuple(mesh.get_coordinate())] if info is None else group_coordinates(info)
+    coords = [tuple(mesh.get_coordinate())] if info is None else group_coordinates(info, axes)
     shape, placements, mesh_shape = tuple(param.shape), tuple(param.placements), tuple(mesh.mesh.shape)
     return [matrix_layout(shape, placements, mesh_shape, c, flatten) for c in coords]

@@ -59,7 +59,7 @@ def coordinate_of(mesh: "DeviceMesh", global_rank: int) -> tuple[int, ...]:
     return tuple(int(c) for c in where[0])
 
 
-_AXIS_GROUPS: dict[tuple, MeshInfo] = {}
+_AXIS_GROUPS: dict[tuple, tuple["DeviceMesh", MeshInfo]] = {}  # (id(mesh), axes) → (mesh, its groups)
 
 
 def axes_group(mesh: "DeviceMesh", axes: tuple[int, ...]) -> Optional[MeshInfo]:
@@ -70,8 +70,8 @@ def axes_group(mesh: "DeviceMesh", axes: tuple[int, ...]) -> Optional[MeshInfo]:
     called at construction, in the same order on all ranks, never per step."""
     if not axes:
         return None
-    key = (mesh, tuple(axes))
-    if key not in _AXIS_GROUPS:
+    key = (id(mesh), tuple(axes))  # by identity: an equal mesh made later has groups of its own
+    if key not in _AXIS_GROUPS or _AXIS_GROUPS[key][0] is not mesh:
         if len(axes) == 1:
             group = mesh.get_group(axes[0])
         else:
@@ -81,14 +81,26 @@ def axes_group(mesh: "DeviceMesh", axes: tuple[int, ...]) -> Optional[MeshInfo]:
                 size *= mesh.mesh.shape[a]
             ranks = mesh.mesh.permute(*others, *axes).reshape(-1, size).tolist()
             group, _ = dist.new_subgroups_by_enumeration(ranks)
-        _AXIS_GROUPS[key] = MeshInfo(group, dist.get_world_size(group), dist.get_rank(group), "device_mesh", mesh)
-    return _AXIS_GROUPS[key]
+        _AXIS_GROUPS[key] = mesh, MeshInfo(group, dist.get_world_size(group), dist.get_rank(group), "device_mesh", mesh)
+    return _AXIS_GROUPS[key][1]
 
 
-def group_coordinates(info: MeshInfo) -> list[tuple[int, ...]]:
-    """The mesh coordinate of every member of info's group, in group-rank order (a process
-    group orders its members by global rank, which need not be the mesh's order)."""
-    return [coordinate_of(info.device_mesh, dist.get_global_rank(info.group, g)) for g in range(info.world_size)]
+def group_coordinates(info: MeshInfo, axes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The mesh coordinate of every member of info's group (the product of `axes` around this
+    rank), in group-rank order: a process group orders its members by global rank, which need
+    not be the mesh's order along the axes."""
+    mesh = info.device_mesh
+    mine = coordinate_of(mesh, dist.get_rank())
+    members = []
+    for index in torch.cartesian_prod(*[torch.arange(mesh.mesh.shape[a]) for a in axes]).reshape(-1, len(axes)).tolist():
+        coordinate = list(mine)
+        for axis, value in zip(axes, index):
+            coordinate[axis] = value
+        members.append((int(mesh.mesh[tuple(coordinate)]), tuple(coordinate)))
+    members.sort()
+    if members[info.rank][1] != mine:
+        raise RuntimeError(f"process group of mesh axes {axes} of {mesh} does not order its members by global rank")
+    return [coordinate for _, coordinate in members]
 
 
 def is_dtensor(tensor: Tensor) -> bool:

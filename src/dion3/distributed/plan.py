@@ -138,7 +138,7 @@ def build_buckets(optimizer, group: dict, mesh: Optional[MeshInfo]) -> list:
                 if key not in buckets:
                     info = axes_group(p.device_mesh, axes.matrix)
                     buckets[key] = LayoutBucket(
-                        _matrix_shape(p, flatten), info, member_layouts(p, info, flatten),
+                        _matrix_shape(p, flatten), info, member_layouts(p, info, axes.matrix, flatten),
                         axes_group(p.device_mesh, axes.cols))
                 bucket = buckets[key]
                 view = local.reshape(bucket.local.local_shape)
@@ -169,7 +169,7 @@ def _row_sharded_axis(p: Tensor, axes: Axes, flatten: bool) -> Optional[int]:
     if type(p.placements[axis]) is not Shard:  # _StridedShard rows are not torch.chunk blocks
         return None
     info = axes_group(p.device_mesh, (axis,))
-    coords = group_coordinates(info)
+    coords = group_coordinates(info, (axis,))
     return axis if all(c[axis] == g for g, c in enumerate(coords)) else None
 
 

@@ -74,7 +74,8 @@ class CapturedStep:
             raise ValueError(f"warmup_steps must be ≥ 1 (kernels are compiled before capture), got {warmup_steps}")
         if getattr(optimizer, "check_finite", False):
             raise ValueError("check_finite=True syncs with the host each step and cannot be captured; disable it")
-        if getattr(optimizer, "_mesh", None) is not None and any(
+        distributed = getattr(optimizer, "_is_distributed", lambda: False)()
+        if distributed and any(
             g.get("algorithm") == "dion3" and g.get("selection_scope") == "global" for g in optimizer.param_groups
         ):
             raise ValueError(
