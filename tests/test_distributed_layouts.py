@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 import layouts_worker as worker
@@ -129,3 +130,41 @@ def test_static_split_sizes_step_without_host_syncs(dp_tp, scenario):
 
 def test_global_selection_does_sync_the_host(dp_tp):
     assert dp_tp["host_syncs"]["dion3_global"] is True  # the check above can fail
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tp_path_on_a_one_by_one_nccl_mesh(tmp_path):
+    """The TP + FSDP2 layout path on one GPU: a one-rank NCCL group, a (dp=1, tp=1) mesh, the
+    torchtitan recipe (every weight a DTensor with (_StridedShard/Shard(0), Shard(0)) or
+    (Shard(0), Shard(1)) placements on size-1 axes, so the general layout step runs with real
+    NCCL collectives), against the single-device optimizer on the same GPU."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dion3.distributed import LayoutBucket
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp", "tp"))
+        for name, kind, options in (("muon", "muon", {}), ("normuon", "normuon", {}),
+                                    ("dion3_local", "dion3", {"selection_scope": "local"}),
+                                    ("dion3_global", "dion3", {"selection_scope": "global"})):
+            with torch.device("cuda"):
+                model, reference = worker.recipe(mesh, dim=256, hidden=512)
+            params, ref_params = list(model.parameters()), list(reference.parameters())
+            options = {**worker.SETTINGS, "orthogonalizer": "auto", **options}
+            opt = worker.OPTIMIZERS[kind](params, **options)
+            ref = worker.OPTIMIZERS[kind](ref_params, **options)
+            assert all(isinstance(b, LayoutBucket) for b in opt._buckets[0]), name
+            for step in range(3):
+                grads = [g.cuda() for g in worker.grads_for([tuple(p.shape) for p in params], step)]
+                for p, r, g in zip(params, ref_params, grads):
+                    p.grad, r.grad = worker.cut(g, p), g.clone()
+                opt.step()
+                ref.step()
+            error = worker.max_relative_error([worker.full(p) for p in params], [r.detach() for r in ref_params])
+            print(f"{name}: max relative error {error:.2e}")
+            assert error <= 1e-3, (name, error)  # the same bf16 Newton–Schulz on both sides
+    finally:
+        dist.destroy_process_group()
