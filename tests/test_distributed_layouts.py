@@ -168,3 +168,12 @@ def test_tp_path_on_a_one_by_one_nccl_mesh(tmp_path):
             assert error <= 1e-3, (name, error)  # the same bf16 Newton–Schulz on both sides
     finally:
         dist.destroy_process_group()
+
+
+def test_docs_example_is_the_example_script():
+    """docs/distributed.md shows examples/tp_fsdp.py verbatim (run it with torchrun)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "examples" / "tp_fsdp.py").read_text()
+    assert f"```python\n{script}```" in (root / "docs" / "distributed.md").read_text()
