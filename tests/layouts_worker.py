@@ -130,6 +130,7 @@ def recipe_scenarios(mesh, dp=("dp",)) -> dict:
         ("muon_nesterov", "muon", {"nesterov": True}),
         ("normuon", "normuon", {}),
         ("dion3_global", "dion3", {"selection_scope": "global", "fraction": 0.25}),
+        ("normuon_mesh_given", "normuon", {"mesh_arg": mesh}),  # the full mesh as distributed_mesh
     ):
         model, ref = recipe(mesh, dp=dp)
         error, _, same_rows, _ = run_pair(list(model.parameters()), list(ref.parameters()), kind, **options)

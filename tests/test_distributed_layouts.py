@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import layouts_worker as worker
 
 TOLERANCE = 1e-5  # float32 Newton–Schulz on both sides; they agree to ~2e-7 in practice
-RECIPE = ["muon", "muon_nesterov", "normuon", "dion3_global"]
+RECIPE = ["muon", "muon_nesterov", "normuon", "dion3_global", "normuon_mesh_given"]
 
 
 def _spawn(tmp_path_factory, world: int, which: str) -> dict:
@@ -177,3 +177,20 @@ def test_docs_example_is_the_example_script():
     root = Path(__file__).resolve().parents[1]
     script = (root / "examples" / "tp_fsdp.py").read_text()
     assert f"```python\n{script}```" in (root / "docs" / "distributed.md").read_text()
+
+
+def test_block_of_a_strided_piece():
+    """A block (row range) of a piece: rows counted from the block start, local rows a slice.
+    (_StridedShard(0, sf=2), Shard(0)) on (dp=2, tp=2), 12 rows: rank (dp=1, tp=0) holds global
+    rows 3, 4, 5 (the second third of tp block 0, by hand: dp chunks of [0..5] are [0..2], [3..5])."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from dion3.distributed import matrix_layout
+
+    piece = matrix_layout((12, 4), (_StridedShard(0, split_factor=2), Shard(0)), (2, 2), (1, 0), False)
+    assert piece.rows == (3, 4, 5)
+    block, local = piece.block(4, 8)
+    assert block.rows == (0, 1) and local == slice(1, 3) and block.cols == (0, 4)
+    empty, none = piece.block(8, 12)
+    assert empty.rows == () and none == slice(0, 0)

@@ -57,6 +57,18 @@ class MatrixLayout:
     def local_shape(self) -> tuple[int, int, int]:
         return len(self.batch), len(self.rows), self.cols[1] - self.cols[0]
 
+    def block(self, start: int, stop: int) -> tuple["MatrixLayout", slice]:
+        """This piece restricted to global rows [start, stop) of each matrix (a block of a fused
+        weight, e.g. one head or the K of QKV), with rows counted from the block's start, and
+        the local rows that hold them: local rows are in ascending global order under every
+        placement (torch.chunk blocks, also inside _StridedShard), so a block's local rows are
+        one contiguous slice and its local piece is a view."""
+        inside = [i for i, r in enumerate(self.rows) if start <= r < stop]
+        local = slice(inside[0], inside[-1] + 1) if inside else slice(0, 0)
+        if len(inside) != local.stop - local.start:
+            raise AssertionError(f"rows {self.rows} of block [{start}, {stop}) are not contiguous locally")
+        return MatrixLayout(self.batch, tuple(self.rows[i] - start for i in inside), self.cols), local
+
 
 @dataclass(frozen=True)
 class Axes:
