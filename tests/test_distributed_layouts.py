@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 import layouts_worker as worker
 
 TOLERANCE = 1e-5  # float32 Newton–Schulz on both sides; they agree to ~2e-7 in practice
-RECIPE = ["muon", "muon_nesterov", "normuon", "dion3_global", "normuon_mesh_given"]
+RECIPE = ["muon", "muon_nesterov", "normuon", "dion3_global", "normuon_mesh_given", "dion3_global_partial",
+          "normuon_partial"]
 
 
 def _spawn(tmp_path_factory, world: int, which: str) -> dict:
@@ -37,7 +38,7 @@ def hsdp_tp(tmp_path_factory):
 
 def test_recipe_gives_the_torchtitan_placements(dp_tp):
     layouts = dp_tp["layouts"]
-    for name in ("wq.weight", "wk.weight", "up.weight"):  # column-parallel
+    for name in ("wq.weight", "wk.weight", "wv.weight", "up.weight"):  # column-parallel
         assert layouts[name][:2] == ["_S(0, 2)", "S(0)"], (name, layouts[name])
     for name in ("wo.weight", "down.weight"):  # row-parallel
         assert layouts[name][:2] == ["S(0)", "S(1)"], (name, layouts[name])
