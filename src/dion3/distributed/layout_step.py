@@ -22,7 +22,7 @@ from ..kernels import accumulate_momentum, scale_cast, snapshot_rows
 from ..ortho import input_scaling
 from .exchange import Traffic, exchange_rows, gather_chunks, sum_across
 from .mesh import local_tensor
-from .plan import LayoutBucket, owned_matrices
+from .plan import LayoutBucket
 from .selection import PiecePlan, piece_all_rows_plan, piece_global_plan, piece_local_plan, piece_padded_scores
 from .update import apply, orthogonalize, padded_selection
 
@@ -77,7 +77,7 @@ def layout_step(bucket: LayoutBucket, group: dict, cfg: rules.RuleConfig, traffi
     send = update = variance = None
     yield
 
-    owned = len(owned_matrices(count, bucket.world_size, rank))
+    owned = len(bucket.owned(rank))
     matrices = _place(sent_rows.wait(), plan, bucket, owned, cols, from_owner)
     ortho = orthogonalize(matrices.view(owned, plan.per_matrix, cols), group, normalized=True)
     del matrices

@@ -78,6 +78,17 @@ class LayoutBucket:
     momentum: Optional[Tensor] = None  # [N, rows held, cols held]
     variance: Optional[Tensor] = None  # [N, rows held, 1] float32 (NorMuon / Dion3)
     slot_cache: dict = field(default_factory=dict)  # static plans and index tensors, built once
+    first_owner: int = 0  # owners are consecutive members from here (spreads small buckets)
+
+    def owned(self, member: int) -> range:
+        """Matrices `member` orthogonalizes: blocks of ⌈N/W⌉ for members first_owner, first_owner
+        + 1, ... in member order, so the all-to-all's matrix order stays its member order."""
+        if member < self.first_owner:
+            return range(0, 0)
+        return owned_matrices(self.count, self.world_size, member - self.first_owner)
+
+    def owners(self) -> list[range]:
+        return [self.owned(member) for member in range(self.world_size)]
 
     @property
     def rank(self) -> int:
@@ -144,6 +155,7 @@ def build_buckets(optimizer, group: dict, mesh: Optional[MeshInfo]) -> list:
                 view = local.reshape(bucket.local.local_shape)
         bucket.params.append(p)
         bucket.views.append(view)
+    _spread_owners([b for b in buckets.values() if isinstance(b, LayoutBucket)])
     for bucket in buckets.values():
         if isinstance(bucket, ShardedBucket):
             allocate_sharded_state(bucket, group, optimizer.state)
@@ -152,6 +164,23 @@ def build_buckets(optimizer, group: dict, mesh: Optional[MeshInfo]) -> list:
         else:
             optimizer._allocate_bucket_state(bucket, group)
     return list(buckets.values())
+
+
+def _spread_owners(buckets: list[LayoutBucket]) -> None:
+    """Buckets of fewer matrices than members (TP layouts have few same-shape matrices) would
+    all be owned by the first members: start each bucket's owners where the previous bucket of
+    the same group stopped, without wrapping around (the order in which the same buckets are
+    built is the same on every rank, so every member agrees)."""
+    next_owner: dict[int, int] = {}
+    for bucket in buckets:
+        if bucket.mesh is None:
+            continue
+        world = bucket.world_size
+        block = -(-bucket.count // world)
+        used = -(-bucket.count // block)
+        start = next_owner.get(id(bucket.mesh.group), 0)
+        bucket.first_owner = start % (world - used + 1)
+        next_owner[id(bucket.mesh.group)] = bucket.first_owner + used
 
 
 def _matrix_shape(p: Tensor, flatten: bool) -> tuple[int, int]:

@@ -114,15 +114,13 @@ class PiecePlan:
     rows: Optional[Tensor]  # this rank's sent rows, flat in [N·rows held]; None = all rows
     slots: list[Tensor]  # per member s: the owner-side row slot in [n_owned·K] of each row s sends it
     per_matrix: int  # K: rows of each matrix on its owner
+    owners: list[range]  # the matrices each member owns (LayoutBucket.owned)
 
     def send_counts(self, rank: int) -> list[int]:
-        world, count = len(self.counts), len(self.counts[rank])
-        return [sum(self.counts[rank][i] for i in owned_matrices(count, world, d)) for d in range(world)]
+        return [sum(self.counts[rank][i] for i in mine) for mine in self.owners]
 
     def recv_counts(self, rank: int) -> list[int]:
-        world, count = len(self.counts), len(self.counts[rank])
-        mine = owned_matrices(count, world, rank)
-        return [sum(self.counts[s][i] for i in mine) for s in range(world)]
+        return [sum(row[i] for i in self.owners[rank]) for row in self.counts]
 
 
 def _member_rows(bucket, device) -> list[Tensor]:
@@ -138,11 +136,11 @@ def piece_all_rows_plan(bucket) -> PiecePlan:
     if "all" not in bucket.slot_cache:
         rows, count = bucket.shape[0], bucket.count
         device = bucket.momentum.device
-        owned = len(owned_matrices(count, bucket.world_size, bucket.rank))
+        owned = len(bucket.owned(bucket.rank))
         base = torch.arange(owned, device=device)[:, None] * rows
         slots = [(base + held).reshape(-1) for held in _member_rows(bucket, device)]
         counts = [[len(m.rows)] * count for m in bucket.members]
-        bucket.slot_cache["all"] = PiecePlan(counts, None, slots, rows)
+        bucket.slot_cache["all"] = PiecePlan(counts, None, slots, rows, bucket.owners())
     return bucket.slot_cache["all"]
 
 
@@ -167,15 +165,15 @@ def piece_local_plan(bucket, scores: Tensor, fraction: float) -> PiecePlan:
         offsets, total = {}, 0
         for q in sorted(first):
             offsets[q], total = total, total + ks[first[q]]
-        owned = len(owned_matrices(count, bucket.world_size, bucket.rank))
+        owned = len(bucket.owned(bucket.rank))
         base = torch.arange(owned, device=device)[:, None] * total
         slots = [(base + offsets[q] + torch.arange(k, device=device)).reshape(-1) for q, k in zip(classes, ks)]
         bucket.slot_cache[key] = ([[k] * count for k in ks], slots, total)
     counts, slots, total = bucket.slot_cache[key]
     k = counts[bucket.rank][0]
     if k == 0:
-        return PiecePlan(counts, scores.new_empty((0,), dtype=torch.long), slots, total)
-    return PiecePlan(counts, _flatten_rows(rules.top_rows(scores, k), scores.shape[1]), slots, total)
+        return PiecePlan(counts, scores.new_empty((0,), dtype=torch.long), slots, total, bucket.owners())
+    return PiecePlan(counts, _flatten_rows(rules.top_rows(scores, k), scores.shape[1]), slots, total, bucket.owners())
 
 
 def piece_padded_scores(bucket, scores: Tensor) -> Tensor:
@@ -204,8 +202,8 @@ def piece_global_plan(bucket, gathered: Tensor, fraction: float) -> PiecePlan:
     slot = selected.cumsum(1) - 1  # position of each selected row among its matrix's k
     masks = [selected[:, r] for r in held]  # [N, rows held by s]
     counts = torch.stack([m.sum(1) for m in masks]).tolist()
-    mine = owned_matrices(count, bucket.world_size, bucket.rank)
+    mine = bucket.owned(bucket.rank)
     base = torch.arange(len(mine), device=device)[:, None] * k
     slots = [(base + slot[mine.start : mine.stop][:, r])[m[mine.start : mine.stop]] for r, m in zip(held, masks)]
     local_rows = masks[bucket.rank].reshape(-1).nonzero().squeeze(1)
-    return PiecePlan(counts, local_rows, slots, k)
+    return PiecePlan(counts, local_rows, slots, k, bucket.owners())
