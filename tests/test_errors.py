@@ -139,7 +139,7 @@ CASES = [
     ("num-heads-and-split-sizes", lambda: Muon([{"params": [param(12, 8)], "num_heads": 2, "split_sizes": (6, 6)}]), ValueError,
      "num_heads and split_sizes are both set"),
     ("sharded-parameter-with-blocks", sharded_with_heads, ValueError,
-     "parameter 'attn.qkv' is row-sharded ((Shard(dim=0),)) and its group sets num_heads/split_sizes: per-block "
+     "parameter 'attn.qkv' is sharded ((Shard(dim=0),)) and its group sets num_heads/split_sizes: per-block "
      "orthogonalization of sharded parameters is not supported yet"),
     ("nan-gradient-check-finite", lambda: step_with_grad(float("nan")), FloatingPointError, "non-finite gradient in parameter 'w'"),
     ("inf-gradient-check-finite", lambda: step_with_grad(float("inf")), FloatingPointError, "non-finite gradient in parameter 'w'"),

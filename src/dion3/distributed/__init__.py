@@ -1,10 +1,13 @@
-"""Distributed step for DDP (ProcessGroup) and FSDP2 (1-D DeviceMesh, DTensor Shard(0))."""
+"""Distributed step for DDP (ProcessGroup), FSDP2 and every DTensor layout of large-model
+training (TP columns, strided rows, HSDP, expert stacks), each bucket over its own mesh axes."""
 from .exchange import Traffic
-from .mesh import MeshInfo, all_ranks_true, local_row_span, local_tensor, resolve_mesh
-from .plan import ShardedBucket, build_buckets, owned_matrices
+from .layout import MatrixLayout, classify, matrix_layout
+from .mesh import MeshInfo, all_ranks_true, axes_group, is_dtensor, local_row_span, local_tensor, resolve_mesh
+from .plan import LayoutBucket, ShardedBucket, build_buckets, owned_matrices
 from .step import run_step
 
 __all__ = [
-    "MeshInfo", "ShardedBucket", "all_ranks_true", "local_tensor", "Traffic", "build_buckets", "local_row_span", "owned_matrices",
+    "LayoutBucket", "MatrixLayout", "MeshInfo", "ShardedBucket", "Traffic", "all_ranks_true", "axes_group",
+    "build_buckets", "classify", "is_dtensor", "local_row_span", "local_tensor", "matrix_layout", "owned_matrices",
     "resolve_mesh", "run_step",
 ]

@@ -2,7 +2,8 @@
 
 Every function returns a `Pending` whose `wait()` yields the received tensor, so the caller can
 compute on another bucket while the data is in flight. Bytes are counted per rank as what leaves
-this rank for other ranks (the copy to itself is not traffic).
+this rank for other ranks (the copy to itself is not traffic). A mesh of None (no axis splits the
+matrices: whole matrices on every rank) makes each of them the identity, with no traffic.
 """
 from __future__ import annotations
 
@@ -57,10 +58,12 @@ def _row_bytes(tensor: Tensor) -> int:
 
 def exchange_rows(
     send: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
-    mesh: MeshInfo, traffic: Traffic, kind: str,
+    mesh: Optional[MeshInfo], traffic: Traffic, kind: str,
 ) -> Pending:
     """All-to-all of dim-0 rows: send[...] is grouped by destination rank in `send_counts`."""
     send = send.contiguous()
+    if mesh is None:
+        return Pending(None, send)
     recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
     traffic.add(kind, _row_bytes(send) * (sum(send_counts) - send_counts[mesh.rank]))
     work = dist.all_to_all_single(
@@ -69,9 +72,11 @@ def exchange_rows(
     return Pending(work, recv)
 
 
-def gather_chunks(chunk: Tensor, mesh: MeshInfo, traffic: Traffic, kind: str) -> Pending:
+def gather_chunks(chunk: Tensor, mesh: Optional[MeshInfo], traffic: Traffic, kind: str) -> Pending:
     """All-gather of equal chunks: returns [W, *chunk.shape] in rank order."""
     chunk = chunk.contiguous()
+    if mesh is None:
+        return Pending(None, chunk.unsqueeze(0))
     # Concatenated along dim 0 (the layout every backend accepts), viewed as [W, ...] after.
     out = chunk.new_empty((mesh.world_size * chunk.shape[0], *chunk.shape[1:]))
     traffic.add(kind, chunk.numel() * chunk.element_size() * (mesh.world_size - 1))
@@ -79,9 +84,11 @@ def gather_chunks(chunk: Tensor, mesh: MeshInfo, traffic: Traffic, kind: str) ->
     return Pending(work, out, lambda gathered: gathered.view(mesh.world_size, *chunk.shape))
 
 
-def sum_across(values: Tensor, mesh: MeshInfo, traffic: Traffic, kind: str) -> Pending:
+def sum_across(values: Tensor, mesh: Optional[MeshInfo], traffic: Traffic, kind: str) -> Pending:
     """All-reduce (sum) of a small tensor over the ranks (counted as a ring: 2·(W−1)/W of it)."""
     values = values.contiguous()
+    if mesh is None:
+        return Pending(None, values)
     traffic.add(kind, 2 * values.numel() * values.element_size() * (mesh.world_size - 1) // max(mesh.world_size, 1))
     work = dist.all_reduce(values, op=dist.ReduceOp.SUM, group=mesh.group, async_op=True)
     return Pending(work, values)

@@ -1,9 +1,8 @@
-"""Normalize the user's `distributed_mesh` and classify how each parameter is laid out on it.
+"""Normalize the user's `distributed_mesh` and the process groups of mesh axes.
 
-Accepted meshes: None (single device), a 1-D DeviceMesh (FSDP2; for HSDP pass the shard
-sub-mesh, e.g. mesh["shard"]), or a ProcessGroup (DDP). A parameter is either replicated on
-the group (plain tensor, or DTensor with Replicate placements) or row-sharded (DTensor with
-Shard(0) on the mesh's dimension and Replicate on every other dimension).
+Accepted meshes: None (single device, or DTensor parameters, each on its own mesh), a DeviceMesh
+of 1-3 axes (the parameters' mesh or a sub-mesh of it, e.g. HSDP's shard sub-mesh), or a
+ProcessGroup (DDP). How each parameter lies on its mesh is read by distributed/layout.py.
 """
 from __future__ import annotations
 
@@ -35,24 +34,73 @@ class MeshInfo:
 
 
 def resolve_mesh(distributed_mesh) -> Optional[MeshInfo]:
-    """None → None (single device); 1-D DeviceMesh or ProcessGroup → MeshInfo; else ValueError."""
+    """None → None (single device, or DTensor parameters that carry their own meshes); a
+    DeviceMesh of any dimension (its group: the product of all its axes) or a ProcessGroup (DDP)
+    → MeshInfo; anything else → ValueError."""
     if distributed_mesh is None:
         return None
     if isinstance(distributed_mesh, DeviceMesh):
-        if distributed_mesh.ndim != 1:
-            raise ValueError(
-                f"distributed_mesh must be a 1-D DeviceMesh, got a {distributed_mesh.ndim}-D mesh "
-                f"(dims {distributed_mesh.mesh_dim_names}); for HSDP pass the shard sub-mesh, e.g. mesh['shard']"
-            )
-        group = distributed_mesh.get_group()
-        return MeshInfo(group, dist.get_world_size(group), dist.get_rank(group), "device_mesh", distributed_mesh)
+        return axes_group(distributed_mesh, tuple(range(distributed_mesh.ndim)))
     if isinstance(distributed_mesh, dist.ProcessGroup):
         group = distributed_mesh
         return MeshInfo(group, dist.get_world_size(group), dist.get_rank(group), "process_group")
     raise ValueError(
-        "distributed_mesh must be None (single device), a 1-D torch DeviceMesh (FSDP2; the shard "
-        f"sub-mesh for HSDP) or a torch.distributed ProcessGroup (DDP), got {type(distributed_mesh).__name__}"
+        "distributed_mesh must be None (single device, or DTensor parameters: each one's own mesh "
+        "is read), a torch DeviceMesh (1-, 2- or 3-D) or a torch.distributed ProcessGroup (DDP), "
+        f"got {type(distributed_mesh).__name__}"
     )
+
+
+def coordinate_of(mesh: "DeviceMesh", global_rank: int) -> tuple[int, ...]:
+    """Mesh coordinate of a global rank, read from the mesh's rank tensor."""
+    where = (mesh.mesh == global_rank).nonzero()
+    if where.shape[0] != 1:
+        raise ValueError(f"rank {global_rank} is not in {mesh}")
+    return tuple(int(c) for c in where[0])
+
+
+_AXIS_GROUPS: dict[tuple, tuple["DeviceMesh", MeshInfo]] = {}  # (id(mesh), axes) → (mesh, its groups)
+
+
+def axes_group(mesh: "DeviceMesh", axes: tuple[int, ...]) -> Optional[MeshInfo]:
+    """MeshInfo of the product of `axes` of `mesh` around this rank (None for no axes).
+
+    One axis uses the mesh's own group; a product of axes gets process groups created on every
+    rank together (dist.new_subgroups_by_enumeration), once per (mesh, axes) and kept: this is
+    called at construction, in the same order on all ranks, never per step."""
+    if not axes:
+        return None
+    key = (id(mesh), tuple(axes))  # by identity: an equal mesh made later has groups of its own
+    if key not in _AXIS_GROUPS or _AXIS_GROUPS[key][0] is not mesh:
+        if len(axes) == 1:
+            group = mesh.get_group(axes[0])
+        else:
+            others = [a for a in range(mesh.ndim) if a not in axes]
+            size = 1
+            for a in axes:
+                size *= mesh.mesh.shape[a]
+            ranks = mesh.mesh.permute(*others, *axes).reshape(-1, size).tolist()
+            group, _ = dist.new_subgroups_by_enumeration(ranks)
+        _AXIS_GROUPS[key] = mesh, MeshInfo(group, dist.get_world_size(group), dist.get_rank(group), "device_mesh", mesh)
+    return _AXIS_GROUPS[key][1]
+
+
+def group_coordinates(info: MeshInfo, axes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The mesh coordinate of every member of info's group (the product of `axes` around this
+    rank), in group-rank order: a process group orders its members by global rank, which need
+    not be the mesh's order along the axes."""
+    mesh = info.device_mesh
+    mine = coordinate_of(mesh, dist.get_rank())
+    members = []
+    for index in torch.cartesian_prod(*[torch.arange(mesh.mesh.shape[a]) for a in axes]).reshape(-1, len(axes)).tolist():
+        coordinate = list(mine)
+        for axis, value in zip(axes, index):
+            coordinate[axis] = value
+        members.append((int(mesh.mesh[tuple(coordinate)]), tuple(coordinate)))
+    members.sort()
+    if members[info.rank][1] != mine:
+        raise RuntimeError(f"process group of mesh axes {axes} of {mesh} does not order its members by global rank")
+    return [coordinate for _, coordinate in members]
 
 
 def is_dtensor(tensor: Tensor) -> bool:
@@ -63,39 +111,6 @@ def local_tensor(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def is_row_sharded(param: Tensor, mesh: MeshInfo, label: str) -> bool:
-    """True for Shard(0) on the optimizer's mesh, False for replicated; ValueError otherwise."""
-    if not isinstance(param, DTensor):
-        return False
-    if mesh.kind != "device_mesh":
-        raise ValueError(
-            f"parameter {label} is a DTensor but distributed_mesh is a ProcessGroup; pass the "
-            "DeviceMesh the parameter is sharded on (FSDP2: the mesh given to fully_shard)"
-        )
-    sharded_dims = []
-    for dim, placement in enumerate(param.placements):
-        if isinstance(placement, Replicate):
-            continue
-        if not isinstance(placement, Shard):
-            raise ValueError(f"parameter {label} has placement {placement} on mesh dim {dim}; expected Shard(0) or Replicate()")
-        if placement.dim != 0:
-            raise ValueError(
-                f"parameter {label} is sharded on tensor dim {placement.dim} ({placement}); only row "
-                "sharding Shard(0) is supported: use fully_shard's default placement, or put the "
-                "parameter in an 'adamw'/'lion' group"
-            )
-        sharded_dims.append(dim)
-    if not sharded_dims:
-        return False
-    mesh_groups = [param.device_mesh.get_group(d) for d in sharded_dims]
-    if len(sharded_dims) > 1 or mesh_groups[0] is not mesh.group and mesh_groups[0] != mesh.group:
-        raise ValueError(
-            f"parameter {label} is sharded over mesh dims {sharded_dims} of {param.device_mesh}, which "
-            "is not the distributed_mesh given to the optimizer; pass the (shard sub-)mesh used by fully_shard"
-        )
-    return True
-
-
 def local_row_span(rows: int, world_size: int, rank: int) -> tuple[int, int]:
     """Rows [start, stop) that `rank` holds under torch.chunk semantics (the last ranks may hold
     fewer rows, or none): chunk = ⌈rows/W⌉ from the global shape, so no per-step sync."""
@@ -104,8 +119,9 @@ def local_row_span(rows: int, world_size: int, rank: int) -> tuple[int, int]:
     return start, min(start + chunk, rows)
 
 
-def all_ranks_true(flags: Tensor, mesh: MeshInfo) -> Tensor:
-    """Elementwise AND of a bool tensor over the group (e.g. "this gradient is finite")."""
+def all_ranks_true(flags: Tensor, mesh: Optional[MeshInfo]) -> Tensor:
+    """Elementwise AND of a bool tensor over the group (e.g. "this gradient is finite"); mesh
+    None (DTensor parameters on their own meshes): over all ranks."""
     agreed = flags.to(torch.int32)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=mesh.group)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=None if mesh is None else mesh.group)
     return agreed.bool()

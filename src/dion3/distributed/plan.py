@@ -9,14 +9,18 @@ sharded state while the step runs batched.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .mesh import DTensor, MeshInfo, is_row_sharded, local_row_span, local_tensor
+from ..algorithms import NORMALIZING_ALGORITHMS
+from ..buckets import Bucket, add_matrix, matrix_view
+from .layout import Axes, MatrixLayout, classify, member_layouts
+from .mesh import (
+    DTensor, MeshInfo, Replicate, Shard, axes_group, group_coordinates, is_dtensor, local_row_span, local_tensor,
+)
 
 
 @dataclass
@@ -31,6 +35,7 @@ class ShardedBucket:
     momentum: Optional[Tensor] = None  # [N, chunk, cols], rows ≥ local_rows are zero padding
     variance: Optional[Tensor] = None  # [N, chunk, 1] float32 (NorMuon / Dion3)
     slot_cache: dict = field(default_factory=dict)  # owner slots of plans with static split sizes
+    mesh: Optional[MeshInfo] = None  # the row-sharding axis' group (rank = mesh coordinate)
 
     @property
     def chunk(self) -> int:
@@ -55,87 +60,183 @@ def owned_matrices(count: int, world_size: int, rank: int) -> range:
     return range(min(rank * block, count), min((rank + 1) * block, count))
 
 
-def bucket_subset(bucket, keep: list[int]):
-    """A temporary bucket (same type: Bucket or a distributed ShardedBucket) of the entries
-    `keep`, holding stacked copies of their state, and the state tensors those copies came from
-    (views into `bucket`'s buffers, or its `pieces` of parameter-shaped state)."""
-    if getattr(bucket, "pieces", None) is not None:
-        sources = {key: [pieces[i] for i in keep] for key, pieces in bucket.pieces.items()}
-    else:
-        offsets = [0]
-        for view in bucket.views:
-            offsets.append(offsets[-1] + view.shape[0])
-        spans = [slice(offsets[i], offsets[i + 1]) for i in keep]
-        sources = {"momentum": [bucket.momentum[s] for s in spans]}
-        if bucket.variance is not None:
-            sources["variance"] = [bucket.variance[s] for s in spans]
-    sub = copy.copy(bucket)
-    for name in ("params", "views", "blocks"):
-        if hasattr(bucket, name):
-            setattr(sub, name, [getattr(bucket, name)[i] for i in keep])
-    sub.momentum = torch.cat(sources["momentum"])
-    sub.variance = torch.cat(sources["variance"]) if "variance" in sources else None
-    if hasattr(sub, "pieces"):
-        sub.pieces = None
-    if hasattr(sub, "slot_cache"):  # plans cached for the whole bucket do not fit the subset
-        sub.slot_cache = {}
-    return sub, sources
+@dataclass
+class LayoutBucket:
+    """Same-layout matrices of one group in the general case (any mix of row, column, strided
+    and expert sharding): each rank holds a block of rows (any index set) and a column range of
+    each matrix, described for every member of the matrix axes' group by `members`.
+
+    A "matrix" of the bucket is one matrix of one parameter (an expert of a 3-D stack counts as
+    one); all parameters of a bucket share their global shape, mesh and placements, so every
+    member holds the same matrices of the bucket, each cut the same way."""
+
+    shape: tuple[int, int]  # global (rows, cols) of each matrix
+    mesh: Optional[MeshInfo]  # group over the axes that split rows or columns; None: whole matrices here
+    members: list[MatrixLayout]  # every group member's piece, in group-rank order
+    col_mesh: Optional[MeshInfo] = None  # group over the column axes: sums partial row scores
+    params: list[Tensor] = field(default_factory=list)
+    views: list[Tensor] = field(default_factory=list)  # local piece of each param as [B, rows held, cols held]
+    momentum: Optional[Tensor] = None  # [N, rows held, cols held]
+    variance: Optional[Tensor] = None  # [N, rows held, 1] float32 (NorMuon / Dion3)
+    slot_cache: dict = field(default_factory=dict)  # static plans and index tensors, built once
+    first_owner: int = 0  # owners are consecutive members from here (spreads small buckets)
+
+    def owned(self, member: int) -> range:
+        """Matrices `member` orthogonalizes: blocks of ⌈N/W⌉ for members first_owner, first_owner
+        + 1, ... in member order, so the all-to-all's matrix order stays its member order."""
+        if member < self.first_owner:
+            return range(0, 0)
+        return owned_matrices(self.count, self.world_size, member - self.first_owner)
+
+    def owners(self) -> list[range]:
+        return [self.owned(member) for member in range(self.world_size)]
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.mesh is None else self.mesh.rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def local(self) -> MatrixLayout:
+        return self.members[self.rank]
+
+    @property
+    def count(self) -> int:
+        return sum(v.shape[0] for v in self.views)
+
+    def row_classes(self) -> list[int]:
+        """Per member: the index of its row set among the distinct row sets (members of one
+        class differ only in columns and send the same rows)."""
+        seen: dict[tuple, int] = {}
+        return [seen.setdefault(m.rows, len(seen)) for m in self.members]
 
 
-def write_back_subset(bucket, sub, sources: dict) -> None:
-    """Copy a stepped bucket_subset's state back where it came from."""
-    for key, targets in sources.items():
-        stepped = torch.split(getattr(sub, key), [t.shape[0] for t in targets])
-        torch._foreach_copy_(targets, list(stepped))
+def _layout_key(p: Tensor, flatten: bool) -> tuple:
+    return ("layout", p.device_mesh, tuple(p.placements), tuple(p.shape), flatten)
 
 
-def build_buckets(optimizer, group: dict, mesh: MeshInfo) -> list:
-    """Buckets of one matrix group; replicated ones use the optimizer's own state allocation."""
-    from ..optim.base import Bucket, add_matrix  # deferred: optim.base imports this package
-
+def build_buckets(optimizer, group: dict, mesh: Optional[MeshInfo]) -> list:
+    """Buckets of one matrix group. `mesh`: the optimizer's distributed_mesh (None: each DTensor
+    parameter's own mesh). Replicated buckets use the optimizer's own state allocation."""
     buckets: dict[tuple, object] = {}
     for index, p in enumerate(group["params"]):
         label = optimizer._param_label(group, index)
         local = local_tensor(p.detach())
-        if is_row_sharded(p, mesh, label):
-            if group.get("num_heads") is not None or group.get("split_sizes") is not None:
-                raise ValueError(
-                    f"parameter {label} is row-sharded ({tuple(p.placements)}) and its group sets "
-                    "num_heads/split_sizes: per-block orthogonalization of sharded parameters is not "
-                    "supported yet; keep the parameter replicated (DDP) or put it in a group without "
-                    "num_heads/split_sizes"
-                )
-            if p.dim() != 2 and not group["flatten"]:
-                raise ValueError(
-                    f"parameter {label} is a row-sharded {p.dim()}-D tensor: sharding dim 0 of a batch of "
-                    "matrices splits the batch, not rows; pass flatten=True or keep it replicated"
-                )
+        flatten = group["flatten"]
+        if not is_dtensor(p):  # one entry per block of a num_heads/split_sizes group
+            add_matrix(buckets, ("replicate",), p, local, group, mesh)
+            continue
+        axes = classify(p, label, flatten)
+        _check_mesh(p, label, axes, mesh)
+        fast = _row_sharded_axis(p, axes, flatten)
+        if not axes.matrix and not axes.batch:  # replicated DTensor: split the work like DDP
+            info = axes_group(p.device_mesh, tuple(range(p.device_mesh.ndim)))
+            add_matrix(buckets, ("replicate", p.device_mesh), p, local, group, info)
+            continue
+        _refuse_blocks(p, label, group)
+        if fast is not None:  # rows in torch.chunk blocks over one axis (FSDP2, HSDP)
+            info = axes_group(p.device_mesh, (fast,))
             shape = (p.shape[0], p.numel() // max(p.shape[0], 1))
-            key = ("shard", shape, p.dtype, local.device)
-            bucket = buckets.setdefault(key, ShardedBucket(shape, mesh.world_size, mesh.rank))
+            key = ("shard", shape, p.dtype, local.device, p.device_mesh, fast)
+            bucket = buckets.setdefault(key, ShardedBucket(shape, info.world_size, info.rank, mesh=info))
             view = local.reshape(1, local.shape[0], shape[1])
-            if view.shape[1] != bucket.local_rows:
-                raise ValueError(
-                    f"parameter {label} holds {view.shape[1]} rows on rank {mesh.rank}, but torch.chunk "
-                    f"row sharding of {shape[0]} rows over {mesh.world_size} ranks gives {bucket.local_rows}"
-                )
-            bucket.params.append(p)
-            bucket.views.append(view)
-        else:  # one entry per block of a num_heads/split_sizes group
-            add_matrix(buckets, ("replicate",), p, local, group)
+        else:
+            key = (*_layout_key(p, flatten), p.dtype, local.device)
+            if key not in buckets:
+                info = axes_group(p.device_mesh, axes.matrix)
+                buckets[key] = LayoutBucket(
+                    _matrix_shape(p, flatten), info, member_layouts(p, info, axes.matrix, flatten),
+                    axes_group(p.device_mesh, axes.cols))
+            bucket = buckets[key]
+            view = local.reshape(bucket.local.local_shape)
+        bucket.params.append(p)
+        bucket.views.append(view)
+    _spread_owners([b for b in buckets.values() if isinstance(b, LayoutBucket)])
     for bucket in buckets.values():
         if isinstance(bucket, ShardedBucket):
             allocate_sharded_state(bucket, group, optimizer.state)
+        elif isinstance(bucket, LayoutBucket):
+            allocate_layout_state(bucket, group, optimizer.state)
     optimizer._allocate_buckets([b for b in buckets.values() if isinstance(b, Bucket)], group)
     return list(buckets.values())
+
+
+def _refuse_blocks(p: Tensor, label: str, group: dict) -> None:
+    if group.get("num_heads") is not None or group.get("split_sizes") is not None:
+        raise ValueError(
+            f"parameter {label} is sharded ({tuple(p.placements)}) and its group sets "
+            "num_heads/split_sizes: per-block orthogonalization of sharded parameters is not "
+            "supported yet; keep the parameter replicated (DDP) or put it in a group without "
+            "num_heads/split_sizes"
+        )
+
+
+def _spread_owners(buckets: list[LayoutBucket]) -> None:
+    """Buckets of fewer matrices than members (TP layouts have few same-shape matrices) would
+    all be owned by the first members: start each bucket's owners where the previous bucket of
+    the same group stopped, without wrapping around (the order in which the same buckets are
+    built is the same on every rank, so every member agrees)."""
+    next_owner: dict[int, int] = {}
+    for bucket in buckets:
+        if bucket.mesh is None:
+            continue
+        world = bucket.world_size
+        block = -(-bucket.count // world)
+        used = -(-bucket.count // block)
+        start = next_owner.get(id(bucket.mesh.group), 0)
+        bucket.first_owner = start % (world - used + 1)
+        next_owner[id(bucket.mesh.group)] = bucket.first_owner + used
+
+
+def _matrix_shape(p: Tensor, flatten: bool) -> tuple[int, int]:
+    if flatten or p.dim() == 2:
+        return p.shape[0], p.numel() // max(p.shape[0], 1)
+    return p.shape[-2], p.shape[-1]
+
+
+def _row_sharded_axis(p: Tensor, axes: Axes, flatten: bool) -> Optional[int]:
+    """The axis of the fast row-sharded path (plain Shard(0) rows over one axis whose process
+    group orders its members as the mesh does, nothing else sharded), else None."""
+    if axes.batch or axes.cols or len(axes.rows) != 1 or (p.dim() != 2 and not flatten):
+        return None
+    axis = axes.rows[0]
+    if type(p.placements[axis]) is not Shard:  # _StridedShard rows are not torch.chunk blocks
+        return None
+    info = axes_group(p.device_mesh, (axis,))
+    coords = group_coordinates(info, (axis,))
+    return axis if all(c[axis] == g for g, c in enumerate(coords)) else None
+
+
+def _check_mesh(p: Tensor, label: str, axes: Axes, mesh: Optional[MeshInfo]) -> None:
+    """A DTensor parameter and the optimizer's distributed_mesh must agree: the parameter's own
+    mesh, or (as for HSDP's shard sub-mesh) a 1-D mesh whose group is its one sharded axis."""
+    if mesh is None:
+        return
+    if mesh.kind != "device_mesh":
+        raise ValueError(
+            f"parameter {label} is a DTensor (placements {tuple(p.placements)}) but distributed_mesh is "
+            "a ProcessGroup; pass distributed_mesh=None (each DTensor's own mesh is read) or its DeviceMesh"
+        )
+    given = mesh.device_mesh
+    if given == p.device_mesh:
+        return
+    sharded = axes.matrix + axes.batch
+    if given.ndim == 1 and len(sharded) == 1 and p.device_mesh.get_group(sharded[0]) == given.get_group():
+        return
+    raise ValueError(
+        f"parameter {label} lives on {p.device_mesh} with placements {tuple(p.placements)}, which is not "
+        f"the distributed_mesh {given} (nor a 1-D sub-mesh of its one sharded axis); pass "
+        "distributed_mesh=None to read each parameter's own mesh and placements"
+    )
 
 
 def allocate_sharded_state(bucket: ShardedBucket, group: dict, state: dict) -> None:
     rows, cols = bucket.shape
     like = bucket.views[0]
     bucket.momentum = torch.zeros((bucket.count, bucket.chunk, cols), dtype=like.dtype, device=like.device)
-    from ..optim.validation import NORMALIZING_ALGORITHMS  # deferred, as in build_buckets
-
     wants_variance = group["algorithm"] in NORMALIZING_ALGORITHMS
     if wants_variance:
         bucket.variance = torch.zeros((bucket.count, bucket.chunk, 1), dtype=torch.float32, device=like.device)
@@ -176,3 +277,67 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
+
+
+def allocate_layout_state(bucket: LayoutBucket, group: dict, state: dict) -> None:
+    """Stacked local state [N, rows held, cols held] with per-parameter DTensor views carrying
+    the parameter's placements (the variance, one value per row, is replicated over the column
+    axes), so distributed checkpoints reshard it between layouts."""
+    like = bucket.views[0]
+    batch, rows, cols = bucket.local.local_shape
+    bucket.momentum = torch.zeros((bucket.count, rows, cols), dtype=like.dtype, device=like.device)
+    wants_variance = group["algorithm"] in NORMALIZING_ALGORITHMS
+    if wants_variance:
+        bucket.variance = torch.zeros((bucket.count, rows, 1), dtype=torch.float32, device=like.device)
+    offset = 0
+    for p, view in zip(bucket.params, bucket.views):
+        span = slice(offset, offset + view.shape[0])
+        offset += view.shape[0]
+        local_shape = local_tensor(p).shape
+        targets = {"momentum": (bucket.momentum[span], local_shape, p.shape, tuple(p.placements))}
+        if wants_variance:
+            col_dim = p.dim() - 1 if not group["flatten"] else 1
+            per_row = tuple(Replicate() if _splits_dim(pl, col_dim, p.dim()) else pl for pl in p.placements)
+            global_shape = variance_shape(p, group["flatten"])
+            targets["variance"] = (bucket.variance[span], (*local_shape[: len(global_shape) - 1], 1), global_shape, per_row)
+        entry = state[p]
+        for key, (target, shape_here, global_shape, placements) in targets.items():
+            if key in entry:
+                _load_piece(target, entry[key], bucket, key, p)
+            entry[key] = DTensor.from_local(
+                target.view(shape_here), p.device_mesh, placements, run_check=False,
+                shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape),
+            )
+        for key in list(entry):
+            if key not in targets:
+                del entry[key]
+
+
+def variance_shape(p: Tensor, flatten: bool) -> tuple[int, ...]:
+    return (p.shape[0], 1) if flatten else (*p.shape[:-1], 1)
+
+
+def _splits_dim(placement, dim: int, ndim: int) -> bool:
+    return hasattr(placement, "dim") and not isinstance(placement, Replicate) and placement.dim % ndim == dim
+
+
+def _load_piece(target: Tensor, loaded: Tensor, bucket: LayoutBucket, key: str, param: Tensor) -> None:
+    """Copy saved state into this rank's piece: a DTensor contributes its local tensor, a plain
+    tensor of the global shape the experts, rows and columns this rank holds."""
+    piece, (rows, cols) = bucket.local, bucket.shape
+    last = cols if key == "momentum" else 1
+    if isinstance(loaded, DTensor):
+        values = local_tensor(loaded)
+    elif loaded.numel() % (rows * last) == 0:
+        whole = loaded.reshape(-1, rows, last)
+        index = torch.tensor(piece.rows, dtype=torch.long, device=whole.device)
+        values = whole[list(piece.batch)].index_select(1, index)
+        values = values[..., piece.cols[0] : piece.cols[1]] if key == "momentum" else values
+    else:
+        values = loaded
+    if values.numel() != target.numel():
+        raise ValueError(
+            f"state {key!r} of parameter with shape {tuple(param.shape)} has shape {tuple(loaded.shape)}; "
+            "the state dict does not match these parameters"
+        )
+    target.copy_(values.reshape(target.shape))

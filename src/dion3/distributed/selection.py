@@ -103,3 +103,109 @@ def global_plan(bucket: ShardedBucket, gathered_scores: Tensor, fraction: float)
 def _flatten_rows(rows: Tensor, chunk: int) -> Tensor:
     offsets = torch.arange(rows.shape[0], device=rows.device)[:, None] * chunk
     return (rows + offsets).reshape(-1)
+
+
+# ---------------------------------------------------------------- general layouts (LayoutBucket)
+@dataclass
+class PiecePlan:
+    """Which rows of a LayoutBucket's matrices each member sends to their owners, and where the
+    owner puts them. Members send rows restricted to the columns they hold, so a row split over
+    column shards arrives in pieces that land in the same slot, side by side."""
+
+    counts: list[list[int]]  # counts[s][i]: rows of matrix i that member s sends
+    rows: Optional[Tensor]  # this rank's sent rows, flat in [N·rows held]; None = all rows
+    slots: list[Tensor]  # per member s: the owner-side row slot in [n_owned·K] of each row s sends it
+    per_matrix: int  # K: rows of each matrix on its owner
+    owners: list[range]  # the matrices each member owns (LayoutBucket.owned)
+
+    def send_counts(self, rank: int) -> list[int]:
+        return [sum(self.counts[rank][i] for i in mine) for mine in self.owners]
+
+    def recv_counts(self, rank: int) -> list[int]:
+        return [sum(row[i] for i in self.owners[rank]) for row in self.counts]
+
+
+def _member_rows(bucket, device) -> list[Tensor]:
+    """Every member's global row indices as device tensors (built once per bucket)."""
+    if "member_rows" not in bucket.slot_cache:
+        bucket.slot_cache["member_rows"] = [
+            torch.tensor(m.rows, dtype=torch.long, device=device) for m in bucket.members]
+    return bucket.slot_cache["member_rows"]
+
+
+def piece_all_rows_plan(bucket) -> PiecePlan:
+    """Muon/NorMuon: every member sends all its rows; the owner holds whole matrices (K = rows)."""
+    if "all" not in bucket.slot_cache:
+        rows, count = bucket.shape[0], bucket.count
+        device = bucket.momentum.device
+        owned = len(bucket.owned(bucket.rank))
+        base = torch.arange(owned, device=device)[:, None] * rows
+        slots = [(base + held).reshape(-1) for held in _member_rows(bucket, device)]
+        counts = [[len(m.rows)] * count for m in bucket.members]
+        bucket.slot_cache["all"] = PiecePlan(counts, None, slots, rows, bucket.owners())
+    return bucket.slot_cache["all"]
+
+
+def piece_local_count(bucket, fraction: float, member: int) -> int:
+    """"local" scope on a general layout: ⌈f·b⌉ rows (b: the most rows any member holds, the row
+    block size), capped by the rows this member holds; the same rule as the row-sharded path."""
+    block = max(len(m.rows) for m in bucket.members)
+    held = len(bucket.members[member].rows)
+    return min(rules.selected_row_count(block, fraction), held) if block else 0
+
+
+def piece_local_plan(bucket, scores: Tensor, fraction: float) -> PiecePlan:
+    """Each row shard's own top rows by full-row L1 score (scores: [N, rows held], already summed
+    over the column shards, so the members of a row shard pick the same rows); static counts,
+    no host sync. On the owner, row shard q's rows fill slots [offset_q, offset_q + k_q)."""
+    key = ("local", fraction)
+    count, device = bucket.count, bucket.momentum.device
+    if key not in bucket.slot_cache:
+        classes = bucket.row_classes()
+        ks = [piece_local_count(bucket, fraction, s) for s in range(bucket.world_size)]
+        first = {q: s for s, q in reversed(list(enumerate(classes)))}
+        offsets, total = {}, 0
+        for q in sorted(first):
+            offsets[q], total = total, total + ks[first[q]]
+        owned = len(bucket.owned(bucket.rank))
+        base = torch.arange(owned, device=device)[:, None] * total
+        slots = [(base + offsets[q] + torch.arange(k, device=device)).reshape(-1) for q, k in zip(classes, ks)]
+        bucket.slot_cache[key] = ([[k] * count for k in ks], slots, total)
+    counts, slots, total = bucket.slot_cache[key]
+    k = counts[bucket.rank][0]
+    if k == 0:
+        return PiecePlan(counts, scores.new_empty((0,), dtype=torch.long), slots, total, bucket.owners())
+    return PiecePlan(counts, _flatten_rows(rules.top_rows(scores, k), scores.shape[1]), slots, total, bucket.owners())
+
+
+def piece_padded_scores(bucket, scores: Tensor) -> Tensor:
+    """[N, b] float32 full-row scores of this rank's rows, b = the most rows any member holds;
+    padding scores −1 (real scores are ≥ 0)."""
+    block = max(len(m.rows) for m in bucket.members)
+    padded = scores.new_full((bucket.count, block), -1.0, dtype=torch.float32)
+    padded[:, : scores.shape[1]] = scores
+    return padded
+
+
+def piece_global_plan(bucket, gathered: Tensor, fraction: float) -> PiecePlan:
+    """Exact top-k rows of every whole matrix (k from the true row count) from all members'
+    full-row scores [W, N, b]; every member computes the same selection. One host sync for the
+    split sizes. On the owner, matrix rows are in ascending global order."""
+    rows, count, device = bucket.shape[0], bucket.count, gathered.device
+    held = _member_rows(bucket, device)
+    classes = bucket.row_classes()
+    whole = gathered.new_full((count, rows), -1.0)
+    for s, q in enumerate(classes):
+        if classes.index(q) == s:  # one member per row shard (column shards repeat its scores)
+            whole[:, held[s]] = gathered[s, :, : held[s].numel()]
+    k = rules.selected_row_count(rows, fraction)
+    selected = torch.zeros((count, rows), dtype=torch.bool, device=device)
+    selected.scatter_(1, rules.top_rows(whole, k), True)
+    slot = selected.cumsum(1) - 1  # position of each selected row among its matrix's k
+    masks = [selected[:, r] for r in held]  # [N, rows held by s]
+    counts = torch.stack([m.sum(1) for m in masks]).tolist()
+    mine = bucket.owned(bucket.rank)
+    base = torch.arange(len(mine), device=device)[:, None] * k
+    slots = [(base + slot[mine.start : mine.stop][:, r])[m[mine.start : mine.stop]] for r, m in zip(held, masks)]
+    local_rows = masks[bucket.rank].reshape(-1).nonzero().squeeze(1)
+    return PiecePlan(counts, local_rows, slots, k, bucket.owners())

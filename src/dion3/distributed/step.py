@@ -12,6 +12,8 @@ Row-sharded (FSDP2 Shard(0)):  pre-step on local rows → [Dion3 global: all-gat
   → apply locally with the global shape's lr scale.
 Replicated (DDP): identical pre-step everywhere → each rank orthogonalizes its 1/W of the
   bucket → all-gather → normalize and apply everywhere.
+Any other layout (TP columns, strided rows, several axes, expert stacks): layout_step.py.
+Each bucket runs over its own group (bucket.mesh): the axes that split its matrices.
 """
 from __future__ import annotations
 
@@ -24,10 +26,13 @@ from torch import Tensor
 from .. import rules
 from ..kernels import accumulate_momentum, scale_cast, snapshot_rows
 from ..ortho import input_scaling
+from ..buckets import bucket_subset, write_back_subset
 from .exchange import Traffic, exchange_rows, gather_chunks, sum_across
+from .layout_step import layout_step
 from .mesh import MeshInfo, local_tensor
-from .plan import ShardedBucket, bucket_subset, owned_matrices, write_back_subset
+from .plan import LayoutBucket, ShardedBucket, owned_matrices
 from .selection import all_rows_plan, global_plan, local_plan, padded_scores
+from .update import apply, orthogonalize, padded_selection
 
 PIPELINE_DEPTH = 4  # buckets in flight at once: enough overlap, bounded extra memory
 # ... and local bucket bytes in flight at most PIPELINE_BUDGET × the largest bucket or
@@ -39,8 +44,9 @@ PIPELINE_BUDGET = 1.5
 PIPELINE_MEMORY_SHARE = 0.1
 
 
-def run_step(work: list[tuple[dict, object]], rule_config, mesh: MeshInfo) -> Traffic:
-    """Step every (group, bucket) pair; returns the bytes this rank sent."""
+def run_step(work: list[tuple[dict, object]], rule_config) -> Traffic:
+    """Step every (group, bucket) pair, each over its own bucket.mesh; returns the bytes this
+    rank sent."""
     traffic = Traffic()
     steps, sizes = [], []
     for group, bucket in work:
@@ -49,11 +55,10 @@ def run_step(work: list[tuple[dict, object]], rule_config, mesh: MeshInfo) -> Tr
         keep = [i for i, p in enumerate(bucket.params) if p.grad is not None]
         if not keep:
             continue
-        body = sharded_step if isinstance(bucket, ShardedBucket) else replicated_step
         if len(keep) == len(bucket.params) and getattr(bucket, "pieces", None) is None:
-            steps.append(body(bucket, group, rule_config(group), mesh, traffic))
+            steps.append(_bucket_step(bucket, group, rule_config(group), traffic))
         else:  # step a temporary bucket of the entries with gradients (or of uneven blocks' state), then write it back
-            steps.append(_subset_step(body, bucket, keep, group, rule_config(group), mesh, traffic))
+            steps.append(_subset_step(_bucket_step, bucket, keep, group, rule_config(group), traffic))
         sizes.append(_state_bytes(bucket))
     interleave(steps, PIPELINE_DEPTH, sizes, _pipeline_budget(sizes, work))
     return traffic
@@ -64,6 +69,14 @@ def _state_bytes(bucket) -> int:
         return bucket.momentum.numel() * bucket.momentum.element_size()
     # uneven blocks (state in parameter-shaped pieces): the stacked copy is as large as the matrices
     return sum(v.numel() for v in bucket.views) * bucket.views[0].element_size()
+
+
+def _bucket_step(bucket, group: dict, cfg: rules.RuleConfig, traffic: Traffic) -> Iterator:
+    if isinstance(bucket, ShardedBucket):
+        return sharded_step(bucket, group, cfg, bucket.mesh, traffic)
+    if isinstance(bucket, LayoutBucket):
+        return layout_step(bucket, group, cfg, traffic)
+    return replicated_step(bucket, group, cfg, bucket.mesh, traffic)
 
 
 def _pipeline_budget(sizes: list[int], work) -> float:
@@ -93,15 +106,6 @@ def interleave(steps: list[Iterator], depth: int, sizes: list[int] | None = None
         entry = active.popleft()
         if next(entry[0], StopIteration) is not StopIteration:
             active.append(entry)
-
-
-def _orthogonalize(update: Tensor, group: dict, norm: Optional[Tensor] = None, normalized: bool = False) -> Tensor:
-    return rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"], norm, normalized)
-
-
-def _apply(bucket, update: Tensor, rows, group: dict, row_scale=None) -> None:
-    scale = rules.lr_scale(group["adjust_lr"], *bucket.shape)
-    rules.apply_update(bucket.views, update, rows, group["lr"], group["weight_decay"], scale, row_scale)
 
 
 def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh: MeshInfo, traffic: Traffic):
@@ -160,7 +164,7 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
     # One rank receives its own rows in matrix order: the placement is the identity.
     slots = None if mesh.world_size == 1 else slots
     matrices = _place(sent_rows.wait(), slots, (owned, per_matrix, cols))
-    ortho = _orthogonalize(matrices, group, normalized=True)
+    ortho = orthogonalize(matrices, group, normalized=True)
     del matrices  # the bucket's received rows (a placed copy or the receive buffer itself)
     if sent_variance:
         old = _place(sent_variance.wait(), slots, (owned, per_matrix, 1))
@@ -172,7 +176,7 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
 
     result = back_rows.wait()
     if plan.rows is None:
-        _apply(bucket, result.view(count, rows_here, cols), None, group)
+        apply(bucket, result.view(count, rows_here, cols), None, group)
         if sent_variance:
             bucket.variance[:, :rows_here] = back_variance.wait().view(count, rows_here, 1)
         return
@@ -182,31 +186,11 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
     if mine and all(c == mine[0] for c in mine):  # local scope: the same k rows of every matrix
         k = mine[0]
         local_rows = plan.rows.view(count, k) - torch.arange(count, device=result.device)[:, None] * chunk
-        _apply(bucket, result.view(count, k, cols), local_rows, group)
+        apply(bucket, result.view(count, k, cols), local_rows, group)
     else:  # global scope: the number of rows per local matrix varies
-        _apply(bucket, *_padded_selection(plan.rows, result, count, chunk, rows_here, max(mine)), group)
+        apply(bucket, *padded_selection(plan.rows, result, count, chunk, rows_here, max(mine)), group)
     if sent_variance:  # Dion3 (Dion2 has no per-row normalization)
         bucket.variance.view(-1, 1).index_copy_(0, plan.rows, back_variance.wait())
-
-
-def _padded_selection(flat_rows: Tensor, result: Tensor, count: int, chunk: int, rows_here: int, width: int):
-    """(update [count, width, cols], rows [count, width]) for selections of different sizes per
-    matrix: each matrix's selected rows (ascending, with their result rows) and then its first
-    unselected rows with a zero update, which the fused update leaves at x·decay − 0 = x·decay,
-    exactly what it does to any unselected row. All on the device: no host sync."""
-    device = result.device
-    selected = torch.zeros(count * chunk, dtype=torch.bool, device=device)
-    selected[flat_rows] = True
-    selected = selected.view(count, chunk)[:, :rows_here]
-    order = torch.arange(rows_here, device=device, dtype=torch.float32)
-    # Selected rows sort first (negative keys), each group in row order.
-    rows = torch.where(selected, order - rows_here, order).topk(width, dim=1, largest=False, sorted=True).indices
-    matrix = torch.div(flat_rows, chunk, rounding_mode="floor")
-    per_matrix = selected.sum(dim=1)
-    first = per_matrix.cumsum(0) - per_matrix  # where each matrix's rows start in result
-    target = matrix * width + torch.arange(flat_rows.numel(), device=device) - first[matrix]
-    update = result.new_zeros((count * width, result.shape[-1])).index_copy_(0, target, result)
-    return update.view(count, width, -1), rows
 
 
 def _place(received: Tensor, slots, shape: tuple[int, int, int]) -> Tensor:
@@ -230,7 +214,7 @@ def replicated_step(bucket, group: dict, cfg: rules.RuleConfig, mesh: MeshInfo, 
     count = update.shape[0]
     mine = owned_matrices(count, mesh.world_size, mesh.rank)
     owned_norm = None if norm is None else norm[mine.start : mine.stop]
-    owned = _orthogonalize(update[mine.start : mine.stop], group, owned_norm, normalized)
+    owned = orthogonalize(update[mine.start : mine.stop], group, owned_norm, normalized)
     # in O's dtype (the compute dtype, the same on every rank): no wider than it on the wire
     block = owned.new_zeros((-(-count // mesh.world_size), *update.shape[1:]))
     block[: len(mine)] = owned
@@ -246,4 +230,4 @@ def replicated_step(bucket, group: dict, cfg: rules.RuleConfig, mesh: MeshInfo, 
             bucket.variance.copy_(new)
         else:
             rules.scatter_rows(bucket.variance, rows, new)
-    _apply(bucket, ortho, rows, group, row_scale)
+    apply(bucket, ortho, rows, group, row_scale)

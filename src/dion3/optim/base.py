@@ -15,14 +15,13 @@ parameter of such a bucket owns its state the same way, so that the bucket is on
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
-from .. import blocks, distributed, rules
-from ..distributed.plan import bucket_subset, write_back_subset
+from .. import distributed, rules
+from ..buckets import Bucket, add_matrix, bucket_subset, matrix_view, write_back_subset
 from . import scalar
 from .validation import (
     ALIASES,
@@ -38,50 +37,6 @@ from .validation import (
 )
 
 
-
-@dataclass
-class Bucket:
-    """Same-shape matrices of one group, orthogonalized together. An entry is a parameter's
-    matrices or one block of them (a parameter split into blocks appears once per block)."""
-
-    shape: tuple[int, int]  # (rows, cols) of each matrix
-    params: list[Tensor] = field(default_factory=list)  # the parameter of each entry
-    views: list[Tensor] = field(default_factory=list)  # each entry as [B_i, rows, cols], a view of its param
-    blocks: list[blocks.Block] = field(default_factory=list)  # where each entry lies in its param's matrices
-    momentum: Optional[Tensor] = None  # [N, rows, cols]; None: stacked from `pieces` at each step
-    variance: Optional[Tensor] = None  # [N, rows, 1] float32 (NorMuon / Dion3)
-    # Buckets of uneven blocks: each entry's state, as views of its parameter-shaped state
-    # ({"momentum": [...], "variance": [...]}); None when momentum/variance hold the state.
-    pieces: Optional[dict[str, list[Tensor]]] = None
-
-    def grads(self, flatten: bool) -> list[Tensor]:
-        """Each entry's gradient as [B_i, rows, cols] (local shard of a DTensor gradient)."""
-        return [block.cut(matrix_view(distributed.local_tensor(p.grad), flatten))
-                for p, block in zip(self.params, self.blocks)]
-
-
-def matrix_view(tensor: Tensor, flatten: bool) -> Tensor:
-    """A parameter (or its gradient) as a batch of matrices [B, rows, cols]."""
-    if flatten:
-        return tensor.reshape(1, tensor.shape[0], -1)
-    return tensor.unsqueeze(0) if tensor.dim() == 2 else tensor
-
-
-def add_matrix(buckets: dict, key_prefix: tuple, param: Tensor, local: Tensor, group: dict) -> None:
-    """Put the entries of one matrix parameter (local: its local tensor) into `buckets`, keyed by
-    (*key_prefix, entry shape, dtype, device)."""
-    matrices = matrix_view(local.detach(), group["flatten"])
-    # .get: groups restored from checkpoints of versions without block options lack the keys
-    sizes = blocks.block_sizes(matrices.shape[-2], group.get("num_heads"), group.get("split_sizes"))
-    for block in blocks.blocks_of(matrices, sizes):
-        view = block.cut(matrices)
-        key = (*key_prefix, tuple(view.shape[1:]), param.dtype, local.device)
-        bucket = buckets.setdefault(key, Bucket(shape=key[-3]))
-        bucket.params.append(param)
-        bucket.views.append(view)
-        bucket.blocks.append(block)
-
-
 class OrthogonalOptimizer(torch.optim.Optimizer):
     """Base class; use Dion3, Muon or NorMuon."""
 
@@ -92,6 +47,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         self.communication_bytes_by_kind: dict[str, int] = {}
         self.check_finite = bool(check_finite)
         self._buckets: list[list[Bucket]] = []
+        self._has_dtensors = False
         self._ready = False
         super().__init__(params, defaults)
         self._ready = True
@@ -139,9 +95,10 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         """(Re)create the stacked state buffers, keeping any per-parameter state already present
         (after load_state_dict), and create state for every parameter up front."""
         self._buckets = []
+        self._has_dtensors = any(distributed.is_dtensor(p) for g in self.param_groups for p in g["params"])
         for group in self.param_groups:
             buckets: dict[tuple, Bucket] = {}
-            if self._mesh is not None and group["algorithm"] in MATRIX_ALGORITHMS:
+            if self._is_distributed() and group["algorithm"] in MATRIX_ALGORITHMS:
                 self._buckets.append(distributed.build_buckets(self, group, self._mesh))
                 continue
             if group["algorithm"] in MATRIX_ALGORITHMS:
@@ -205,6 +162,11 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             )
         target.copy_(loaded.reshape(target.shape))
 
+    def _is_distributed(self) -> bool:
+        """A distributed_mesh was given, or some parameter is a DTensor (its own mesh is read);
+        known once the buckets are built."""
+        return self._mesh is not None or self._has_dtensors
+
     def _allocate_bucket_state(self, bucket: Bucket, group: dict) -> None:
         rows, cols = bucket.shape
         count = sum(v.shape[0] for v in bucket.views)
@@ -257,14 +219,17 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         if self.check_finite:
             self._raise_on_nonfinite()
         check_fractions(self.param_groups)  # a group's fraction may change between steps, like lr
-        if self._mesh is not None:
-            self._distributed_matrix_step()
+        alone = []  # buckets stepped on this rank by itself (no group: single device, or no mesh)
         for group, buckets in zip(self.param_groups, self._buckets):
+            if group["algorithm"] in MATRIX_ALGORITHMS:
+                alone += [(group, b) for b in buckets if type(b) is Bucket and b.mesh is None]
+        if self._is_distributed():
+            self._distributed_matrix_step()
+        for group, bucket in alone:
+            self._matrix_step(bucket, group)
+        for group in self.param_groups:
             if group["algorithm"] in SCALAR_ALGORITHMS:
                 self._scalar_step(group)
-            elif self._mesh is None:
-                for bucket in buckets:
-                    self._matrix_step(bucket, group)
         return loss
 
     def _distributed_matrix_step(self) -> None:
@@ -274,8 +239,9 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             for group, buckets in zip(self.param_groups, self._buckets)
             if group["algorithm"] in MATRIX_ALGORITHMS
             for bucket in buckets
+            if type(bucket) is not Bucket or bucket.mesh is not None
         ]
-        traffic = distributed.run_step(work, self.rule_config, self._mesh)
+        traffic = distributed.run_step(work, self.rule_config)
         self.communication_bytes = traffic.total
         self.communication_bytes_by_kind = dict(traffic.by_kind)
 
@@ -290,7 +256,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             torch.isfinite(torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)))
             for g in grads])
         here = finite
-        if self._mesh is not None:  # all ranks must agree, or the others would hang in the step
+        if self._is_distributed():  # all ranks must agree, or the others would hang in the step
             finite = distributed.all_ranks_true(finite, self._mesh)
         for ok, ok_here, grad, (group, index, _) in zip(finite.cpu().tolist(), here.cpu().tolist(), grads, checked):
             if ok:

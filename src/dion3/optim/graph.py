@@ -103,7 +103,8 @@ class CapturedStep:
             raise ValueError(f"max_graphs must be an integer ≥ 1, got {max_graphs!r}")
         if getattr(optimizer, "check_finite", False):
             raise ValueError("check_finite=True syncs with the host each step and cannot be captured; disable it")
-        if getattr(optimizer, "_mesh", None) is not None and any(
+        distributed = getattr(optimizer, "_is_distributed", lambda: False)()
+        if distributed and any(
             g.get("algorithm") in SELECTING_ALGORITHMS and g.get("selection_scope") == "global"
             for g in optimizer.param_groups
         ):

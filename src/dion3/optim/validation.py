@@ -12,11 +12,9 @@ from ..distributed.mesh import local_tensor
 from ..ortho import get_schedule
 from ..ortho.newton_schulz import METHODS
 
-MATRIX_ALGORITHMS = ("dion3", "dion2", "muon", "normuon")
-SELECTING_ALGORITHMS = ("dion3", "dion2")  # row selection with error feedback
-NORMALIZING_ALGORITHMS = ("dion3", "normuon")  # NorMuon's per-row normalization (a variance state)
-SCALAR_ALGORITHMS = ("adamw", "lion")
-ALIASES = {"nordion2": "dion3"}
+from ..algorithms import (  # noqa: F401 (re-exported: the front-ends read them from here)
+    ALIASES, MATRIX_ALGORITHMS, NORMALIZING_ALGORITHMS, SCALAR_ALGORITHMS, SELECTING_ALGORITHMS,
+)
 SCOPES = ("local", "global")
 
 
