@@ -86,7 +86,7 @@ def bucket_subset(bucket, keep: list[int]):
         if bucket.variance is not None:
             sources["variance"] = [bucket.variance[s] for s in spans]
     sub = copy.copy(bucket)
-    for name in ("params", "views", "blocks"):
+    for name in ("params", "views", "blocks", "cuts"):
         if getattr(bucket, name, None):
             setattr(sub, name, [getattr(bucket, name)[i] for i in keep])
     sub.momentum = torch.cat(sources["momentum"])

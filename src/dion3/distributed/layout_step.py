@@ -21,7 +21,6 @@ from .. import rules
 from ..kernels import accumulate_momentum, scale_cast, snapshot_rows
 from ..ortho import input_scaling
 from .exchange import Traffic, exchange_rows, gather_chunks, sum_across
-from .mesh import local_tensor
 from .plan import LayoutBucket
 from .selection import PiecePlan, piece_all_rows_plan, piece_global_plan, piece_local_plan, piece_padded_scores
 from .update import apply, orthogonalize, padded_selection
@@ -31,7 +30,7 @@ def layout_step(bucket: LayoutBucket, group: dict, cfg: rules.RuleConfig, traffi
     mesh, rank = bucket.mesh, bucket.rank
     count, (rows, cols) = bucket.count, bucket.shape
     _, rows_here, cols_here = bucket.local.local_shape
-    grads = [local_tensor(p.grad).reshape(v.shape) for p, v in zip(bucket.params, bucket.views)]
+    grads = bucket.grads()
     momentum = bucket.momentum
     if cfg.fraction is None:  # Muon / NorMuon: every row goes to its matrix's owner
         update, _, norm, _ = rules.pre_step(momentum, grads, cfg, want_norm=True)
@@ -103,7 +102,8 @@ def layout_step(bucket: LayoutBucket, group: dict, cfg: rules.RuleConfig, traffi
         apply(bucket, result.view(count, k, cols_here), local_rows, group)
     else:
         apply(bucket, *padded_selection(plan.rows, result, count, rows_here, rows_here, max(mine, default=0)), group)
-    bucket.variance.view(-1, 1).index_copy_(0, plan.rows, back_variance.wait().view(-1, 1))
+    if sent_variance:  # Dion3 (Dion2 has no per-row normalization)
+        bucket.variance.view(-1, 1).index_copy_(0, plan.rows, back_variance.wait().view(-1, 1))
 
 
 def _place(received: Tensor, plan: PiecePlan, bucket: LayoutBucket, owned: int, width: int,

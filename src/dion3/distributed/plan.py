@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..algorithms import NORMALIZING_ALGORITHMS
+from .. import blocks
 from ..buckets import Bucket, add_matrix, matrix_view
 from .layout import Axes, MatrixLayout, classify, member_layouts
 from .mesh import (
@@ -80,6 +81,18 @@ class LayoutBucket:
     variance: Optional[Tensor] = None  # [N, rows held, 1] float32 (NorMuon / Dion3)
     slot_cache: dict = field(default_factory=dict)  # static plans and index tensors, built once
     first_owner: int = 0  # owners are consecutive members from here (spreads small buckets)
+    # Blocks of fused weights (num_heads / split_sizes groups): per entry, the parameter's whole
+    # local piece shape [B, rows, cols] and the slice of its local rows that hold the block;
+    # None: every entry is a whole parameter. Such buckets step through `pieces` (views of each
+    # block's rows of the parameter-shaped state), stacked per step like the replicated ones.
+    cuts: Optional[list[tuple[tuple[int, int, int], slice]]] = None
+    pieces: Optional[dict[str, list[Tensor]]] = None
+
+    def grads(self) -> list[Tensor]:
+        """Each entry's local gradient as [B, rows held, cols held] (its block's rows of it)."""
+        if self.cuts is None:
+            return [local_tensor(p.grad).reshape(v.shape) for p, v in zip(self.params, self.views)]
+        return [local_tensor(p.grad).reshape(whole)[:, rows] for p, (whole, rows) in zip(self.params, self.cuts)]
 
     def owned(self, member: int) -> range:
         """Matrices `member` orthogonalizes: blocks of ⌈N/W⌉ for members first_owner, first_owner
@@ -136,7 +149,10 @@ def build_buckets(optimizer, group: dict, mesh: Optional[MeshInfo]) -> list:
             info = axes_group(p.device_mesh, tuple(range(p.device_mesh.ndim)))
             add_matrix(buckets, ("replicate", p.device_mesh), p, local, group, info)
             continue
-        _refuse_blocks(p, label, group)
+        sizes = _block_sizes(p, label, group)
+        if len(sizes) > 1:  # one general-path entry per block, cut as the parameter is
+            _add_blocks(buckets, p, local, axes, sizes, flatten)
+            continue
         if fast is not None:  # rows in torch.chunk blocks over one axis (FSDP2, HSDP)
             info = axes_group(p.device_mesh, (fast,))
             shape = (p.shape[0], p.numel() // max(p.shape[0], 1))
@@ -155,23 +171,48 @@ def build_buckets(optimizer, group: dict, mesh: Optional[MeshInfo]) -> list:
         bucket.params.append(p)
         bucket.views.append(view)
     _spread_owners([b for b in buckets.values() if isinstance(b, LayoutBucket)])
+    owned: dict[int, dict[str, Tensor]] = {}  # per-parameter state of blocked parameters
     for bucket in buckets.values():
         if isinstance(bucket, ShardedBucket):
             allocate_sharded_state(bucket, group, optimizer.state)
-        elif isinstance(bucket, LayoutBucket):
+        elif isinstance(bucket, LayoutBucket) and bucket.cuts is None:
             allocate_layout_state(bucket, group, optimizer.state)
+        elif isinstance(bucket, LayoutBucket):
+            allocate_block_pieces(bucket, group, optimizer.state, owned)
     optimizer._allocate_buckets([b for b in buckets.values() if isinstance(b, Bucket)], group)
     return list(buckets.values())
 
 
-def _refuse_blocks(p: Tensor, label: str, group: dict) -> None:
-    if group.get("num_heads") is not None or group.get("split_sizes") is not None:
-        raise ValueError(
-            f"parameter {label} is sharded ({tuple(p.placements)}) and its group sets "
-            "num_heads/split_sizes: per-block orthogonalization of sharded parameters is not "
-            "supported yet; keep the parameter replicated (DDP) or put it in a group without "
-            "num_heads/split_sizes"
-        )
+def _block_sizes(p: Tensor, label: str, group: dict) -> tuple[int, ...]:
+    """Row counts of the blocks of a sharded parameter's matrices ((rows,): no split)."""
+    rows = _matrix_shape(p, group["flatten"])[0]
+    try:  # .get: groups restored from checkpoints of versions without block options lack the keys
+        return blocks.block_sizes(rows, group.get("num_heads"), group.get("split_sizes"))
+    except ValueError as error:
+        raise ValueError(f"parameter {label} {error}") from None
+
+
+def _add_blocks(buckets: dict, p: Tensor, local: Tensor, axes: Axes, sizes: tuple[int, ...], flatten: bool) -> None:
+    """One LayoutBucket entry per block of a sharded parameter: each member's piece of the block
+    is its piece of the parameter restricted to the block's rows (MatrixLayout.block), and its
+    local view is a slice of the parameter's local rows. Blocks cut the same way on every member
+    (and of the same shape) share a bucket, whichever parameter they come from."""
+    info = axes_group(p.device_mesh, axes.matrix)
+    whole = member_layouts(p, info, axes.matrix, flatten)
+    rank = 0 if info is None else info.rank
+    cols = _matrix_shape(p, flatten)[1]
+    matrices = local.reshape(whole[rank].local_shape)
+    for start, stop in blocks.row_ranges(sizes):
+        cut = [m.block(start, stop) for m in whole]
+        members = [piece for piece, _ in cut]
+        key = ("block", p.device_mesh, axes, (stop - start, cols), tuple(members), flatten, p.dtype, local.device)
+        if key not in buckets:
+            buckets[key] = LayoutBucket((stop - start, cols), info, members, axes_group(p.device_mesh, axes.cols), cuts=[])
+        bucket = buckets[key]
+        rows = cut[rank][1]
+        bucket.params.append(p)
+        bucket.views.append(matrices[:, rows])
+        bucket.cuts.append((whole[rank].local_shape, rows))
 
 
 def _spread_owners(buckets: list[LayoutBucket]) -> None:
@@ -322,9 +363,14 @@ def _splits_dim(placement, dim: int, ndim: int) -> bool:
 
 
 def _load_piece(target: Tensor, loaded: Tensor, bucket: LayoutBucket, key: str, param: Tensor) -> None:
+    load_piece(target, loaded, bucket.local, bucket.shape, key, param)
+
+
+def load_piece(target: Tensor, loaded: Tensor, piece: MatrixLayout, shape: tuple[int, int], key: str,
+               param: Tensor) -> None:
     """Copy saved state into this rank's piece: a DTensor contributes its local tensor, a plain
     tensor of the global shape the experts, rows and columns this rank holds."""
-    piece, (rows, cols) = bucket.local, bucket.shape
+    rows, cols = shape
     last = cols if key == "momentum" else 1
     if isinstance(loaded, DTensor):
         values = local_tensor(loaded)
@@ -341,3 +387,46 @@ def _load_piece(target: Tensor, loaded: Tensor, bucket: LayoutBucket, key: str, 
             "the state dict does not match these parameters"
         )
     target.copy_(values.reshape(target.shape))
+
+
+def allocate_block_pieces(bucket: LayoutBucket, group: dict, state: dict, owned: dict) -> None:
+    """State of a bucket of blocks: each parameter owns local state of its own piece's shape,
+    kept in its state entry as a DTensor of its placements (distributed checkpoints see ordinary
+    sharded state); the bucket's `pieces` view each entry's block rows of it."""
+    bucket.pieces = {}
+    for p, (whole, rows) in zip(bucket.params, bucket.cuts):
+        if id(p) not in owned:
+            owned[id(p)] = _param_piece_state(p, whole, group, state)
+        for key, local in owned[id(p)].items():
+            bucket.pieces.setdefault(key, []).append(local[:, rows])
+
+
+def _param_piece_state(p: Tensor, whole: tuple[int, int, int], group: dict, state: dict) -> dict[str, Tensor]:
+    """{key: local state tensor [B, rows held, cols held or 1]} of one sharded parameter, loaded
+    from its state entry when present; the entry gets DTensors viewing them."""
+    like = local_tensor(p)
+    local_shape = like.shape
+    matrix_axes = classify(p, "", group["flatten"]).matrix
+    info = axes_group(p.device_mesh, matrix_axes)
+    piece = member_layouts(p, info, matrix_axes, group["flatten"])[0 if info is None else info.rank]
+    shape = _matrix_shape(p, group["flatten"])
+    fresh = {"momentum": (torch.zeros(whole, dtype=like.dtype, device=like.device), local_shape, p.shape,
+                          tuple(p.placements))}
+    if group["algorithm"] in NORMALIZING_ALGORITHMS:
+        col_dim = p.dim() - 1 if not group["flatten"] else 1
+        per_row = tuple(Replicate() if _splits_dim(pl, col_dim, p.dim()) else pl for pl in p.placements)
+        global_shape = variance_shape(p, group["flatten"])
+        fresh["variance"] = (torch.zeros((*whole[:2], 1), dtype=torch.float32, device=like.device),
+                             (*local_shape[: len(global_shape) - 1], 1), global_shape, per_row)
+    entry = state[p]
+    for key, (target, shape_here, global_shape, placements) in fresh.items():
+        if key in entry:
+            load_piece(target, entry[key], piece, shape, key, p)
+        entry[key] = DTensor.from_local(
+            target.view(shape_here), p.device_mesh, placements, run_check=False,
+            shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape),
+        )
+    for key in list(entry):
+        if key not in fresh:
+            del entry[key]
+    return {key: target for key, (target, *_rest) in fresh.items()}

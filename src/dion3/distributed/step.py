@@ -65,10 +65,16 @@ def run_step(work: list[tuple[dict, object]], rule_config) -> Traffic:
 
 
 def _state_bytes(bucket) -> int:
+    """The bucket's stacked state bytes, the same number on every rank (the pipeline admits
+    buckets by it, and every rank must admit them in the same order): the largest member
+    piece for pieces of different sizes."""
+    size = bucket.views[0].element_size()
+    if isinstance(bucket, LayoutBucket):
+        return bucket.count * size * max(len(m.rows) * (m.cols[1] - m.cols[0]) for m in bucket.members)
     if bucket.momentum is not None:
         return bucket.momentum.numel() * bucket.momentum.element_size()
     # uneven blocks (state in parameter-shaped pieces): the stacked copy is as large as the matrices
-    return sum(v.numel() for v in bucket.views) * bucket.views[0].element_size()
+    return sum(v.numel() for v in bucket.views) * size
 
 
 def _bucket_step(bucket, group: dict, cfg: rules.RuleConfig, traffic: Traffic) -> Iterator:

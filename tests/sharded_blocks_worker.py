@@ -1,0 +1,176 @@
+"""Spawned-worker side of tests/test_sharded_blocks.py: per-block groups (num_heads,
+split_sizes) on sharded layouts (gloo), each against one process stepping separate per-block
+parameters (tests/test_blocks.py shows that equals the fused weight on one device).
+
+Layouts: FSDP2 Shard(0) on 2 ranks (DTensors cut by distribute_tensor, as fully_shard does),
+and torchtitan's FSDP2 + TP recipe on a (dp=2, tp=2) mesh (tests/layouts_worker.py): column-
+parallel weights (_StridedShard(0, sf=2), Shard(0)), row-parallel ones (Shard(0), Shard(1)).
+Gradients are full tensors drawn on every rank and cut by DTensor. Rank 0 writes the results to
+a JSON file. Not a test module (no test_ prefix).
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import gloo
+from dion3 import Dion3
+from layouts_worker import cut, full, grads_for, max_relative_error, recipe
+
+STEPS = 3
+SETTINGS = dict(lr=0.02, weight_decay=0.1, orthogonalizer="newton_schulz")
+ALGORITHMS = {
+    "muon": {"algorithm": "muon"},
+    "normuon": {"algorithm": "normuon"},
+    "dion3_global": {"algorithm": "dion3", "fraction": 0.3, "selection_scope": "global"},
+    "dion2": {"algorithm": "dion2", "fraction": 0.3, "selection_scope": "global"},
+}
+# FSDP2 on 2 ranks: a GQA-like fused QKV of 16 rows (q 8, k 4, v 4: whole blocks per rank),
+# uneven blocks that straddle the rank boundary (6, 5, 5), 10 rows cut 5/5 with blocks (6, 2, 2),
+# and 4 heads of 4 rows (whole heads per rank). Two weights of each shape: buckets of several.
+FSDP_CASES = {
+    "gqa": ((16, 8), {"split_sizes": (8, 4, 4)}),
+    "straddling": ((16, 8), {"split_sizes": (6, 5, 5)}),
+    "odd_rows": ((10, 6), {"split_sizes": (6, 2, 2)}),
+    "heads": ((16, 8), {"num_heads": 4}),
+}
+
+
+def sizes_of(rows: int, option: dict) -> list[int]:
+    if "split_sizes" in option:
+        return list(option["split_sizes"])
+    return [rows // option["num_heads"]] * option["num_heads"]
+
+
+def compare(fused, groups, settings, steps=STEPS, reload=False) -> dict:
+    """Step `fused` (DTensors; groups: [(params, option)]) and their blocks as separate
+    parameters on one process; relative error of the weights and of the momentum state, and
+    whether the last step moved the same rows (beyond weight decay) on both sides."""
+    hyper = {**SETTINGS}
+    fused_groups = [dict(params=ps, **option, **settings) for ps, option in groups]
+    sizes = {id(p): sizes_of(p.shape[-2], option) for ps, option in groups for p in ps}
+    separate = {id(p): [torch.nn.Parameter(b.clone()) for b in full(p).split(sizes[id(p)], dim=-2)] for p in fused}
+    opt = Dion3(fused_groups, **hyper)
+    ref = Dion3([dict(params=[b for p in fused for b in separate[id(p)]], **settings)], **hyper)
+    for step in range(steps):
+        if reload and step == steps - 1:  # state_dict round trip into a fresh optimizer
+            saved = opt.state_dict()
+            opt = Dion3([dict(params=ps, **option, **settings) for ps, option in groups], **hyper)
+            opt.load_state_dict(saved)
+        grads = grads_for([tuple(p.shape) for p in fused], step)
+        before = [full(p) for p in fused]
+        for p, g in zip(fused, grads):
+            p.grad = cut(g, p)
+            for b, gb in zip(separate[id(p)], g.split(sizes[id(p)], dim=-2)):
+                b.grad = gb.clone()
+        opt.step()
+        ref.step()
+    joined = [torch.cat([b.detach() for b in separate[id(p)]], dim=-2) for p in fused]
+    weights = max_relative_error([full(p) for p in fused], joined)
+    momentum = max_relative_error([full(opt.state[p]["momentum"]) for p in fused],
+                                  [torch.cat([ref.state[b]["momentum"] for b in separate[id(p)]], dim=-2) for p in fused])
+    decay = 1 - hyper["lr"] * hyper["weight_decay"]
+    before_joined = [t * decay for t in before]
+    moved = [((full(p) - b).abs() > 1e-7).any(-1).nonzero().tolist() for p, b in zip(fused, before_joined)]
+    ref_moved = [((j - b).abs() > 1e-7).any(-1).nonzero().tolist() for j, b in zip(joined, before_joined)]
+    placements = sorted({str(tuple(p.placements)) for p in fused})
+    return {"error": max(weights, momentum), "same_rows": moved == ref_moved, "placements": placements}
+
+
+def fsdp_params(mesh, shape, seed) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(distribute_tensor(torch.randn(shape, generator=gen), mesh, [Shard(0)], src_data_rank=None))
+            for _ in range(2)]
+
+
+def fsdp_scenarios(mesh) -> dict:
+    out = {}
+    for case, (shape, option) in FSDP_CASES.items():
+        for name, settings in ALGORITHMS.items():
+            params = fsdp_params(mesh, shape, 3)
+            out[f"fsdp/{case}/{name}"] = compare(params, [(params, option)], settings)
+    params = fsdp_params(mesh, (16, 8), 5)
+    out["fsdp/heads/dion3_local"] = compare(params, [(params, {"num_heads": 4})],
+                                            {"algorithm": "dion3", "fraction": 0.3, "selection_scope": "local"})
+    params = fsdp_params(mesh, (16, 8), 6)
+    out["fsdp/gqa/normuon_reload"] = compare(params, [(params, {"split_sizes": (8, 4, 4)})], ALGORITHMS["normuon"],
+                                             reload=True)
+    params = fsdp_params(mesh, (16, 8), 7)
+    out["fsdp/straddling/dion3_global_reload"] = compare(params, [(params, {"split_sizes": (6, 5, 5)})],
+                                                         ALGORITHMS["dion3_global"], reload=True)
+    out["fsdp/straddling/dion3_local_definition"] = local_definition(mesh)
+    return out
+
+
+def local_definition(mesh) -> float:
+    """Dion3 "local" on blocks straddling the ranks, one step from zero momentum: the rows moved
+    must be, per block and rank, the rank's top min(⌈f·b⌉, rows held) rows of the block by row
+    L1 norm of the gradient (b: the most rows of the block any rank holds); returns whether the
+    moved rows are exactly those."""
+    fraction, sizes = 0.3, (6, 5, 5)
+    params = fsdp_params(mesh, (16, 8), 9)
+    opt = Dion3([dict(params=params, split_sizes=sizes, algorithm="dion3", fraction=fraction,
+                      selection_scope="local")], **SETTINGS)
+    grads = grads_for([tuple(p.shape) for p in params], 0)
+    before = [full(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = cut(g, p)
+    opt.step()
+    world = dist.get_world_size()
+    chunk = -(-16 // world)
+    held = [set(range(r * chunk, min((r + 1) * chunk, 16))) for r in range(world)]
+    same = True
+    for p, g, b in zip(params, grads, before):
+        want, start = set(), 0
+        for size in sizes:
+            rows = range(start, start + size)
+            shares = [sorted(set(rows) & h) for h in held]
+            block = max(len(s) for s in shares)
+            for share in shares:
+                take = min(math.ceil(round(fraction * block, 9)), len(share))
+                score = g[share].abs().sum(-1)
+                want |= {share[i] for i in torch.argsort(score, descending=True)[:take].tolist()}
+            start += size
+        decay = 1 - SETTINGS["lr"] * SETTINGS["weight_decay"]
+        moved = set(((full(p) - b * decay).abs() > 1e-7).any(-1).nonzero().squeeze(1).tolist())
+        same = same and moved == want
+    return same
+
+
+def tp_scenarios(mesh) -> dict:
+    """The recipe's weights: wq/wv/wo/down (8 rows) split (5, 3), up (12 rows) split (6, 4, 2),
+    wk (4 rows) in 2 heads."""
+    out = {}
+    for name, settings in ALGORITHMS.items():
+        model, _ = recipe(mesh)
+        named = {n.split(".")[0]: p for n, p in model.named_parameters()}
+        groups = [([named[n] for n in ("wq", "wv", "wo", "down")], {"split_sizes": (5, 3)}),
+                  ([named["up"]], {"split_sizes": (6, 4, 2)}),
+                  ([named["wk"]], {"num_heads": 2})]
+        out[f"dp_tp/{name}"] = compare([p for ps, _ in groups for p in ps], groups, settings)
+    # HSDP on the same 4 ranks: rows sharded over "tp" (the shard axis), replicated over "dp"
+    for name, settings in ALGORITHMS.items():
+        gen = torch.Generator().manual_seed(4)
+        params = [torch.nn.Parameter(distribute_tensor(torch.randn(16, 8, generator=gen), mesh, [Replicate(), Shard(0)],
+                                                       src_data_rank=None)) for _ in range(2)]
+        out[f"hsdp/{name}"] = compare(params, [(params, {"split_sizes": (6, 5, 5)})], settings)
+    return out
+
+
+def worker(rank: int, world: int, out_path: str, which: str) -> None:
+    gloo.start(rank, world, f"{out_path}.store")
+    try:
+        if which == "fsdp":
+            results = fsdp_scenarios(init_device_mesh("cpu", (world,)))
+        else:
+            results = tp_scenarios(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(results, f, indent=1)
+    finally:
+        gloo.stop()
