@@ -79,7 +79,10 @@ def compare(fused, groups, settings, steps=STEPS, reload=False) -> dict:
     moved = [((full(p) - b).abs() > 1e-7).any(-1).nonzero().tolist() for p, b in zip(fused, before_joined)]
     ref_moved = [((j - b).abs() > 1e-7).any(-1).nonzero().tolist() for j, b in zip(joined, before_joined)]
     placements = sorted({str(tuple(p.placements)) for p in fused})
-    return {"error": max(weights, momentum), "same_rows": moved == ref_moved, "placements": placements}
+    rows_sent = [None] * dist.get_world_size()  # bytes of rows (and their variances) each rank sent
+    dist.all_gather_object(rows_sent, sum(v for k, v in opt.communication_bytes_by_kind.items() if k in ("rows", "variance")))
+    return {"error": max(weights, momentum), "same_rows": moved == ref_moved, "placements": placements,
+            "rows_sent": sum(rows_sent)}
 
 
 def fsdp_params(mesh, shape, seed) -> list[torch.nn.Parameter]:

@@ -42,6 +42,16 @@ def test_fsdp_fused_weight_matches_separate_blocks(fsdp, scenario):
     assert result["same_rows"], scenario
 
 
+@pytest.mark.parametrize("name", list(worker.ALGORITHMS) + ["dion3_local"])
+def test_blocks_held_whole_by_one_rank_send_no_rows(fsdp, name):
+    """q/k/v and 4 heads of 16 rows over 2 ranks: every block lies on one rank, which steps it
+    itself (no row leaves any rank); blocks straddling the ranks do send rows."""
+    for case in ("gqa", "heads") if name != "dion3_local" else ("heads",):
+        assert fsdp[f"fsdp/{case}/{name}"]["rows_sent"] == 0, (case, name)
+    if name != "dion3_local":
+        assert fsdp[f"fsdp/straddling/{name}"]["rows_sent"] > 0
+
+
 def test_fsdp_local_scope_follows_its_per_block_definition(fsdp):
     """Each rank's top min(⌈f·b⌉, rows held) rows of each block (b: the largest share of the
     block's rows on one rank), for blocks straddling the ranks."""

@@ -95,11 +95,25 @@ class LayoutBucket:
         return [local_tensor(p.grad).reshape(whole)[:, rows] for p, (whole, rows) in zip(self.params, self.cuts)]
 
     def owned(self, member: int) -> range:
-        """Matrices `member` orthogonalizes: blocks of ⌈N/W⌉ for members first_owner, first_owner
-        + 1, ... in member order, so the all-to-all's matrix order stays its member order."""
+        """Matrices `member` orthogonalizes: all of them when one member holds them whole (a
+        block of a fused weight that lies on one rank: its rows then never travel), else blocks
+        of ⌈N/W⌉ for members first_owner, first_owner + 1, ... in member order, so the
+        all-to-all's matrix order stays its member order."""
+        holder = self.holder()
+        if holder is not None:
+            return range(0, self.count) if member == holder else range(0, 0)
         if member < self.first_owner:
             return range(0, 0)
         return owned_matrices(self.count, self.world_size, member - self.first_owner)
+
+    def holder(self) -> Optional[int]:
+        """The member holding every row and column of the matrices, for buckets of blocks
+        (whole parameters are spread over the members as usual), else None."""
+        if self.cuts is None or self.mesh is None:
+            return None
+        whole = [s for s, m in enumerate(self.members)
+                 if len(m.rows) == self.shape[0] and m.cols == (0, self.shape[1])]
+        return whole[0] if whole else None
 
     def owners(self) -> list[range]:
         return [self.owned(member) for member in range(self.world_size)]
@@ -222,7 +236,7 @@ def _spread_owners(buckets: list[LayoutBucket]) -> None:
     built is the same on every rank, so every member agrees)."""
     next_owner: dict[int, int] = {}
     for bucket in buckets:
-        if bucket.mesh is None:
+        if bucket.mesh is None or bucket.holder() is not None:
             continue
         world = bucket.world_size
         block = -(-bucket.count // world)
