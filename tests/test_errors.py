@@ -67,26 +67,6 @@ def shared_param():
     Dion3([{"params": [w]}, {"params": [w], "algorithm": "muon"}])
 
 
-def sharded_with_heads():
-    """A row-sharded (FSDP2 Shard(0)) DTensor parameter in a num_heads group, on a one-rank gloo
-    group: refused until per-block orthogonalization of sharded parameters exists."""
-    import tempfile
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    with tempfile.TemporaryDirectory() as folder:
-        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=0, world_size=1)
-        try:
-            mesh = init_device_mesh("cpu", (1,))
-            local = torch.randn(8, 4)
-            weight = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
-            Dion3([{"params": [("attn.qkv", weight)], "num_heads": 2}], distributed_mesh=mesh)
-        finally:
-            dist.destroy_process_group()
-
-
 # (row id, action, error type, message fragment)
 CASES = [
     ("one-d-in-matrix-group", lambda: Dion3([param(8)]), ValueError, "is 1-D"),
@@ -138,9 +118,6 @@ CASES = [
     ("num-heads-not-positive", lambda: Dion3([param(12, 8)], num_heads=0), ValueError, "num_heads must be a positive integer or None"),
     ("num-heads-and-split-sizes", lambda: Muon([{"params": [param(12, 8)], "num_heads": 2, "split_sizes": (6, 6)}]), ValueError,
      "num_heads and split_sizes are both set"),
-    ("sharded-parameter-with-blocks", sharded_with_heads, ValueError,
-     "parameter 'attn.qkv' is sharded ((Shard(dim=0),)) and its group sets num_heads/split_sizes: per-block "
-     "orthogonalization of sharded parameters is not supported yet"),
     ("nan-gradient-check-finite", lambda: step_with_grad(float("nan")), FloatingPointError, "non-finite gradient in parameter 'w'"),
     ("inf-gradient-check-finite", lambda: step_with_grad(float("inf")), FloatingPointError, "non-finite gradient in parameter 'w'"),
     ("overflowing-gradient-norm-check-finite", lambda: step_with_grad(1e20), FloatingPointError, "its norm overflows float32"),

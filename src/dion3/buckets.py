@@ -93,7 +93,9 @@ def bucket_subset(bucket, keep: list[int]):
     sub.variance = torch.cat(sources["variance"]) if "variance" in sources else None
     if hasattr(sub, "pieces"):
         sub.pieces = None
-    if hasattr(sub, "slot_cache"):  # plans cached for the whole bucket do not fit the subset
+    # Plans cached for the whole bucket do not fit a proper subset; a subset of every entry
+    # (a bucket of blocks stepped through `pieces`) shares the bucket's cache across steps.
+    if hasattr(sub, "slot_cache") and len(keep) != len(bucket.params):
         sub.slot_cache = {}
     return sub, sources
 
