@@ -106,42 +106,48 @@ def fsdp_scenarios(mesh) -> dict:
     params = fsdp_params(mesh, (16, 8), 7)
     out["fsdp/straddling/dion3_global_reload"] = compare(params, [(params, {"split_sizes": (6, 5, 5)})],
                                                          ALGORITHMS["dion3_global"], reload=True)
-    out["fsdp/straddling/dion3_local_definition"] = local_definition(mesh)
+    params = fsdp_params(mesh, (16, 8), 9)
+    out["fsdp/straddling/dion3_local_definition"] = local_definition([(params, {"split_sizes": (6, 5, 5)})])
     return out
 
 
-def local_definition(mesh) -> float:
-    """Dion3 "local" on blocks straddling the ranks, one step from zero momentum: the rows moved
-    must be, per block and rank, the rank's top min(⌈f·b⌉, rows held) rows of the block by row
-    L1 norm of the gradient (b: the most rows of the block any rank holds); returns whether the
-    moved rows are exactly those."""
-    fraction, sizes = 0.3, (6, 5, 5)
-    params = fsdp_params(mesh, (16, 8), 9)
-    opt = Dion3([dict(params=params, split_sizes=sizes, algorithm="dion3", fraction=fraction,
-                      selection_scope="local")], **SETTINGS)
+def local_definition(groups) -> bool:
+    """Dion3 "local" on fused weights (groups: [(params, option)]), one step from zero momentum:
+    the rows moved must be, per block and row shard (the ranks holding the same rows, whatever
+    columns), the shard's top min(⌈f·b⌉, rows of the block it holds) rows of the block by full-
+    row L1 norm of the gradient, b being the most rows of the block any shard holds. The row
+    sets come from DTensor (a tensor of row numbers, cut like each parameter)."""
+    fraction = 0.3
+    params = [p for ps, _ in groups for p in ps]
+    opt = Dion3([dict(params=ps, **option, algorithm="dion3", fraction=fraction, selection_scope="local")
+                 for ps, option in groups], **SETTINGS)
     grads = grads_for([tuple(p.shape) for p in params], 0)
     before = [full(p) for p in params]
     for p, g in zip(params, grads):
         p.grad = cut(g, p)
     opt.step()
-    world = dist.get_world_size()
-    chunk = -(-16 // world)
-    held = [set(range(r * chunk, min((r + 1) * chunk, 16))) for r in range(world)]
+    decay = 1 - SETTINGS["lr"] * SETTINGS["weight_decay"]
     same = True
-    for p, g, b in zip(params, grads, before):
+    options = [option for ps, option in groups for _ in ps]
+    for p, option, g, b in zip(params, options, grads, before):
+        numbers = torch.arange(p.shape[0], dtype=torch.float32)[:, None].expand(p.shape).contiguous()
+        local = cut(numbers, p).to_local()
+        mine = sorted({int(v) for v in local[:, 0].tolist()}) if local.numel() else []
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        shards = sorted({tuple(rows) for rows in everyone})
         want, start = set(), 0
-        for size in sizes:
-            rows = range(start, start + size)
-            shares = [sorted(set(rows) & h) for h in held]
+        for size in sizes_of(p.shape[0], option):
+            shares = [[r for r in rows if start <= r < start + size] for rows in shards]
             block = max(len(s) for s in shares)
             for share in shares:
                 take = min(math.ceil(round(fraction * block, 9)), len(share))
-                score = g[share].abs().sum(-1)
-                want |= {share[i] for i in torch.argsort(score, descending=True)[:take].tolist()}
+                if take:
+                    score = g[share].abs().sum(-1)
+                    want |= {share[i] for i in torch.argsort(score, descending=True)[:take].tolist()}
             start += size
-        decay = 1 - SETTINGS["lr"] * SETTINGS["weight_decay"]
         moved = set(((full(p) - b * decay).abs() > 1e-7).any(-1).nonzero().squeeze(1).tolist())
-        same = same and moved == want
+        same = same and moved == want and len(want) > 0
     return same
 
 
@@ -156,6 +162,11 @@ def tp_scenarios(mesh) -> dict:
                   ([named["up"]], {"split_sizes": (6, 4, 2)}),
                   ([named["wk"]], {"num_heads": 2})]
         out[f"dp_tp/{name}"] = compare([p for ps, _ in groups for p in ps], groups, settings)
+    model, _ = recipe(mesh, dim=16, hidden=24)
+    named = {n.split(".")[0]: p for n, p in model.named_parameters()}
+    out["dp_tp/dion3_local_definition"] = local_definition(
+        [([named[n] for n in ("wq", "wv", "wo", "down")], {"split_sizes": (10, 6)}),
+         ([named["up"]], {"split_sizes": (12, 8, 4)}), ([named["wk"]], {"num_heads": 2})])
     # HSDP on the same 4 ranks: rows sharded over "tp" (the shard axis), replicated over "dp"
     for name, settings in ALGORITHMS.items():
         gen = torch.Generator().manual_seed(4)

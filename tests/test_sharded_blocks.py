@@ -52,10 +52,12 @@ def test_blocks_held_whole_by_one_rank_send_no_rows(fsdp, name):
         assert fsdp[f"fsdp/straddling/{name}"]["rows_sent"] > 0
 
 
-def test_fsdp_local_scope_follows_its_per_block_definition(fsdp):
-    """Each rank's top min(⌈f·b⌉, rows held) rows of each block (b: the largest share of the
-    block's rows on one rank), for blocks straddling the ranks."""
+def test_local_scope_follows_its_per_block_definition(fsdp, dp_tp):
+    """Each row shard's top min(⌈f·b⌉, rows held) rows of each block (b: the largest share of
+    the block's rows on one shard): blocks straddling FSDP2 ranks, and the recipe's strided
+    (dp × tp) rows and column-sharded rows."""
     assert fsdp["fsdp/straddling/dion3_local_definition"] is True
+    assert dp_tp["dp_tp/dion3_local_definition"] is True
 
 
 @pytest.mark.parametrize("scenario", DP_TP)
@@ -70,4 +72,4 @@ def test_dp_tp_and_hsdp_fused_weights_match_separate_blocks(dp_tp, scenario):
 
 def test_every_scenario_ran(fsdp, dp_tp):
     assert sorted(fsdp) == sorted(FSDP + ["fsdp/straddling/dion3_local_definition"])
-    assert sorted(dp_tp) == sorted(DP_TP)
+    assert sorted(dp_tp) == sorted(DP_TP + ["dp_tp/dion3_local_definition"])
