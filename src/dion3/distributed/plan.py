@@ -6,6 +6,10 @@ state in local stacked buffers padded to ⌈rows/W⌉ rows per rank ([N, chunk, 
 stay zero forever. The per-parameter state entries are DTensors with the parameter's placements
 whose local tensors are views into those buffers, so distributed checkpoints see ordinary
 sharded state while the step runs batched.
+
+Sharded parameters of num_heads / split_sizes groups go to LayoutBuckets, one entry per block
+(MatrixLayout.block); each parameter owns local state of its own piece's shape (a DTensor of its
+placements in the state entry), which such buckets reach through `pieces`, stacked per step.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from torch import Tensor
 
 from ..algorithms import NORMALIZING_ALGORITHMS
 from .. import blocks
-from ..buckets import Bucket, add_matrix, matrix_view
+from ..buckets import Bucket, add_matrix
 from .layout import Axes, MatrixLayout, classify, member_layouts
 from .mesh import (
     DTensor, MeshInfo, Replicate, Shard, axes_group, group_coordinates, is_dtensor, local_row_span, local_tensor,
@@ -68,8 +72,9 @@ class LayoutBucket:
     each matrix, described for every member of the matrix axes' group by `members`.
 
     A "matrix" of the bucket is one matrix of one parameter (an expert of a 3-D stack counts as
-    one); all parameters of a bucket share their global shape, mesh and placements, so every
-    member holds the same matrices of the bucket, each cut the same way."""
+    one), or one block of its rows (`cuts`); all entries of a bucket share their global matrix
+    shape, mesh and member pieces, so every member holds the same matrices of the bucket, each
+    cut the same way."""
 
     shape: tuple[int, int]  # global (rows, cols) of each matrix
     mesh: Optional[MeshInfo]  # group over the axes that split rows or columns; None: whole matrices here
@@ -221,7 +226,8 @@ def _add_blocks(buckets: dict, p: Tensor, local: Tensor, axes: Axes, sizes: tupl
         members = [piece for piece, _ in cut]
         key = ("block", p.device_mesh, axes, (stop - start, cols), tuple(members), flatten, p.dtype, local.device)
         if key not in buckets:
-            buckets[key] = LayoutBucket((stop - start, cols), info, members, axes_group(p.device_mesh, axes.cols), cuts=[])
+            buckets[key] = LayoutBucket((stop - start, cols), info, members, axes_group(p.device_mesh, axes.cols),
+                                        cuts=[])
         bucket = buckets[key]
         rows = cut[rank][1]
         bucket.params.append(p)
