@@ -4,7 +4,8 @@ parameters (tests/test_blocks.py shows that equals the fused weight on one devic
 
 Layouts: FSDP2 Shard(0) on 2 ranks (DTensors cut by distribute_tensor, as fully_shard does),
 and torchtitan's FSDP2 + TP recipe on a (dp=2, tp=2) mesh (tests/layouts_worker.py): column-
-parallel weights (_StridedShard(0, sf=2), Shard(0)), row-parallel ones (Shard(0), Shard(1)).
+parallel weights (_StridedShard(0, sf=2), Shard(0)), row-parallel ones (Shard(0), Shard(1));
+HSDP (Replicate(), Shard(0)) and expert stacks (Shard(1), Shard(0)) on the same 4 ranks.
 Gradients are full tensors drawn on every rank and cut by DTensor. Rank 0 writes the results to
 a JSON file. Not a test module (no test_ prefix).
 """
@@ -173,6 +174,12 @@ def tp_scenarios(mesh) -> dict:
         params = [torch.nn.Parameter(distribute_tensor(torch.randn(16, 8, generator=gen), mesh, [Replicate(), Shard(0)],
                                                        src_data_rank=None)) for _ in range(2)]
         out[f"hsdp/{name}"] = compare(params, [(params, {"split_sizes": (6, 5, 5)})], settings)
+    # expert stacks [E, out, in]: experts over "tp" (as an expert axis), each expert's rows over "dp"
+    for name, settings in ALGORITHMS.items():
+        gen = torch.Generator().manual_seed(5)
+        params = [torch.nn.Parameter(distribute_tensor(torch.randn(4, 10, 6, generator=gen), mesh, [Shard(1), Shard(0)],
+                                                       src_data_rank=None))]
+        out[f"experts/{name}"] = compare(params, [(params, {"split_sizes": (6, 4)})], settings)
     return out
 
 

@@ -1,6 +1,7 @@
 """Per-block groups (num_heads, split_sizes) on sharded layouts against one process stepping
 separate per-block parameters (tests/sharded_blocks_worker.py, gloo): FSDP2 Shard(0) on 2
-ranks; torchtitan's FSDP2 + TP recipe on (dp=2, tp=2) and HSDP (Replicate, Shard(0)) on 4."""
+ranks; torchtitan's FSDP2 + TP recipe on (dp=2, tp=2), HSDP (Replicate, Shard(0)) and expert
+stacks [E, out, in] (experts over one axis, rows over the other) on 4."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,9 @@ import sharded_blocks_worker as worker
 TOLERANCE = 1e-6  # float32 Newton–Schulz on both sides (measured: at most ~2.5e-7)
 FSDP = ([f"fsdp/{case}/{name}" for case in worker.FSDP_CASES for name in worker.ALGORITHMS]
         + ["fsdp/heads/dion3_local", "fsdp/gqa/normuon_reload", "fsdp/straddling/dion3_global_reload"])
-DP_TP = [f"{layout}/{name}" for layout in ("dp_tp", "hsdp") for name in worker.ALGORITHMS]
+DP_TP = [f"{layout}/{name}" for layout in ("dp_tp", "hsdp", "experts") for name in worker.ALGORITHMS]
+PLACEMENTS = {"dp_tp": ["(Shard(dim=0), Shard(dim=1))", "(_StridedShard(dim=0, sf=2), Shard(dim=0))"],
+              "hsdp": ["(Replicate(), Shard(dim=0))"], "experts": ["(Shard(dim=1), Shard(dim=0))"]}
 
 
 def _spawn(tmp_path_factory, world: int, which: str) -> dict:
@@ -61,11 +64,9 @@ def test_local_scope_follows_its_per_block_definition(fsdp, dp_tp):
 
 
 @pytest.mark.parametrize("scenario", DP_TP)
-def test_dp_tp_and_hsdp_fused_weights_match_separate_blocks(dp_tp, scenario):
+def test_tp_hsdp_and_expert_fused_weights_match_separate_blocks(dp_tp, scenario):
     result = dp_tp[scenario]
-    want = (["(Shard(dim=0), Shard(dim=1))", "(_StridedShard(dim=0, sf=2), Shard(dim=0))"]
-            if scenario.startswith("dp_tp") else ["(Replicate(), Shard(dim=0))"])
-    assert result["placements"] == want
+    assert result["placements"] == PLACEMENTS[scenario.split("/")[0]]
     assert result["error"] <= TOLERANCE, (scenario, result["error"])
     assert result["same_rows"], scenario
 
