@@ -6,22 +6,25 @@ Layouts: FSDP2 Shard(0) on 2 ranks (DTensors cut by distribute_tensor, as fully_
 and torchtitan's FSDP2 + TP recipe on a (dp=2, tp=2) mesh (tests/layouts_worker.py): column-
 parallel weights (_StridedShard(0, sf=2), Shard(0)), row-parallel ones (Shard(0), Shard(1));
 HSDP (Replicate(), Shard(0)) and expert stacks (Shard(1), Shard(0)) on the same 4 ranks.
-Gradients are full tensors drawn on every rank and cut by DTensor. Rank 0 writes the results to
+Gradients are full tensors drawn on every rank and cut by DTensor. A DCP checkpoint of per-block
+state saved on (dp, tp) is loaded on FSDP2 over the 4 ranks. Rank 0 writes the results to
 a JSON file. Not a test module (no test_ prefix).
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import gloo
 from dion3 import Dion3
-from layouts_worker import cut, full, grads_for, max_relative_error, recipe
+from layouts_worker import Block, cut, full, grads_for, max_relative_error, recipe
 
 STEPS = 3
 SETTINGS = dict(lr=0.02, weight_decay=0.1, orthogonalizer="newton_schulz")
@@ -183,13 +186,72 @@ def tp_scenarios(mesh) -> dict:
     return out
 
 
+def recipe_groups(model) -> list:
+    named = {n.split(".")[0]: p for n, p in model.named_parameters()}
+    return [([named[n] for n in ("wq", "wv", "wo", "down")], {"split_sizes": (5, 3)}),
+            ([named["up"]], {"split_sizes": (6, 4, 2)}), ([named["wk"]], {"num_heads": 2})]
+
+
+def checkpoint_error(mesh, world: int, directory: str) -> float:
+    """Dion3 (global) per-block groups on the (dp=2, tp=2) recipe for 2 steps → DCP save → load
+    into the same groups on FSDP2 over all 4 ranks (the blocks cut differently) → 1 step, against
+    one process stepping the blocks as separate parameters for 3 steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    settings = ALGORITHMS["dion3_global"]
+    model, reference = recipe(mesh)
+    groups, ref_groups = recipe_groups(model), recipe_groups(reference)
+    sizes = [sizes_of(p.shape[0], option) for ps, option in ref_groups for p in ps]
+    ref_params = [p for ps, _ in ref_groups for p in ps]
+    separate = [[torch.nn.Parameter(b.detach().clone()) for b in p.split(n, dim=0)] for p, n in zip(ref_params, sizes)]
+    ref_opt = Dion3([dict(params=[b for bs in separate for b in bs], **settings)], **SETTINGS)
+
+    def step(groups, opt, ref_step):
+        params = [p for ps, _ in groups for p in ps]
+        grads = grads_for([tuple(p.shape) for p in params], ref_step)
+        for p, g in zip(params, grads):
+            p.grad = cut(g, p)
+        opt.step()
+
+    def make(groups):
+        return Dion3([dict(params=ps, **option, **settings) for ps, option in groups], **SETTINGS)
+
+    opt = make(groups)
+    for number in range(3):
+        grads = grads_for([tuple(p.shape) for p in ref_params], number)
+        for bs, g, n in zip(separate, grads, sizes):
+            for b, gb in zip(bs, g.split(n, dim=0)):
+                b.grad = gb.clone()
+        ref_opt.step()
+    for number in range(2):
+        step(groups, opt, number)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{directory}/blocks")
+
+    flat = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = Block(8, 12, seed=1)  # other weights: the checkpoint must replace them
+    fully_shard(model, mesh=flat)
+    groups = recipe_groups(model)
+    opt = make(groups)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=f"{directory}/blocks")
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    step(groups, opt, 2)
+    params = [p for ps, _ in groups for p in ps]
+    return max_relative_error([full(p) for p in params], [torch.cat([b.detach() for b in bs]) for bs in separate])
+
+
 def worker(rank: int, world: int, out_path: str, which: str) -> None:
     gloo.start(rank, world, f"{out_path}.store")
     try:
         if which == "fsdp":
             results = fsdp_scenarios(init_device_mesh("cpu", (world,)))
         else:
-            results = tp_scenarios(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            results = tp_scenarios(mesh)
+            results["dcp/dp_tp_to_fsdp"] = checkpoint_error(mesh, world, os.path.dirname(out_path))
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(results, f, indent=1)

@@ -71,6 +71,12 @@ def test_tp_hsdp_and_expert_fused_weights_match_separate_blocks(dp_tp, scenario)
     assert result["same_rows"], scenario
 
 
+def test_dcp_checkpoint_of_block_state_moves_across_layouts(dp_tp):
+    """Per-block Dion3 state saved with DCP on (dp=2, tp=2) and loaded on FSDP2 over 4 ranks,
+    where every block is cut differently, continues as one process would."""
+    assert dp_tp["dcp/dp_tp_to_fsdp"] <= TOLERANCE
+
+
 def test_every_scenario_ran(fsdp, dp_tp):
     assert sorted(fsdp) == sorted(FSDP + ["fsdp/straddling/dion3_local_definition"])
-    assert sorted(dp_tp) == sorted(DP_TP + ["dp_tp/dion3_local_definition"])
+    assert sorted(dp_tp) == sorted(DP_TP + ["dp_tp/dion3_local_definition", "dcp/dp_tp_to_fsdp"])
