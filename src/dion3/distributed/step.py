@@ -21,6 +21,7 @@ from collections import deque
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .. import rules
@@ -60,9 +61,21 @@ def run_step(work: list[tuple[dict, object]], rule_config) -> Traffic:
         else:  # step a temporary bucket of the parameters with gradients, then write its state back
             sub, spans = bucket_subset(bucket, keep)
             steps.append(_then_write_back(_bucket_step(sub, group, rule_config(group), traffic), bucket, sub, spans))
-        sizes.append(bucket.momentum.numel() * bucket.momentum.element_size())
+        sizes.append(_admission_size(bucket))
     interleave(steps, PIPELINE_DEPTH, sizes, _pipeline_budget(sizes, work))
     return traffic
+
+
+def _admission_size(bucket) -> int:
+    """The bytes that decide when a bucket is admitted into the pipeline. They must be the same
+    on every rank (the admission order is the order of every group's collectives): the padded
+    local state of row-sharded and replicated buckets is; a LayoutBucket's unpadded piece is not
+    (uneven pieces, different expert counts per group), so it counts its parameters' global
+    bytes spread over all ranks."""
+    if isinstance(bucket, LayoutBucket):
+        total = sum(p.numel() for p in bucket.params) * bucket.momentum.element_size()
+        return total // (dist.get_world_size() if dist.is_initialized() else 1)
+    return bucket.momentum.numel() * bucket.momentum.element_size()
 
 
 def _bucket_step(bucket, group: dict, cfg: rules.RuleConfig, traffic: Traffic) -> Iterator:
