@@ -114,7 +114,35 @@ def layout_checks(mesh) -> dict:
         out[name] = [str(pl) for pl in p.placements] + [_matches(p, mesh)]
     experts = distribute_tensor(torch.randn(4, 6, 5), mesh, [Shard(1), Shard(0)], src_data_rank=None)
     out["experts"] = [str(pl) for pl in experts.placements] + [_matches(experts, mesh)]
+    for name, shape, placements in UNEVEN:
+        p = distribute_tensor(torch.randn(shape), mesh, placements, src_data_rank=None)
+        out[name] = [str(pl) for pl in p.placements] + [_matches(p, mesh)]
     return out
+
+
+def _uneven():
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    strided = [_StridedShard(0, split_factor=2), Shard(0)]
+    return [("uneven_strided_7x5", (7, 5), strided), ("uneven_strided_3x10", (3, 10), strided),
+            ("uneven_columns_6x3", (6, 3), [Shard(0), Shard(1)]), ("uneven_experts", (3, 5, 4), [Shard(1), Shard(0)])]
+
+
+UNEVEN = _uneven()
+
+
+def uneven_scenarios(mesh) -> dict:
+    """Uneven pieces (7 or 3 rows over four row pieces: some ranks hold none; 3 columns over two
+    column pieces; 3 experts over two ranks) against one process."""
+    errors = {}
+    for name, kind, options in (("muon", "muon", {}), ("normuon", "normuon", {}),
+                                ("dion3_global", "dion3", {"selection_scope": "global"})):
+        gen = torch.Generator().manual_seed(11)
+        weights = [(torch.randn(shape, generator=gen), placements) for _, shape, placements in UNEVEN]
+        params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, pl, src_data_rank=None)) for w, pl in weights]
+        ref = [torch.nn.Parameter(w.clone()) for w, _ in weights]
+        errors[name] = run_pair(params, ref, kind, **options)[0]
+    return errors
 
 
 def _matches(p: DTensor, mesh) -> bool:
@@ -365,6 +393,7 @@ def worker(rank: int, world: int, out_path: str, which: str) -> None:
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
             results = {"layouts": layout_checks(mesh), **recipe_scenarios(mesh)}
             results["errors"]["local_scope"] = local_scope_error(mesh)
+            results["uneven"] = uneven_scenarios(mesh)
             results["traffic"] = traffic(mesh)
             results["experts"] = expert_scenarios(world)
             results["rejected"] = rejected_layouts(mesh)

@@ -55,6 +55,11 @@ def test_dp_tp_matches_one_process(dp_tp, scenario):
     assert dp_tp["same_rows"][scenario], scenario  # Dion3 global: the same rows moved
 
 
+@pytest.mark.parametrize("scenario", ["muon", "normuon", "dion3_global"])
+def test_uneven_and_empty_pieces_match_one_process(dp_tp, scenario):
+    assert dp_tp["uneven"][scenario] <= TOLERANCE, dp_tp["uneven"][scenario]
+
+
 @pytest.mark.parametrize("scenario", RECIPE)
 def test_hsdp_tp_matches_one_process(hsdp_tp, scenario):
     assert hsdp_tp["errors"][scenario] <= TOLERANCE, hsdp_tp["errors"][scenario]

@@ -14,7 +14,7 @@ placements in the state entry), which such buckets reach through `pieces`, stack
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -65,6 +65,14 @@ def owned_matrices(count: int, world_size: int, rank: int) -> range:
     return range(min(rank * block, count), min((rank + 1) * block, count))
 
 
+class BlockCut(NamedTuple):
+    """Where a LayoutBucket entry that is a block of a fused weight lies in its parameter."""
+
+    whole: tuple[int, int, int]  # the parameter's local piece as [B, rows held, cols held]
+    rows: slice  # the local rows of that piece that hold the block
+    param_rows: int  # the rows of each of the parameter's (global) matrices
+
+
 @dataclass
 class LayoutBucket:
     """Same-layout matrices of one group in the general case (any mix of row, column, strided
@@ -90,14 +98,14 @@ class LayoutBucket:
     # local piece shape [B, rows, cols] and the slice of its local rows that hold the block;
     # None: every entry is a whole parameter. Such buckets step through `pieces` (views of each
     # block's rows of the parameter-shaped state), stacked per step like the replicated ones.
-    cuts: Optional[list[tuple[tuple[int, int, int], slice]]] = None
+    cuts: Optional[list["BlockCut"]] = None
     pieces: Optional[dict[str, list[Tensor]]] = None
 
     def grads(self) -> list[Tensor]:
         """Each entry's local gradient as [B, rows held, cols held] (its block's rows of it)."""
         if self.cuts is None:
             return [local_tensor(p.grad).reshape(v.shape) for p, v in zip(self.params, self.views)]
-        return [local_tensor(p.grad).reshape(whole)[:, rows] for p, (whole, rows) in zip(self.params, self.cuts)]
+        return [local_tensor(p.grad).reshape(cut.whole)[:, cut.rows] for p, cut in zip(self.params, self.cuts)]
 
     def owned(self, member: int) -> range:
         """Matrices `member` orthogonalizes: all of them when one member holds them whole (a
@@ -232,7 +240,7 @@ def _add_blocks(buckets: dict, p: Tensor, local: Tensor, axes: Axes, sizes: tupl
         rows = cut[rank][1]
         bucket.params.append(p)
         bucket.views.append(matrices[:, rows])
-        bucket.cuts.append((whole[rank].local_shape, rows))
+        bucket.cuts.append(BlockCut(whole[rank].local_shape, rows, sum(sizes)))
 
 
 def _spread_owners(buckets: list[LayoutBucket]) -> None:
@@ -414,11 +422,11 @@ def allocate_block_pieces(bucket: LayoutBucket, group: dict, state: dict, owned:
     kept in its state entry as a DTensor of its placements (distributed checkpoints see ordinary
     sharded state); the bucket's `pieces` view each entry's block rows of it."""
     bucket.pieces = {}
-    for p, (whole, rows) in zip(bucket.params, bucket.cuts):
+    for p, cut in zip(bucket.params, bucket.cuts):
         if id(p) not in owned:
-            owned[id(p)] = _param_piece_state(p, whole, group, state)
+            owned[id(p)] = _param_piece_state(p, cut.whole, group, state)
         for key, local in owned[id(p)].items():
-            bucket.pieces.setdefault(key, []).append(local[:, rows])
+            bucket.pieces.setdefault(key, []).append(local[:, cut.rows])
 
 
 def _param_piece_state(p: Tensor, whole: tuple[int, int, int], group: dict, state: dict) -> dict[str, Tensor]:

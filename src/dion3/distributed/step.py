@@ -21,6 +21,7 @@ from collections import deque
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .. import rules
@@ -59,22 +60,27 @@ def run_step(work: list[tuple[dict, object]], rule_config) -> Traffic:
             steps.append(_bucket_step(bucket, group, rule_config(group), traffic))
         else:  # step a temporary bucket of the entries with gradients (or of uneven blocks' state), then write it back
             steps.append(_subset_step(_bucket_step, bucket, keep, group, rule_config(group), traffic))
-        sizes.append(_state_bytes(bucket))
+        sizes.append(_admission_size(bucket))
     interleave(steps, PIPELINE_DEPTH, sizes, _pipeline_budget(sizes, work))
     return traffic
 
 
-def _state_bytes(bucket) -> int:
-    """The bucket's stacked state bytes, the same number on every rank (the pipeline admits
-    buckets by it, and every rank must admit them in the same order): the largest member
-    piece for pieces of different sizes."""
-    size = bucket.views[0].element_size()
+def _admission_size(bucket) -> int:
+    """The bytes that decide when a bucket is admitted into the pipeline. They must be the same
+    on every rank (the admission order is the order of every group's collectives): the padded
+    local state of row-sharded and replicated buckets is; a LayoutBucket's unpadded piece is not
+    (uneven pieces, different expert counts per group), so it counts its parameters' global
+    bytes spread over all ranks (a block of a fused weight: its rows' share of them). Buckets of
+    uneven blocks (state in parameter-shaped pieces, stacked per step) count the stacked copy,
+    as large as their matrices."""
+    element = bucket.views[0].element_size()
     if isinstance(bucket, LayoutBucket):
-        return bucket.count * size * max(len(m.rows) * (m.cols[1] - m.cols[0]) for m in bucket.members)
-    if bucket.momentum is not None:
-        return bucket.momentum.numel() * bucket.momentum.element_size()
-    # uneven blocks (state in parameter-shaped pieces): the stacked copy is as large as the matrices
-    return sum(v.numel() for v in bucket.views) * size
+        total = element * (sum(p.numel() for p in bucket.params) if bucket.cuts is None else sum(
+            p.numel() * bucket.shape[0] // cut.param_rows for p, cut in zip(bucket.params, bucket.cuts)))
+        return total // (dist.get_world_size() if dist.is_initialized() else 1)
+    if bucket.momentum is None:
+        return sum(v.numel() for v in bucket.views) * element
+    return bucket.momentum.numel() * bucket.momentum.element_size()
 
 
 def _bucket_step(bucket, group: dict, cfg: rules.RuleConfig, traffic: Traffic) -> Iterator:
