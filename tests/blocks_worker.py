@@ -7,7 +7,6 @@ one device). Rank 0 writes the measured errors to a JSON file. Not a test module
 """
 from __future__ import annotations
 
-import json
 
 import torch
 import torch.distributed as dist
@@ -134,11 +133,4 @@ def fsdp_dion2_error(world: int, rank: int) -> float:
 
 
 def worker(rank: int, world: int, out_path: str) -> None:
-    gloo.start(rank, world, f"{out_path}.store")
-    try:
-        results = scenarios(world, rank)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(results, f, indent=1)
-    finally:
-        gloo.stop()
+    gloo.run_and_report(rank, world, out_path, lambda: scenarios(world, rank))

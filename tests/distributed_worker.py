@@ -7,7 +7,6 @@ assert on. Not a test module itself (no test_ prefix).
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 
@@ -302,14 +301,7 @@ def scenarios(world: int, rank: int) -> dict:
 
 
 def worker(rank: int, world: int, out_path: str) -> None:
-    gloo.start(rank, world, f"{out_path}.store")
-    try:
-        results = scenarios(world, rank)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(results, f, indent=1)
-    finally:
-        gloo.stop()
+    gloo.run_and_report(rank, world, out_path, lambda: scenarios(world, rank))
 
 
 if __name__ == "__main__":  # manual run: python tests/distributed_worker.py WORLD OUT.json

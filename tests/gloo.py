@@ -1,5 +1,6 @@
 """Process-group set-up shared by the spawned distributed tests (gloo on CPU)."""
 import datetime
+import json
 
 import torch
 import torch.distributed as dist
@@ -20,3 +21,16 @@ def stop() -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def run_and_report(rank: int, world: int, out_path: str, scenarios) -> None:
+    """The body of a spawned worker: join the group, run `scenarios()` on every rank, write rank
+    0's results to out_path as JSON, leave the group together."""
+    start(rank, world, f"{out_path}.store")
+    try:
+        results = scenarios()
+        if rank == 0:
+            with open(out_path, "w") as handle:
+                json.dump(results, handle, indent=1)
+    finally:
+        stop()

@@ -8,7 +8,6 @@ Not a test module itself (no test_ prefix).
 """
 from __future__ import annotations
 
-import json
 import math
 
 import torch
@@ -117,11 +116,4 @@ def scenarios(world: int, rank: int) -> dict:
 
 
 def worker(rank: int, world: int, out_path: str) -> None:
-    gloo.start(rank, world, f"{out_path}.store")
-    try:
-        results = scenarios(world, rank)
-        if rank == 0:
-            with open(out_path, "w") as handle:
-                json.dump(results, handle, indent=1)
-    finally:
-        gloo.stop()
+    gloo.run_and_report(rank, world, out_path, lambda: scenarios(world, rank))

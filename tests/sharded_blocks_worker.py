@@ -12,7 +12,6 @@ a JSON file. Not a test module (no test_ prefix).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -244,16 +243,12 @@ def checkpoint_error(mesh, world: int, directory: str) -> float:
 
 
 def worker(rank: int, world: int, out_path: str, which: str) -> None:
-    gloo.start(rank, world, f"{out_path}.store")
-    try:
+    def scenarios() -> dict:
         if which == "fsdp":
-            results = fsdp_scenarios(init_device_mesh("cpu", (world,)))
-        else:
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-            results = tp_scenarios(mesh)
-            results["dcp/dp_tp_to_fsdp"] = checkpoint_error(mesh, world, os.path.dirname(out_path))
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(results, f, indent=1)
-    finally:
-        gloo.stop()
+            return fsdp_scenarios(init_device_mesh("cpu", (world,)))
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        results = tp_scenarios(mesh)
+        results["dcp/dp_tp_to_fsdp"] = checkpoint_error(mesh, world, os.path.dirname(out_path))
+        return results
+
+    gloo.run_and_report(rank, world, out_path, scenarios)

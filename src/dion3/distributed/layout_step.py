@@ -28,7 +28,7 @@ from .update import apply, orthogonalize, padded_selection
 
 def layout_step(bucket: LayoutBucket, group: dict, cfg: rules.RuleConfig, traffic: Traffic):
     mesh, rank = bucket.mesh, bucket.rank
-    count, (rows, cols) = bucket.count, bucket.shape
+    count, cols = bucket.count, bucket.shape[1]
     _, rows_here, cols_here = bucket.local.local_shape
     grads = bucket.grads()
     momentum = bucket.momentum

@@ -18,7 +18,7 @@ Each bucket runs over its own group (bucket.mesh): the axes that split its matri
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
