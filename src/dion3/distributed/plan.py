@@ -348,6 +348,30 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _variance_target(buffer: Tensor, p: Tensor, local_shape, flatten: bool) -> tuple:
+    """(buffer, its local shape, global shape, placements) of a parameter's per-row variance:
+    one value per row, so the axes that split columns replicate it."""
+    col_dim = p.dim() - 1 if not flatten else 1
+    per_row = tuple(Replicate() if _splits_dim(pl, col_dim, p.dim()) else pl for pl in p.placements)
+    global_shape = variance_shape(p, flatten)
+    return buffer, (*local_shape[: len(global_shape) - 1], 1), global_shape, per_row
+
+
+def _install_state(entry: dict, p: Tensor, targets: dict, load) -> None:
+    """entry[key] = a DTensor with the given placements viewing each target (saved state copied
+    in first by load(target, saved, key)); keys without a target are dropped."""
+    for key, (target, shape_here, global_shape, placements) in targets.items():
+        if key in entry:
+            load(target, entry[key], key)
+        entry[key] = DTensor.from_local(
+            target.view(shape_here), p.device_mesh, placements, run_check=False,
+            shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape),
+        )
+    for key in list(entry):
+        if key not in targets:
+            del entry[key]
+
+
 def allocate_layout_state(bucket: LayoutBucket, group: dict, state: dict) -> None:
     """Stacked local state [N, rows held, cols held] with per-parameter DTensor views carrying
     the parameter's placements (the variance, one value per row, is replicated over the column
@@ -365,21 +389,8 @@ def allocate_layout_state(bucket: LayoutBucket, group: dict, state: dict) -> Non
         local_shape = local_tensor(p).shape
         targets = {"momentum": (bucket.momentum[span], local_shape, p.shape, tuple(p.placements))}
         if wants_variance:
-            col_dim = p.dim() - 1 if not group["flatten"] else 1
-            per_row = tuple(Replicate() if _splits_dim(pl, col_dim, p.dim()) else pl for pl in p.placements)
-            global_shape = variance_shape(p, group["flatten"])
-            targets["variance"] = (bucket.variance[span], (*local_shape[: len(global_shape) - 1], 1), global_shape, per_row)
-        entry = state[p]
-        for key, (target, shape_here, global_shape, placements) in targets.items():
-            if key in entry:
-                _load_piece(target, entry[key], bucket, key, p)
-            entry[key] = DTensor.from_local(
-                target.view(shape_here), p.device_mesh, placements, run_check=False,
-                shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape),
-            )
-        for key in list(entry):
-            if key not in targets:
-                del entry[key]
+            targets["variance"] = _variance_target(bucket.variance[span], p, local_shape, group["flatten"])
+        _install_state(state[p], p, targets, lambda target, saved, key: _load_piece(target, saved, bucket, key, p))
 
 
 def variance_shape(p: Tensor, flatten: bool) -> tuple[int, ...]:
@@ -441,20 +452,7 @@ def _param_piece_state(p: Tensor, whole: tuple[int, int, int], group: dict, stat
     fresh = {"momentum": (torch.zeros(whole, dtype=like.dtype, device=like.device), local_shape, p.shape,
                           tuple(p.placements))}
     if group["algorithm"] in NORMALIZING_ALGORITHMS:
-        col_dim = p.dim() - 1 if not group["flatten"] else 1
-        per_row = tuple(Replicate() if _splits_dim(pl, col_dim, p.dim()) else pl for pl in p.placements)
-        global_shape = variance_shape(p, group["flatten"])
-        fresh["variance"] = (torch.zeros((*whole[:2], 1), dtype=torch.float32, device=like.device),
-                             (*local_shape[: len(global_shape) - 1], 1), global_shape, per_row)
-    entry = state[p]
-    for key, (target, shape_here, global_shape, placements) in fresh.items():
-        if key in entry:
-            load_piece(target, entry[key], piece, shape, key, p)
-        entry[key] = DTensor.from_local(
-            target.view(shape_here), p.device_mesh, placements, run_check=False,
-            shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape),
-        )
-    for key in list(entry):
-        if key not in fresh:
-            del entry[key]
+        variance = torch.zeros((*whole[:2], 1), dtype=torch.float32, device=like.device)
+        fresh["variance"] = _variance_target(variance, p, local_shape, group["flatten"])
+    _install_state(state[p], p, fresh, lambda target, saved, key: load_piece(target, saved, piece, shape, key, p))
     return {key: target for key, (target, *_rest) in fresh.items()}
