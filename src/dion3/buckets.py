@@ -56,6 +56,11 @@ def matrix_view(tensor: Tensor, flatten: bool) -> Tensor:
     return tensor.unsqueeze(0) if tensor.dim() == 2 else tensor
 
 
+def variance_shape(param: Tensor, flatten: bool) -> tuple[int, ...]:
+    """Shape of a parameter's per-row second moment: one value per matrix row."""
+    return (param.shape[0], 1) if flatten else (*param.shape[:-1], 1)
+
+
 def add_matrix(buckets: dict, key_prefix: tuple, param: Tensor, local: Tensor, group: dict, mesh=None) -> None:
     """Put the entries of one matrix parameter (local: its local tensor) into `buckets`, keyed by
     (*key_prefix, entry shape, dtype, device); new buckets get `mesh`."""

@@ -45,6 +45,13 @@ def split_indices(indices: list[int], placement, parts: int, part: int) -> list[
     return chunk(indices, parts, part)
 
 
+
+def matrix_shape(p: Tensor, flatten: bool) -> tuple[int, int]:
+    """(rows, cols) of each matrix of a parameter: [rows, cols], [E, rows, cols], or flattened."""
+    if flatten or p.dim() == 2:
+        return p.shape[0], p.numel() // max(p.shape[0], 1)
+    return p.shape[-2], p.shape[-1]
+
 @dataclass(frozen=True)
 class MatrixLayout:
     """One rank's piece of a parameter seen as [batch, rows, cols] (batch = 1 for a matrix)."""

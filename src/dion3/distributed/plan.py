@@ -5,7 +5,7 @@ Replicated buckets are the optimizer's ordinary stacked buckets. Row-sharded buc
 state in local stacked buffers padded to ⌈rows/W⌉ rows per rank ([N, chunk, cols]); padding rows
 stay zero forever. The per-parameter state entries are DTensors with the parameter's placements
 whose local tensors are views into those buffers, so distributed checkpoints see ordinary
-sharded state while the step runs batched.
+sharded state while the step runs batched (allocated by state.py).
 
 Sharded parameters of num_heads / split_sizes groups go to LayoutBuckets, one entry per block
 (MatrixLayout.block); each parameter owns local state of its own piece's shape (a DTensor of its
@@ -16,16 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
-import torch
 from torch import Tensor
 
-from ..algorithms import NORMALIZING_ALGORITHMS
 from .. import blocks
 from ..buckets import Bucket, add_matrix
-from .layout import Axes, MatrixLayout, classify, member_layouts
-from .mesh import (
-    DTensor, MeshInfo, Replicate, Shard, axes_group, group_coordinates, is_dtensor, local_row_span, local_tensor,
-)
+from .layout import Axes, MatrixLayout, classify, matrix_shape, member_layouts
+from .mesh import MeshInfo, Shard, axes_group, group_coordinates, is_dtensor, local_row_span, local_tensor
+from .state import allocate_block_pieces, allocate_layout_state, allocate_sharded_state
 
 
 @dataclass
@@ -191,7 +188,7 @@ def build_buckets(optimizer, group: dict, mesh: Optional[MeshInfo]) -> list:
             if key not in buckets:
                 info = axes_group(p.device_mesh, axes.matrix)
                 buckets[key] = LayoutBucket(
-                    _matrix_shape(p, flatten), info, member_layouts(p, info, axes.matrix, flatten),
+                    matrix_shape(p, flatten), info, member_layouts(p, info, axes.matrix, flatten),
                     axes_group(p.device_mesh, axes.cols))
             bucket = buckets[key]
             view = local.reshape(bucket.local.local_shape)
@@ -212,7 +209,7 @@ def build_buckets(optimizer, group: dict, mesh: Optional[MeshInfo]) -> list:
 
 def _block_sizes(p: Tensor, label: str, group: dict) -> tuple[int, ...]:
     """Row counts of the blocks of a sharded parameter's matrices ((rows,): no split)."""
-    rows = _matrix_shape(p, group["flatten"])[0]
+    rows = matrix_shape(p, group["flatten"])[0]
     try:  # .get: groups restored from checkpoints of versions without block options lack the keys
         return blocks.block_sizes(rows, group.get("num_heads"), group.get("split_sizes"))
     except ValueError as error:
@@ -227,7 +224,7 @@ def _add_blocks(buckets: dict, p: Tensor, local: Tensor, axes: Axes, sizes: tupl
     info = axes_group(p.device_mesh, axes.matrix)
     whole = member_layouts(p, info, axes.matrix, flatten)
     rank = 0 if info is None else info.rank
-    cols = _matrix_shape(p, flatten)[1]
+    cols = matrix_shape(p, flatten)[1]
     matrices = local.reshape(whole[rank].local_shape)
     for start, stop in blocks.row_ranges(sizes):
         cut = [m.block(start, stop) for m in whole]
@@ -258,12 +255,6 @@ def _spread_owners(buckets: list[LayoutBucket]) -> None:
         start = next_owner.get(id(bucket.mesh.group), 0)
         bucket.first_owner = start % (world - used + 1)
         next_owner[id(bucket.mesh.group)] = bucket.first_owner + used
-
-
-def _matrix_shape(p: Tensor, flatten: bool) -> tuple[int, int]:
-    if flatten or p.dim() == 2:
-        return p.shape[0], p.numel() // max(p.shape[0], 1)
-    return p.shape[-2], p.shape[-1]
 
 
 def _row_sharded_axis(p: Tensor, axes: Axes, flatten: bool) -> Optional[int]:
@@ -300,159 +291,3 @@ def _check_mesh(p: Tensor, label: str, axes: Axes, mesh: Optional[MeshInfo]) -> 
         f"the distributed_mesh {given} (nor a 1-D sub-mesh of its one sharded axis); pass "
         "distributed_mesh=None to read each parameter's own mesh and placements"
     )
-
-
-def allocate_sharded_state(bucket: ShardedBucket, group: dict, state: dict) -> None:
-    rows, cols = bucket.shape
-    like = bucket.views[0]
-    bucket.momentum = torch.zeros((bucket.count, bucket.chunk, cols), dtype=like.dtype, device=like.device)
-    wants_variance = group["algorithm"] in NORMALIZING_ALGORITHMS
-    if wants_variance:
-        bucket.variance = torch.zeros((bucket.count, bucket.chunk, 1), dtype=torch.float32, device=like.device)
-    start, stop = local_row_span(rows, bucket.world_size, bucket.rank)
-    for i, p in enumerate(bucket.params):
-        targets = {"momentum": (bucket.momentum[i, : stop - start], p.shape)}
-        if wants_variance:
-            targets["variance"] = (bucket.variance[i, : stop - start], (rows, 1))
-        entry = state[p]
-        for key, (target, global_shape) in targets.items():
-            if key in entry:
-                _load_rows(target, entry[key], start, stop, key, p)
-            local_shape = (stop - start, *global_shape[1:])
-            entry[key] = DTensor.from_local(
-                target.view(local_shape), p.device_mesh, p.placements, run_check=False,
-                shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape),
-            )
-        for key in list(entry):
-            if key not in targets:
-                del entry[key]
-
-
-def _load_rows(target: Tensor, loaded: Tensor, start: int, stop: int, key: str, param: Tensor) -> None:
-    """Copy saved state into this rank's rows: a DTensor contributes its local shard, a plain
-    tensor of the global shape contributes rows [start, stop)."""
-    rows = local_tensor(loaded) if isinstance(loaded, DTensor) else loaded.reshape(loaded.shape[0], -1)[start:stop]
-    if rows.numel() != target.numel():
-        raise ValueError(
-            f"state {key!r} of parameter with shape {tuple(param.shape)} has shape {tuple(loaded.shape)}; "
-            "the state dict does not match these parameters"
-        )
-    target.copy_(rows.reshape(target.shape))
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
-
-
-def _variance_target(buffer: Tensor, p: Tensor, local_shape, flatten: bool) -> tuple:
-    """(buffer, its local shape, global shape, placements) of a parameter's per-row variance:
-    one value per row, so the axes that split columns replicate it."""
-    col_dim = p.dim() - 1 if not flatten else 1
-    per_row = tuple(Replicate() if _splits_dim(pl, col_dim, p.dim()) else pl for pl in p.placements)
-    global_shape = variance_shape(p, flatten)
-    return buffer, (*local_shape[: len(global_shape) - 1], 1), global_shape, per_row
-
-
-def _install_state(entry: dict, p: Tensor, targets: dict, load) -> None:
-    """entry[key] = a DTensor with the given placements viewing each target (saved state copied
-    in first by load(target, saved, key)); keys without a target are dropped."""
-    for key, (target, shape_here, global_shape, placements) in targets.items():
-        if key in entry:
-            load(target, entry[key], key)
-        entry[key] = DTensor.from_local(
-            target.view(shape_here), p.device_mesh, placements, run_check=False,
-            shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape),
-        )
-    for key in list(entry):
-        if key not in targets:
-            del entry[key]
-
-
-def allocate_layout_state(bucket: LayoutBucket, group: dict, state: dict) -> None:
-    """Stacked local state [N, rows held, cols held] with per-parameter DTensor views carrying
-    the parameter's placements (the variance, one value per row, is replicated over the column
-    axes), so distributed checkpoints reshard it between layouts."""
-    like = bucket.views[0]
-    batch, rows, cols = bucket.local.local_shape
-    bucket.momentum = torch.zeros((bucket.count, rows, cols), dtype=like.dtype, device=like.device)
-    wants_variance = group["algorithm"] in NORMALIZING_ALGORITHMS
-    if wants_variance:
-        bucket.variance = torch.zeros((bucket.count, rows, 1), dtype=torch.float32, device=like.device)
-    offset = 0
-    for p, view in zip(bucket.params, bucket.views):
-        span = slice(offset, offset + view.shape[0])
-        offset += view.shape[0]
-        local_shape = local_tensor(p).shape
-        targets = {"momentum": (bucket.momentum[span], local_shape, p.shape, tuple(p.placements))}
-        if wants_variance:
-            targets["variance"] = _variance_target(bucket.variance[span], p, local_shape, group["flatten"])
-        _install_state(state[p], p, targets, lambda target, saved, key: _load_piece(target, saved, bucket, key, p))
-
-
-def variance_shape(p: Tensor, flatten: bool) -> tuple[int, ...]:
-    return (p.shape[0], 1) if flatten else (*p.shape[:-1], 1)
-
-
-def _splits_dim(placement, dim: int, ndim: int) -> bool:
-    return hasattr(placement, "dim") and not isinstance(placement, Replicate) and placement.dim % ndim == dim
-
-
-def _load_piece(target: Tensor, loaded: Tensor, bucket: LayoutBucket, key: str, param: Tensor) -> None:
-    load_piece(target, loaded, bucket.local, bucket.shape, key, param)
-
-
-def load_piece(target: Tensor, loaded: Tensor, piece: MatrixLayout, shape: tuple[int, int], key: str,
-               param: Tensor) -> None:
-    """Copy saved state into this rank's piece: a DTensor contributes its local tensor, a plain
-    tensor of the global shape the experts, rows and columns this rank holds."""
-    rows, cols = shape
-    last = cols if key == "momentum" else 1
-    if isinstance(loaded, DTensor):
-        values = local_tensor(loaded)
-    elif loaded.numel() % (rows * last) == 0:
-        whole = loaded.reshape(-1, rows, last)
-        index = torch.tensor(piece.rows, dtype=torch.long, device=whole.device)
-        values = whole[list(piece.batch)].index_select(1, index)
-        values = values[..., piece.cols[0] : piece.cols[1]] if key == "momentum" else values
-    else:
-        values = loaded
-    if values.numel() != target.numel():
-        raise ValueError(
-            f"state {key!r} of parameter with shape {tuple(param.shape)} has shape {tuple(loaded.shape)}; "
-            "the state dict does not match these parameters"
-        )
-    target.copy_(values.reshape(target.shape))
-
-
-def allocate_block_pieces(bucket: LayoutBucket, group: dict, state: dict, owned: dict) -> None:
-    """State of a bucket of blocks: each parameter owns local state of its own piece's shape,
-    kept in its state entry as a DTensor of its placements (distributed checkpoints see ordinary
-    sharded state); the bucket's `pieces` view each entry's block rows of it."""
-    bucket.pieces = {}
-    for p, cut in zip(bucket.params, bucket.cuts):
-        if id(p) not in owned:
-            owned[id(p)] = _param_piece_state(p, cut.whole, group, state)
-        for key, local in owned[id(p)].items():
-            bucket.pieces.setdefault(key, []).append(local[:, cut.rows])
-
-
-def _param_piece_state(p: Tensor, whole: tuple[int, int, int], group: dict, state: dict) -> dict[str, Tensor]:
-    """{key: local state tensor [B, rows held, cols held or 1]} of one sharded parameter, loaded
-    from its state entry when present; the entry gets DTensors viewing them."""
-    like = local_tensor(p)
-    local_shape = like.shape
-    matrix_axes = classify(p, "", group["flatten"]).matrix
-    info = axes_group(p.device_mesh, matrix_axes)
-    piece = member_layouts(p, info, matrix_axes, group["flatten"])[0 if info is None else info.rank]
-    shape = _matrix_shape(p, group["flatten"])
-    fresh = {"momentum": (torch.zeros(whole, dtype=like.dtype, device=like.device), local_shape, p.shape,
-                          tuple(p.placements))}
-    if group["algorithm"] in NORMALIZING_ALGORITHMS:
-        variance = torch.zeros((*whole[:2], 1), dtype=torch.float32, device=like.device)
-        fresh["variance"] = _variance_target(variance, p, local_shape, group["flatten"])
-    _install_state(state[p], p, fresh, lambda target, saved, key: load_piece(target, saved, piece, shape, key, p))
-    return {key: target for key, (target, *_rest) in fresh.items()}

@@ -8,6 +8,7 @@ from typing import Any
 from torch import Tensor
 
 from .. import blocks, rules
+from ..buckets import variance_shape
 from ..distributed.mesh import local_tensor
 from ..ortho import get_schedule
 from ..ortho.newton_schulz import METHODS
@@ -161,11 +162,6 @@ def check_state_dict(state_dict: dict[str, Any], param_groups: list[dict]) -> No
                         f"has shape {found} in the state dict, expected {shape}; the state dict does not "
                         "match these parameters"
                     )
-
-
-def variance_shape(param: Tensor, flatten: bool) -> tuple[int, ...]:
-    """Shape of a parameter's per-row second moment: one value per matrix row."""
-    return (param.shape[0], 1) if flatten else (*param.shape[:-1], 1)
 
 
 def expected_state_shapes(algorithm: str, param: Tensor, flatten: bool) -> dict[str, tuple[int, ...]]:
