@@ -87,13 +87,7 @@ def ddp_backward_error(world: int) -> float:
 
     opt = Dion3(groups(model.module), distributed_mesh=dist.group.WORLD, lr=0.02, fraction=0.3)
     ref_opt = Dion3(groups(ref), lr=0.02, fraction=0.3)
-    gen = torch.Generator().manual_seed(9)
-    for _ in range(STEPS):
-        batch = torch.randn(5, 10, generator=gen)
-        for net, o in ((model, opt), (ref, ref_opt)):
-            net(batch).square().mean().backward()
-            o.step()
-            o.zero_grad()
+    gloo.train_in_lockstep(((model, opt), (ref, ref_opt)), STEPS, 9, (5, 10))
     return max_relative_error([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()])
 
 

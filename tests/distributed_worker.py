@@ -166,13 +166,7 @@ def fsdp_backward_error(mesh, optimizer_mesh=None) -> float:
     fully_shard(model, mesh=mesh)
     opt = make_optimizer("dion3", list(model.parameters()), optimizer_mesh or mesh, selection_scope="global", fraction=0.5)
     ref_opt = make_optimizer("dion3", list(ref.parameters()), None, fraction=0.5)
-    gen = torch.Generator().manual_seed(5)
-    for _ in range(STEPS):
-        batch = torch.randn(6, 12, generator=gen)
-        for net, o in ((model, opt), (ref, ref_opt)):
-            net(batch).square().mean().backward()
-            o.step()
-            o.zero_grad()
+    gloo.train_in_lockstep(((model, opt), (ref, ref_opt)), STEPS, 5, (6, 12))
     return max_relative_error([full(p) for p in model.parameters()], [p.detach() for p in ref.parameters()])
 
 
@@ -217,13 +211,7 @@ def ddp_backward_error(world, rank) -> float:
     model = torch.nn.parallel.DistributedDataParallel(_copy(ref))
     opt = make_optimizer("normuon", list(model.parameters()), dist.group.WORLD)
     ref_opt = make_optimizer("normuon", list(ref.parameters()), None)
-    gen = torch.Generator().manual_seed(6)
-    for _ in range(STEPS):
-        batch = torch.randn(5, 10, generator=gen)
-        for net, o in ((model, opt), (ref, ref_opt)):
-            net(batch).square().mean().backward()
-            o.step()
-            o.zero_grad()
+    gloo.train_in_lockstep(((model, opt), (ref, ref_opt)), STEPS, 6, (5, 10))
     return max_relative_error([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()])
 
 
@@ -241,14 +229,7 @@ def rejected_layouts(mesh, world: int) -> dict:
                                                                       shape=matrix.shape, stride=matrix.stride())],
                                                    distributed_mesh=dist.group.WORLD),
     }
-    messages = {}
-    for name, build in cases.items():
-        try:
-            build()
-            messages[name] = None
-        except ValueError as error:
-            messages[name] = str(error)
-    return messages
+    return gloo.value_errors(cases)
 
 
 def scenarios(world: int, rank: int) -> dict:

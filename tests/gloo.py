@@ -1,4 +1,4 @@
-"""Process-group set-up shared by the spawned distributed tests (gloo on CPU)."""
+"""Process-group set-up and helpers shared by the spawned distributed tests (gloo on CPU)."""
 import datetime
 import json
 
@@ -34,3 +34,27 @@ def run_and_report(rank: int, world: int, out_path: str, scenarios) -> None:
                 json.dump(results, handle, indent=1)
     finally:
         stop()
+
+
+def train_in_lockstep(pairs, steps: int, seed: int, batch_shape: tuple[int, int]) -> None:
+    """Train each (model, optimizer) pair on the same seeded batches, loss = mean square of the
+    output: a distributed model and its one-process reference take identical steps."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        batch = torch.randn(*batch_shape, generator=gen)
+        for net, optimizer in pairs:
+            net(batch).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def value_errors(cases: dict) -> dict:
+    """Run each case; its ValueError's message, or None when it raised nothing."""
+    messages = {}
+    for name, build in cases.items():
+        try:
+            build()
+            messages[name] = None
+        except ValueError as error:
+            messages[name] = str(error)
+    return messages

@@ -376,14 +376,7 @@ def rejected_layouts(mesh) -> dict:
                                                    distributed_mesh=dist.group.WORLD),
         "foreign_mesh": lambda: Muon([dtensor((8, 6), [Shard(0), Shard(1)])], distributed_mesh=other),
     }
-    messages = {}
-    for name, build in cases.items():
-        try:
-            build()
-            messages[name] = None
-        except ValueError as error:
-            messages[name] = str(error)
-    return messages
+    return gloo.value_errors(cases)
 
 
 def worker(rank: int, world: int, out_path: str, which: str) -> None:
