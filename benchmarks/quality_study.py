@@ -206,6 +206,8 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
     return {
         "key": run.key, "config": dataclasses.asdict(run), "seed": run.seed, "horizon": run.horizon,
         "final_val_loss": result.final_val_loss,
+        # the train/validation gap shows when a long horizon starts to overfit the repeated data
+        "final_train_loss": statistics.fmean(result.train_losses[-50:]),
         "average_fraction": result.average_fraction if run.optimizer == "dion3" else 1.0,
         "optimizer_ms_median": result.optimizer_ms_median, "optimizer_ms_mean": result.optimizer_ms,
         "total_ms_mean": result.total_ms, "minutes": (time.perf_counter() - started) / 60,
@@ -308,21 +310,24 @@ def summary_table(records: Sequence[dict]) -> str:
     for record in records:
         groups.setdefault(Run(**{**record["config"], "data": None}).setting, []).append(record)
     lines = [
-        "| model | horizon | optimizer | fraction schedule | lr | μ | seeds | final val loss | average fraction | optimizer ms (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | horizon | optimizer | fraction schedule | lr | μ | seeds | final val loss | train loss, last 50 steps "
+        "| average fraction | optimizer ms (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
     for setting, members in groups.items():
         losses = [m["final_val_loss"] for m in members]
         mean = statistics.fmean(losses)
         spread = statistics.stdev(losses) if len(losses) > 1 else 0.0
-        rows.append((setting[0], setting[1], mean, setting, len(losses), spread,
+        train = [m["final_train_loss"] for m in members if "final_train_loss" in m]  # absent in older records
+        train_text = f"{statistics.fmean(train):.4f}" if len(train) == len(members) else "—"
+        rows.append((setting[0], setting[1], mean, setting, len(losses), spread, train_text,
                      statistics.fmean(m["average_fraction"] for m in members),
                      statistics.median(m["optimizer_ms_median"] for m in members)))
-    for model, horizon, mean, setting, count, spread, fraction, step_ms in sorted(rows, key=lambda r: r[:3]):
+    for model, horizon, mean, setting, count, spread, train_text, fraction, step_ms in sorted(rows, key=lambda r: r[:3]):
         name, schedule = _setting_label(setting)
         lines.append(f"| {model} | {horizon} | {name} | {schedule} | {setting[5]:g} | {setting[6]:g} | {count} | "
-                     f"{mean:.4f} ± {spread:.4f} | {fraction:.3f} | {step_ms:.2f} |")
+                     f"{mean:.4f} ± {spread:.4f} | {train_text} | {fraction:.3f} | {step_ms:.2f} |")
     return "\n".join(lines)
 
 

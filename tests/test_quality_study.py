@@ -41,25 +41,28 @@ def test_plan_covers_the_grid_short_horizons_first(study):
         study.plan_runs(study.parse_args(["--optimizers", "adamw"]))
 
 
-def _record(study, optimizer, loss, seed, fraction=None, warmup=0, average=1.0, ms=2.0):
+def _record(study, optimizer, loss, seed, fraction=None, warmup=0, average=1.0, ms=2.0, train=None):
     run = study.Run("gpt-tiny", optimizer, 0.02, 0.6, fraction, warmup, 400, seed, 16, 20, 0.4, 4, None)
-    return {"key": run.key, "config": json.loads(json.dumps(run.__dict__)), "seed": seed, "horizon": 400,
-            "final_val_loss": loss, "average_fraction": average, "optimizer_ms_median": ms}
+    record = {"key": run.key, "config": json.loads(json.dumps(run.__dict__)), "seed": seed, "horizon": 400,
+              "final_val_loss": loss, "average_fraction": average, "optimizer_ms_median": ms}
+    if train is not None:
+        record["final_train_loss"] = train
+    return record
 
 
 def test_summary_is_mean_and_standard_deviation_over_seeds(study):
     records = [
         _record(study, "normuon", 1.50, 0, ms=3.0), _record(study, "normuon", 1.60, 1, ms=5.0),
         _record(study, "normuon", 1.70, 2, ms=4.0),
-        _record(study, "dion3", 1.40, 0, 0.25, 100, average=0.4375, ms=1.0),
-        _record(study, "dion3", 1.44, 1, 0.25, 100, average=0.4375, ms=3.0),
+        _record(study, "dion3", 1.40, 0, 0.25, 100, average=0.4375, ms=1.0, train=1.30),
+        _record(study, "dion3", 1.44, 1, 0.25, 100, average=0.4375, ms=3.0, train=1.20),
     ]
     table = study.summary_table(records).splitlines()
     assert len(table) == 2 + 2
     dion3, normuon = table[2], table[3]  # best mean loss first
-    assert "| Dion3 f=0.25 | 1 → 0.25 over 100 steps |" in dion3 and "| 2 | 1.4200 ± 0.0283 | 0.438 | 2.00 |" in dion3
+    assert "| Dion3 f=0.25 | 1 → 0.25 over 100 steps |" in dion3 and "| 2 | 1.4200 ± 0.0283 | 1.2500 | 0.438 | 2.00 |" in dion3
     assert f"{statistics.stdev([1.5, 1.6, 1.7]):.4f}" == "0.1000"
-    assert "| NorMuon | — |" in normuon and "| 3 | 1.6000 ± 0.1000 | 1.000 | 4.00 |" in normuon
+    assert "| NorMuon | — |" in normuon and "| 3 | 1.6000 ± 0.1000 | — | 1.000 | 4.00 |" in normuon  # records without a train loss
 
 
 @pytest.mark.slow
@@ -77,6 +80,7 @@ def test_smoke_study_writes_one_line_per_run_and_skips_finished_runs(study, tmp_
     for record in first:
         assert record["horizon"] == 8 and record["seed"] == 0 and record["config"]["model"] == "gpt-tiny"
         assert record["final_val_loss"] < math.log(256) and record["optimizer_ms_median"] > 0  # below the uniform loss
+        assert 0 < record["final_train_loss"] < math.log(256)
     fractions = sorted(r["average_fraction"] for r in first)
     # fixed ¼; warm-up 1 → ¼ over 4 steps then ¼: (1 + 0.8125 + 0.625 + 0.4375 + 4·0.25)/8; NorMuon: every row
     assert fractions == [0.25, pytest.approx((1 + 0.8125 + 0.625 + 0.4375 + 1.0) / 8), 1.0]
