@@ -217,7 +217,8 @@ def local_scope_error(mesh, dp=("dp",)) -> float:
 
 
 def traffic(mesh) -> dict:
-    """Bytes one rank sends per step on the recipe with larger matrices: Muon vs Dion3 f=¼."""
+    """Bytes each rank sends per step on the recipe with larger matrices, Muon vs Dion3 f=¼:
+    {name: [per rank (communication_bytes, communication_bytes_by_kind)]}."""
     out = {}
     for name, kind, options in (("muon", "muon", {}),
                                 ("dion3_local", "dion3", {"selection_scope": "local"}),
@@ -225,7 +226,7 @@ def traffic(mesh) -> dict:
         model, ref = recipe(mesh, dim=128, hidden=192)
         _, sent, _, opt = run_pair(list(model.parameters()), list(ref.parameters()), kind, steps=1, **options)
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, sent)
+        dist.all_gather_object(gathered, (sent, opt.communication_bytes_by_kind))
         out[name] = gathered
     return out
 
