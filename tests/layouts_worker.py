@@ -125,20 +125,25 @@ def _uneven():
 
     strided = [_StridedShard(0, split_factor=2), Shard(0)]
     return [("uneven_strided_7x5", (7, 5), strided), ("uneven_strided_3x10", (3, 10), strided),
-            ("uneven_columns_6x3", (6, 3), [Shard(0), Shard(1)]), ("uneven_experts", (3, 5, 4), [Shard(1), Shard(0)])]
+            ("uneven_columns_6x3", (6, 3), [Shard(0), Shard(1)]), ("uneven_experts", (3, 5, 4), [Shard(1), Shard(0)]),
+            ("columns_only_5x6", (5, 6), [Replicate(), Shard(1)])]
 
 
 UNEVEN = _uneven()
+# (replicate=2, shard=2, tp=2): rows over two axes and columns over the third (the row group is
+# a product of axes); columns only (no row group)
+UNEVEN_3D = [("rows_two_axes_10x6", (10, 6), [Shard(0), Shard(0), Shard(1)]),
+             ("columns_only_5x6", (5, 6), [Replicate(), Replicate(), Shard(1)])]
 
 
-def uneven_scenarios(mesh) -> dict:
+def uneven_scenarios(mesh, cases=UNEVEN) -> dict:
     """Uneven pieces (7 or 3 rows over four row pieces: some ranks hold none; 3 columns over two
-    column pieces; 3 experts over two ranks) against one process."""
+    column pieces; 3 experts over two ranks; columns split with rows whole) against one process."""
     errors = {}
     for name, kind, options in (("muon", "muon", {}), ("normuon", "normuon", {}),
                                 ("dion3_global", "dion3", {"selection_scope": "global"})):
         gen = torch.Generator().manual_seed(11)
-        weights = [(torch.randn(shape, generator=gen), placements) for _, shape, placements in UNEVEN]
+        weights = [(torch.randn(shape, generator=gen), placements) for _, shape, placements in cases]
         params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, pl, src_data_rank=None)) for w, pl in weights]
         ref = [torch.nn.Parameter(w.clone()) for w, _ in weights]
         errors[name] = run_pair(params, ref, kind, **options)[0]
@@ -397,6 +402,7 @@ def worker(rank: int, world: int, out_path: str, which: str) -> None:
             mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
             results = recipe_scenarios(mesh, dp=("replicate", "shard"))
             results["errors"]["local_scope"] = local_scope_error(mesh, dp=("replicate", "shard"))
+            results["uneven"] = uneven_scenarios(mesh, UNEVEN_3D)
             model, _ = recipe(mesh, dp=("replicate", "shard"))
             results["placements"] = {n: [str(pl) for pl in p.placements] for n, p in model.named_parameters()}
         if rank == 0:

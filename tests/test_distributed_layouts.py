@@ -3,7 +3,8 @@
 (dp=2, tp=2) with torchtitan's recipe (4 ranks): layout indices against DTensor's full_tensor(),
 Muon / NorMuon / Dion3 against one process, Dion3 "local" against its own definition, traffic,
 expert stacks, rejected layouts and a DCP round trip across layouts. HSDP + TP on (replicate=2,
-shard=2, tp=2) (8 tiny ranks). Each group of ranks is spawned once per module.
+shard=2, tp=2) (8 tiny ranks), plus rows over two axes with columns over the third, and columns
+split alone (uneven pieces, both meshes). Each group of ranks is spawned once per module.
 """
 from __future__ import annotations
 
@@ -55,9 +56,11 @@ def test_dp_tp_matches_one_process(dp_tp, scenario):
     assert dp_tp["same_rows"][scenario], scenario  # Dion3 global: the same rows moved
 
 
+@pytest.mark.parametrize("layout", ["dp_tp", "hsdp_tp"])
 @pytest.mark.parametrize("scenario", ["muon", "normuon", "dion3_global"])
-def test_uneven_and_empty_pieces_match_one_process(dp_tp, scenario):
-    assert dp_tp["uneven"][scenario] <= TOLERANCE, dp_tp["uneven"][scenario]
+def test_uneven_and_empty_pieces_match_one_process(dp_tp, hsdp_tp, layout, scenario):
+    uneven = {"dp_tp": dp_tp, "hsdp_tp": hsdp_tp}[layout]["uneven"]
+    assert uneven[scenario] <= TOLERANCE, uneven[scenario]
 
 
 @pytest.mark.parametrize("scenario", RECIPE)
