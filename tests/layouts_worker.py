@@ -125,20 +125,25 @@ def _uneven():
 
     strided = [_StridedShard(0, split_factor=2), Shard(0)]
     return [("uneven_strided_7x5", (7, 5), strided), ("uneven_strided_3x10", (3, 10), strided),
-            ("uneven_columns_6x3", (6, 3), [Shard(0), Shard(1)]), ("uneven_experts", (3, 5, 4), [Shard(1), Shard(0)])]
+            ("uneven_columns_6x3", (6, 3), [Shard(0), Shard(1)]), ("uneven_experts", (3, 5, 4), [Shard(1), Shard(0)]),
+            ("columns_only_5x6", (5, 6), [Replicate(), Shard(1)])]
 
 
 UNEVEN = _uneven()
+# (replicate=2, shard=2, tp=2): rows over two axes and columns over the third (the row group is
+# a product of axes); columns only (no row group)
+UNEVEN_3D = [("rows_two_axes_10x6", (10, 6), [Shard(0), Shard(0), Shard(1)]),
+             ("columns_only_5x6", (5, 6), [Replicate(), Replicate(), Shard(1)])]
 
 
-def uneven_scenarios(mesh) -> dict:
+def uneven_scenarios(mesh, cases=UNEVEN) -> dict:
     """Uneven pieces (7 or 3 rows over four row pieces: some ranks hold none; 3 columns over two
-    column pieces; 3 experts over two ranks) against one process."""
+    column pieces; 3 experts over two ranks; columns split with rows whole) against one process."""
     errors = {}
     for name, kind, options in (("muon", "muon", {}), ("normuon", "normuon", {}),
                                 ("dion3_global", "dion3", {"selection_scope": "global"})):
         gen = torch.Generator().manual_seed(11)
-        weights = [(torch.randn(shape, generator=gen), placements) for _, shape, placements in UNEVEN]
+        weights = [(torch.randn(shape, generator=gen), placements) for _, shape, placements in cases]
         params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, pl, src_data_rank=None)) for w, pl in weights]
         ref = [torch.nn.Parameter(w.clone()) for w, _ in weights]
         errors[name] = run_pair(params, ref, kind, **options)[0]
@@ -217,7 +222,8 @@ def local_scope_error(mesh, dp=("dp",)) -> float:
 
 
 def traffic(mesh) -> dict:
-    """Bytes one rank sends per step on the recipe with larger matrices: Muon vs Dion3 f=¼."""
+    """Bytes each rank sends per step on the recipe with larger matrices, Muon vs Dion3 f=¼:
+    {name: [per rank (communication_bytes, communication_bytes_by_kind)]}."""
     out = {}
     for name, kind, options in (("muon", "muon", {}),
                                 ("dion3_local", "dion3", {"selection_scope": "local"}),
@@ -225,7 +231,7 @@ def traffic(mesh) -> dict:
         model, ref = recipe(mesh, dim=128, hidden=192)
         _, sent, _, opt = run_pair(list(model.parameters()), list(ref.parameters()), kind, steps=1, **options)
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, sent)
+        dist.all_gather_object(gathered, (sent, opt.communication_bytes_by_kind))
         out[name] = gathered
     return out
 
@@ -396,6 +402,7 @@ def worker(rank: int, world: int, out_path: str, which: str) -> None:
             mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
             results = recipe_scenarios(mesh, dp=("replicate", "shard"))
             results["errors"]["local_scope"] = local_scope_error(mesh, dp=("replicate", "shard"))
+            results["uneven"] = uneven_scenarios(mesh, UNEVEN_3D)
             model, _ = recipe(mesh, dp=("replicate", "shard"))
             results["placements"] = {n: [str(pl) for pl in p.placements] for n, p in model.named_parameters()}
         if rank == 0:

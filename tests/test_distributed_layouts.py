@@ -3,7 +3,8 @@
 (dp=2, tp=2) with torchtitan's recipe (4 ranks): layout indices against DTensor's full_tensor(),
 Muon / NorMuon / Dion3 against one process, Dion3 "local" against its own definition, traffic,
 expert stacks, rejected layouts and a DCP round trip across layouts. HSDP + TP on (replicate=2,
-shard=2, tp=2) (8 tiny ranks). Each group of ranks is spawned once per module.
+shard=2, tp=2) (8 tiny ranks), plus rows over two axes with columns over the third, and columns
+split alone (uneven pieces, both meshes). Each group of ranks is spawned once per module.
 """
 from __future__ import annotations
 
@@ -55,9 +56,11 @@ def test_dp_tp_matches_one_process(dp_tp, scenario):
     assert dp_tp["same_rows"][scenario], scenario  # Dion3 global: the same rows moved
 
 
+@pytest.mark.parametrize("layout", ["dp_tp", "hsdp_tp"])
 @pytest.mark.parametrize("scenario", ["muon", "normuon", "dion3_global"])
-def test_uneven_and_empty_pieces_match_one_process(dp_tp, scenario):
-    assert dp_tp["uneven"][scenario] <= TOLERANCE, dp_tp["uneven"][scenario]
+def test_uneven_and_empty_pieces_match_one_process(dp_tp, hsdp_tp, layout, scenario):
+    uneven = {"dp_tp": dp_tp, "hsdp_tp": hsdp_tp}[layout]["uneven"]
+    assert uneven[scenario] <= TOLERANCE, uneven[scenario]
 
 
 @pytest.mark.parametrize("scenario", RECIPE)
@@ -79,15 +82,35 @@ def test_local_selection_follows_its_definition(dp_tp, hsdp_tp, layout):
 
 @pytest.mark.parametrize("scope", ["local", "global"])
 def test_dion3_sends_a_fraction_of_muons_bytes(dp_tp, scope):
-    muon, dion3 = dp_tp["traffic"]["muon"], dp_tp["traffic"][f"dion3_{scope}"]
+    muon = [sent for sent, _ in dp_tp["traffic"]["muon"]]
+    dion3 = [sent for sent, _ in dp_tp["traffic"][f"dion3_{scope}"]]
     assert all(m > 0 for m in muon)
-    # Local selection sends ⌈f·b⌉ rows per shard: within 0.3× on every rank. Global selection
-    # sends whatever share of the top rows a rank holds (data-dependent, as on the row-sharded
-    # path): within 0.3× over all ranks, within 0.5× on each.
+    # Local selection sends ⌈f·b⌉ rows per shard: within 0.3× on every rank (0.254–0.257 here).
+    # Global selection sends whatever share of the top rows a rank holds (data-dependent, as on
+    # the row-sharded path): within 0.3× over all ranks, within 0.35× on each. Measured
+    # (2026-12-01, this recipe, 21 gradient draws): over all ranks 0.258–0.278; the largest rank
+    # 0.276–0.324 (0.298 on this draw), above 0.3 on 3 draws, from an uneven share of top rows.
     assert sum(dion3) <= 0.3 * sum(muon), (dion3, muon)
-    budget = 0.3 if scope == "local" else 0.5
+    budget = 0.3 if scope == "local" else 0.35
     for sent, reference in zip(dion3, muon):
         assert sent <= budget * reference, (scope, sent, reference)
+
+
+def test_scores_travel_once_per_row_set(dp_tp):
+    """Score bytes each rank sends on the traffic recipe (dim 128, hidden 192; float32 scores),
+    by hand from the shapes. Row-parallel wo [128, 128] and down [128, 192] (S(0), S(1)): each
+    rank holds 64 rows, split in columns over tp = 2; both scopes all-reduce their partial
+    scores over tp, counted as a ring (2·(2−1)/2 of 64·4 B = 256 B per weight). Global selection
+    then all-gathers full-row scores over the row axes only: column-parallel wq, wv [128, 128],
+    wk [64, 128], up [192, 128] (_S(0, 2), S(0)) have 4 row sets of rows/4 rows, and each rank
+    sends its rows/4 scores to the 3 others; wo and down have 2 row sets (over dp), and each
+    rank sends its 64 scores to the other dp rank only (not to its tp peer, which holds the same
+    summed scores: over the whole group that would be 3·64·4 B per weight)."""
+    all_reduce = 2 * 64 * 4
+    gather = 3 * (32 + 32 + 16 + 48) * 4 + 2 * 1 * 64 * 4
+    assert [kinds["scores"] for _, kinds in dp_tp["traffic"]["dion3_local"]] == [all_reduce] * 4
+    assert [kinds["scores"] for _, kinds in dp_tp["traffic"]["dion3_global"]] == [all_reduce + gather] * 4
+    assert all("scores" not in kinds for _, kinds in dp_tp["traffic"]["muon"])
 
 
 @pytest.mark.parametrize("scenario", ["muon", "normuon", "dion3_global", "dion3_local"])

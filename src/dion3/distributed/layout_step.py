@@ -3,11 +3,13 @@ row, column and expert sharding (FSDP2 + TP, HSDP + TP, expert parallel).
 
 One bucket, one round over the group of the axes that split its matrices:
   pre-step on the local piece → [Dion3: all-reduce of partial row scores over the column axes;
-  global scope: all-gather of full-row scores] → all-reduce of per-matrix squared norms → one
-  all-to-all of the contributed rows (each member's column range of them, normalized in Newton–
-  Schulz's compute dtype, + their variances) to each matrix's owner → the owner assembles whole
-  matrices (or their selected rows), orthogonalizes them as one batch (+ NorMuon normalization)
-  → one all-to-all back → apply to the local piece with the global shape's lr scale.
+  global scope: all-gather of full-row scores over the row axes only (after the all-reduce the
+  column shards of a row hold the same score: one copy per row set travels)] → all-reduce of
+  per-matrix squared norms → one all-to-all of the contributed rows (each member's column range
+  of them, normalized in Newton–Schulz's compute dtype, + their variances) to each matrix's
+  owner → the owner assembles whole matrices (or their selected rows), orthogonalizes them as
+  one batch (+ NorMuon normalization) → one all-to-all back → apply to the local piece with the
+  global shape's lr scale.
 Axes that split only the experts of a stack, and replicated axes, send nothing: each rank steps
 the experts it holds, the replicas repeat the same work. With no axis splitting the matrices
 (bucket.mesh None) every "collective" is the identity.
@@ -48,7 +50,7 @@ def layout_step(bucket: LayoutBucket, group: dict, cfg: rules.RuleConfig, traffi
         if group["selection_scope"] == "local":
             plan = piece_local_plan(bucket, scores, cfg.fraction)
         else:
-            gathered = gather_chunks(piece_padded_scores(bucket, scores), mesh, traffic, "scores")
+            gathered = gather_chunks(piece_padded_scores(bucket, scores), bucket.row_mesh, traffic, "scores")
             yield
             plan = piece_global_plan(bucket, gathered.wait(), cfg.fraction)
         row_matrix = torch.div(plan.rows, max(rows_here, 1), rounding_mode="floor")

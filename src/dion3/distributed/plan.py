@@ -85,6 +85,12 @@ class LayoutBucket:
     mesh: Optional[MeshInfo]  # group over the axes that split rows or columns; None: whole matrices here
     members: list[MatrixLayout]  # every group member's piece, in group-rank order
     col_mesh: Optional[MeshInfo] = None  # group over the column axes: sums partial row scores
+    # Group over the row axes around this rank (None: no axis splits rows), and its members'
+    # pieces in its group-rank order: they hold every row once, at this rank's columns, so
+    # global selection gathers full-row scores over it (one copy per row set, not one per
+    # column shard as over `mesh`).
+    row_mesh: Optional[MeshInfo] = None
+    row_members: list[MatrixLayout] = field(default_factory=list)
     params: list[Tensor] = field(default_factory=list)
     views: list[Tensor] = field(default_factory=list)  # local piece of each param as [B, rows held, cols held]
     momentum: Optional[Tensor] = None  # [N, rows held, cols held]
@@ -189,7 +195,7 @@ def build_buckets(optimizer, group: dict, mesh: Optional[MeshInfo]) -> list:
                 info = axes_group(p.device_mesh, axes.matrix)
                 buckets[key] = LayoutBucket(
                     matrix_shape(p, flatten), info, member_layouts(p, info, axes.matrix, flatten),
-                    axes_group(p.device_mesh, axes.cols))
+                    *_axis_groups(p, axes, flatten))
             bucket = buckets[key]
             view = local.reshape(bucket.local.local_shape)
         bucket.params.append(p)
@@ -223,6 +229,7 @@ def _add_blocks(buckets: dict, p: Tensor, local: Tensor, axes: Axes, sizes: tupl
     (and of the same shape) share a bucket, whichever parameter they come from."""
     info = axes_group(p.device_mesh, axes.matrix)
     whole = member_layouts(p, info, axes.matrix, flatten)
+    col_mesh, row_mesh, row_whole = _axis_groups(p, axes, flatten)
     rank = 0 if info is None else info.rank
     cols = matrix_shape(p, flatten)[1]
     matrices = local.reshape(whole[rank].local_shape)
@@ -231,13 +238,21 @@ def _add_blocks(buckets: dict, p: Tensor, local: Tensor, axes: Axes, sizes: tupl
         members = [piece for piece, _ in cut]
         key = ("block", p.device_mesh, axes, (stop - start, cols), tuple(members), flatten, p.dtype, local.device)
         if key not in buckets:
-            buckets[key] = LayoutBucket((stop - start, cols), info, members, axes_group(p.device_mesh, axes.cols),
-                                        cuts=[])
+            buckets[key] = LayoutBucket((stop - start, cols), info, members, col_mesh, row_mesh,
+                                        [m.block(start, stop)[0] for m in row_whole], cuts=[])
         bucket = buckets[key]
         rows = cut[rank][1]
         bucket.params.append(p)
         bucket.views.append(matrices[:, rows])
         bucket.cuts.append(BlockCut(whole[rank].local_shape, rows, sum(sizes)))
+
+
+def _axis_groups(p: Tensor, axes: Axes, flatten: bool) -> tuple[Optional[MeshInfo], Optional[MeshInfo], list[MatrixLayout]]:
+    """A LayoutBucket's column group, row group and the row group's member pieces (built at
+    construction, in parameter order, so every rank creates the same process groups)."""
+    col_mesh = axes_group(p.device_mesh, axes.cols)
+    row_mesh = axes_group(p.device_mesh, axes.rows)
+    return col_mesh, row_mesh, member_layouts(p, row_mesh, axes.rows, flatten)
 
 
 def _spread_owners(buckets: list[LayoutBucket]) -> None:

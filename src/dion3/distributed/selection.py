@@ -125,12 +125,13 @@ class PiecePlan:
         return [sum(row[i] for i in self.owners[rank]) for row in self.counts]
 
 
-def _member_rows(bucket, device) -> list[Tensor]:
-    """Every member's global row indices as device tensors (built once per bucket)."""
-    if "member_rows" not in bucket.slot_cache:
-        bucket.slot_cache["member_rows"] = [
-            torch.tensor(m.rows, dtype=torch.long, device=device) for m in bucket.members]
-    return bucket.slot_cache["member_rows"]
+def _member_rows(bucket, device, group: str = "members") -> list[Tensor]:
+    """The global row indices of every member of the bucket's group (`group="row_members"`: of
+    its row group) as device tensors, built once per bucket."""
+    if group not in bucket.slot_cache:
+        bucket.slot_cache[group] = [
+            torch.tensor(m.rows, dtype=torch.long, device=device) for m in getattr(bucket, group)]
+    return bucket.slot_cache[group]
 
 
 def piece_all_rows_plan(bucket) -> PiecePlan:
@@ -179,25 +180,24 @@ def piece_local_plan(bucket, scores: Tensor, fraction: float) -> PiecePlan:
 
 
 def piece_padded_scores(bucket, scores: Tensor) -> Tensor:
-    """[N, b] float32 full-row scores of this rank's rows, b = the most rows any member holds;
-    padding scores −1 (real scores are ≥ 0)."""
-    block = max(len(m.rows) for m in bucket.members)
+    """[N, b] float32 full-row scores of this rank's rows, b = the most rows any member of the
+    row group holds (every row set appears there); padding scores −1 (real scores are ≥ 0)."""
+    block = max(len(m.rows) for m in bucket.row_members)
     padded = scores.new_full((bucket.count, block), -1.0, dtype=torch.float32)
     padded[:, : scores.shape[1]] = scores
     return padded
 
 
 def piece_global_plan(bucket, gathered: Tensor, fraction: float) -> PiecePlan:
-    """Exact top-k rows of every whole matrix (k from the true row count) from all members'
-    full-row scores [W, N, b]; every member computes the same selection. One host sync for the
-    split sizes. On the owner, matrix rows are in ascending global order."""
+    """Exact top-k rows of every whole matrix (k from the true row count) from the full-row
+    scores [R, N, b] of the row group's members (bucket.row_members: every row once; the other
+    column shards hold the same summed scores, so every member computes the same selection).
+    One host sync for the split sizes. On the owner, matrix rows are in ascending global order."""
     rows, count, device = bucket.shape[0], bucket.count, gathered.device
     held = _member_rows(bucket, device)
-    classes = bucket.row_classes()
     whole = gathered.new_full((count, rows), -1.0)
-    for s, q in enumerate(classes):
-        if classes.index(q) == s:  # one member per row shard (column shards repeat its scores)
-            whole[:, held[s]] = gathered[s, :, : held[s].numel()]
+    for r, index in enumerate(_member_rows(bucket, device, "row_members")):
+        whole[:, index] = gathered[r, :, : index.numel()]
     k = rules.selected_row_count(rows, fraction)
     selected = torch.zeros((count, rows), dtype=torch.bool, device=device)
     selected.scatter_(1, rules.top_rows(whole, k), True)
