@@ -82,7 +82,8 @@ def inputs(batch: int, n: int, k: int, product: str):
         a = torch.randn(batch, n, k, device="cuda").div_(k ** 0.5).bfloat16()
         return a, a.mT, None, 1.0, 0.0
     x = torch.randn(batch, n, 2 * n, device="cuda").div_((2 * n) ** 0.5)
-    r = (x @ x.mT).div_(2.0).bfloat16()
+    r = (x @ x.mT).div_(2.0)
+    r = (r + r.mT).div_(2.0).bfloat16()  # exactly symmetric, as the symmetric kernels' outputs are
     return r, r, r, 0.9, -1.7
 
 
@@ -125,8 +126,11 @@ def bench_shape(public, label, batch, n, k, product, with_configs: bool) -> dict
     out = torch.empty(batch, n, n, device="cuda", dtype=a.dtype)
     runs = {
         "cublas": lambda: symmetric_matmul_reference(a, b, c, alpha, beta),
-        "dion3": lambda: kernels.symmetric_matmul(a, b, c, alpha, beta),
+        # as Newton–Schulz calls it: R·R with R symmetric is read as R·Rᵀ (both operands along K)
+        "dion3": lambda: kernels.symmetric_matmul(a, b, c, alpha, beta, b_symmetric=product == "square"),
     }
+    if product == "square":  # R read row-major as the right factor (Newton–Schulz before 2026-12-01)
+        runs["dion3 B row-major"] = lambda: kernels.symmetric_matmul(a, b, c, alpha, beta)
     if public is not None:
         if product == "gram":
             runs["public"] = lambda: public.ns_line_1(a, out=out)
@@ -166,6 +170,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--public", help="path of the public dion/newton_schulz_triton.py (optional)")
     parser.add_argument("--shapes", default="compare,llama", help="comma list of shape sets: " + ",".join(SHAPES))
+    parser.add_argument("--match", default="", help="only the shapes whose label contains this text")
     parser.add_argument("--configs", action="store_true", help="also time dion3's Triton kernel with CONFIGS")
     parser.add_argument("--json", help="write the rows as JSON here")
     args = parser.parse_args(argv)
@@ -180,7 +185,7 @@ def main(argv=None) -> int:
     print(json.dumps(env), flush=True)
     rows = []
     for name in args.shapes.split(","):
-        for shape in SHAPES[name]:
+        for shape in (s for s in SHAPES[name] if args.match in s[0]):
             rows.append(bench_shape(public, *shape, with_configs=args.configs))
     if args.json:
         with open(args.json, "w") as handle:

@@ -445,6 +445,36 @@ def test_gpu_error_no_worse_than_twice_cublas(dtype, batch, n, k, square, split)
 
 
 @needs_cuda
+@pytest.mark.parametrize("batch,n", [(32, 1024), (2, 1536), (1, 4096)])
+def test_gpu_symmetric_right_factor_read_transposed_stays_exact(batch, n):
+    """b_symmetric: the kernel reads R as Rᵀ (same values); the product must stay within twice
+    cuBLAS's error of float64 and exactly symmetric, like the row-major read."""
+    torch.manual_seed(0)
+    x = torch.randn(batch, n, 2 * n, device="cuda").div_((2 * n) ** 0.5).bfloat16()
+    r = kernels.symmetric_matmul(x, x.mT)
+    assert torch.equal(r, r.mT)  # the kernels' outputs are exactly symmetric: the flag's premise
+    exact = 0.9 * (r.double() @ r.double()) - 1.7 * r.double()
+    cublas_error = ((0.9 * torch.matmul(r, r) - 1.7 * r).double() - exact).abs().max()
+    for flag in (False, True):
+        out = kernels.symmetric_matmul(r, r, r, alpha=0.9, beta=-1.7, b_symmetric=flag)
+        assert torch.equal(out, out.mT), flag
+        assert (out.double() - exact).abs().max() <= 2 * cublas_error, flag
+
+
+def test_symmetric_right_factor_flag_leaves_the_reference_path_alone():
+    """Off the kernels (CPU) b_symmetric changes nothing, bit for bit, even for a b that is
+    only symmetric up to rounding (as a CPU A·Aᵀ is)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 40, 70)
+    r = x @ x.mT
+    plain = kernels.symmetric_matmul(r, r, r, alpha=0.9, beta=-1.7)
+    flagged = kernels.symmetric_matmul(r, r, r, alpha=0.9, beta=-1.7, b_symmetric=True)
+    assert torch.equal(plain, flagged)
+    exact = 0.9 * (r.double() @ r.double()) - 1.7 * r.double()
+    assert float((flagged.double() - exact).abs().max() / exact.abs().max()) < 1e-5
+
+
+@needs_cuda
 def test_gpu_dispatch_uses_kernel_and_orthogonalize_stays_accurate():
     from dion3.bench.kernels import float64_newton_schulz
     from dion3.ortho.newton_schulz import orthogonalize

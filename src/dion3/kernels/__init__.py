@@ -117,14 +117,20 @@ def split_worth_it(a, has_c: bool, b=None) -> bool:
     return tiles >= SPLIT_MIN_WAVES * torch.cuda.get_device_properties(a.device).multi_processor_count
 
 
-def symmetric_matmul(a, b, c=None, alpha: float = 1.0, beta: float = 0.0, split: bool | None = None):
+def symmetric_matmul(a, b, c=None, alpha: float = 1.0, beta: float = 0.0, split: bool | None = None,
+                     b_symmetric: bool = False):
     """D = alpha·a·b + beta·c where the caller promises D is symmetric.
 
     split: force (True) or forbid (False) the split product on the kernel path; None decides
-    from the shape.
+    from the shape. b_symmetric: the caller also promises b is symmetric (an output of these
+    kernels, which mirror their tiles, so bᵀ holds the same values): the kernels then read it
+    as bᵀ, along K like A (faster on small batched blocks: kernels-vs-public-h200-2026-12-01.md);
+    the reference path keeps b as given, so CPU results do not depend on the flag.
     """
     if not (_symmetric_worth_it(a) and b.dtype == a.dtype):
         return symmetric_matmul_reference(a, b, c, alpha, beta)
+    if b_symmetric and b.is_contiguous():
+        b = b.mT
     if split is None:
         split = split_worth_it(a, c is not None and beta != 0.0, b)
     if not split:

@@ -101,7 +101,7 @@ def newton_schulz(x: Tensor, schedule: Schedule) -> Tensor:
     fold_identity = x.device.type != "cuda" and x.dtype in (torch.float32, torch.float64)
     for a, b, c in schedule.steps:
         gram, spare = gram_with_copy(x)
-        poly = symmetric_matmul(gram, gram, gram, alpha=c, beta=b)
+        poly = symmetric_matmul(gram, gram, gram, alpha=c, beta=b, b_symmetric=True)
         if fold_identity:
             poly.diagonal(dim1=-2, dim2=-1).add_(a)
             x = torch.bmm(poly, x)
@@ -124,17 +124,18 @@ def gram_newton_schulz(x: Tensor, schedule: Schedule, restarts: Sequence[int], t
         raise ValueError(f"restart positions must lie in 1..{steps - 1} for a {steps}-step schedule, got {list(restarts)}")
     r = symmetric_matmul(x, x.mT)
     q: Optional[Tensor] = None  # None stands for the identity
+    # R, Z and P are symmetric (b_symmetric: the kernels may read them as their transposes).
     for i, (a, b, c) in enumerate(schedule.steps, start=1):
-        z = symmetric_matmul(r, r, r, alpha=c, beta=b)
+        z = symmetric_matmul(r, r, r, alpha=c, beta=b, b_symmetric=True)
         carry_on = i < steps and i not in restart_after
         if carry_on:  # P and R first: they are the last readers of Z
-            p = symmetric_matmul(r, z, r, alpha=1.0, beta=a)
-            r = symmetric_matmul(z, p, p, alpha=1.0, beta=a)
+            p = symmetric_matmul(r, z, r, alpha=1.0, beta=a, b_symmetric=True)
+            r = symmetric_matmul(z, p, p, alpha=1.0, beta=a, b_symmetric=True)
         if q is None:  # Q = I·Z + a·I, built in Z's own memory (no copy)
             q = z
             q.diagonal(dim1=-2, dim2=-1).add_(a)
         else:
-            q = symmetric_matmul(q, z, q, alpha=1.0, beta=a)
+            q = symmetric_matmul(q, z, q, alpha=1.0, beta=a, b_symmetric=True)
         if carry_on:
             continue
         if i == steps:
