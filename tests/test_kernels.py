@@ -282,6 +282,29 @@ def test_hopper_launch_passes_each_descriptor_once(monkeypatch):
     assert launched[2] == [desc, desc, none, desc, desc, desc, none]
 
 
+def test_hopper_reads_a_symmetric_right_factor_along_k_on_wide_tiles_only(monkeypatch):
+    """b_symmetric lets the kernel read a row-major R as Rᵀ: on 128×256 tiles (measured faster
+    there), not on 128×128 tiles (measured level or slower), never without the promise."""
+    from dion3.kernels import symmetric_matmul_hopper as hopper
+
+    if not hopper.GLUON_AVAILABLE:
+        pytest.skip(f"Triton {triton.__version__} has no Gluon Hopper API")
+    k_major = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: k_major.append(args[14])  # the kernel's B_KMAJOR
+
+    monkeypatch.setattr(hopper, "_symmetric_matmul_hopper_kernel", Recorder())
+    monkeypatch.setattr(hopper, "_launch_or_fall_back", lambda key, launch: launch() or True)
+    r = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
+    out = torch.zeros(2, 256, 256, dtype=torch.bfloat16)
+    for tiling, promise in ((hopper_tiling.WIDE, True), (hopper_tiling.NARROW, True), (hopper_tiling.WIDE, False)):
+        monkeypatch.setattr(hopper, "pick_tiling", lambda *args, t=tiling, **kwargs: t)
+        hopper.symmetric_matmul_hopper(r, r, r, 0.9, -1.7, out, b_symmetric=promise)
+    assert k_major == [True, False, False]
+
+
 def test_hopper_direct_launch_passes_what_the_jit_would_bind(monkeypatch):
     """After a specialization's first (JIT) launch, later launches with the same key call the
     compiled kernel directly with every parameter in the kernel's own order, bound to the same

@@ -123,18 +123,16 @@ def symmetric_matmul(a, b, c=None, alpha: float = 1.0, beta: float = 0.0, split:
 
     split: force (True) or forbid (False) the split product on the kernel path; None decides
     from the shape. b_symmetric: the caller also promises b is symmetric (an output of these
-    kernels, which mirror their tiles, so bᵀ holds the same values): the kernels then read it
-    as bᵀ, along K like A (faster on small batched blocks: kernels-vs-public-h200-2026-12-01.md);
+    kernels, which mirror their tiles, so bᵀ holds the same values): the Hopper kernel may then
+    read it as bᵀ, along K like A, where that is faster (hopper_tiling.SYMMETRIC_B_ALONG_K);
     the reference path keeps b as given, so CPU results do not depend on the flag.
     """
     if not (_symmetric_worth_it(a) and b.dtype == a.dtype):
         return symmetric_matmul_reference(a, b, c, alpha, beta)
-    if b_symmetric and b.is_contiguous():
-        b = b.mT
     if split is None:
         split = split_worth_it(a, c is not None and beta != 0.0, b)
     if not split:
-        return _symmetric_kernel.symmetric_matmul_triton(a, b, c, alpha, beta)
+        return _symmetric_kernel.symmetric_matmul_triton(a, b, c, alpha, beta, b_symmetric=b_symmetric)
     squeeze = a.dim() == 2
     a3, b3 = (a.unsqueeze(0), b.unsqueeze(0)) if squeeze else (a, b)
     c3 = c.unsqueeze(0) if squeeze and c is not None else c

@@ -72,6 +72,12 @@ MIN_WAVES = 4
 # Triton kernel's long-reduction config (a single wave of 128×128 tiles leaves 4 tiles over).
 WIDE_MIN_WAVES = 6
 
+# Tile widths on which a symmetric right factor (R·R, R·Z in Newton–Schulz) is read as its
+# transpose, along K like A: on 128×256 tiles 0.328 vs 0.368 ms at 4×3584 and 0.276 vs 0.299 at
+# 16×2048 (R·R + R, level at 8192); on 128×128 tiles level at 32×1024 and 0.123 vs 0.119 at
+# 4096, so those keep the row-major read (do_bench side by side, kernels-vs-public-h200-2026-12-01.md).
+SYMMETRIC_B_ALONG_K = (256,)
+
 
 def wide_tiling(k: int, has_c: bool) -> Tiling:
     """128×256 tiles: the 4-stage ring for long C-free reductions, else 3 stages with C early."""

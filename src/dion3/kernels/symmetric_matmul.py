@@ -160,6 +160,7 @@ def symmetric_matmul_triton(
     config: Optional[TileConfig] = None,
     panels: int = 1,
     out: Optional[Tensor] = None,
+    b_symmetric: bool = False,
 ) -> Tensor:
     """D = alpha·a·b + beta·c with only the lower-triangle tiles computed (D must be symmetric).
 
@@ -169,6 +170,8 @@ def symmetric_matmul_triton(
     block size n/panels, the reduction length k and whether there is a C term.
     panels > 1: compute only the panels diagonal blocks of size n/panels (each symmetric) into
     out, leaving the rest of out untouched (kernels/split.py fills it with dense products).
+    b_symmetric: b holds the same values as bᵀ (see kernels.symmetric_matmul); passed on to
+    the Hopper kernel, which may read it along K.
     """
     squeeze = a.dim() == 2
     a3, b3 = _as_batched("a", a), _as_batched("b", b)
@@ -200,7 +203,8 @@ def symmetric_matmul_triton(
             out3[square] = c3[square] * beta if has_c else 0
         return out
     # On Hopper, the warp-specialized Gluon kernel takes the products it fits (no explicit config).
-    if config is None and symmetric_matmul_hopper(a3, b3, c3 if has_c else None, alpha, beta, out3, panels):
+    if config is None and symmetric_matmul_hopper(a3, b3, c3 if has_c else None, alpha, beta, out3, panels,
+                                                  b_symmetric=b_symmetric):
         return out
     if config is None:
         major = None if a3.device.type != "cuda" else torch.cuda.get_device_capability(a3.device)[0]

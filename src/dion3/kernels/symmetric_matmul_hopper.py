@@ -36,7 +36,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from .hopper_tiling import BLOCK_M, Tiling, default_tiling, wide_tiling
+from .hopper_tiling import BLOCK_M, SYMMETRIC_B_ALONG_K, Tiling, default_tiling, wide_tiling
 from .tile_order import _tile_coordinates, lower_tile_count
 
 # The Gluon API this module is written against: run on GPUs with Triton 3.6, compiled for sm_90a
@@ -407,7 +407,8 @@ def _same_view(x: Tensor, y: Tensor) -> bool:
 
 def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha: float, beta: float,
                             out3: Tensor, panels: int = 1, any_size: bool = False,
-                            tiling: Optional[Tiling] = None, copy_a: Optional[Tensor] = None) -> bool:
+                            tiling: Optional[Tiling] = None, copy_a: Optional[Tensor] = None,
+                            b_symmetric: bool = False) -> bool:
     """Run D = alpha·A·B + beta·C on this kernel if it fits (see pick_tiling); return whether
     it ran (False also when it fails to build: see _launch_or_fall_back). Shapes are already
     checked by the caller: a3 [B, n, K], b3 [B, K, n], c3 [B, n, n] or None, out3 [B, n, n];
@@ -415,12 +416,15 @@ def symmetric_matmul_hopper(a3: Tensor, b3: Tensor, c3: Optional[Tensor], alpha:
     where the Triton kernel is faster (tests, sweeps); tiling: this one rather than the
     default (sweeps, tests); copy_a: a contiguous tensor shaped like a3 that also receives a
     copy of A (each block of A's rows is sent on by the tile that streams it on the diagonal;
-    panels = 1 only)."""
+    panels = 1 only); b_symmetric: B holds the same values as Bᵀ, so a row-major B may be read
+    as Bᵀ (K-major) where hopper_tiling.SYMMETRIC_B_ALONG_K says that is faster."""
     batch, n, k = a3.shape
     block = n // panels
     tiling = pick_tiling(a3, b3, c3, out3, block, any_size, tiling=tiling)
     if tiling is None:
         return False
+    if b_symmetric and tiling.block_n in SYMMETRIC_B_ALONG_K and b3.is_contiguous():
+        b3 = b3.mT
     if copy_a is not None and (panels != 1 or copy_a.shape != a3.shape or copy_a.dtype != a3.dtype
                                or not copy_a.is_contiguous() or copy_a.data_ptr() % 16):
         raise ValueError(f"copy_a must be a contiguous, 16-byte aligned {a3.dtype} tensor of shape "
