@@ -20,6 +20,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import gloo
 from dion3 import Dion3
+from dion3.distributed import LayoutBucket
 from dion3.optim.graph import CapturedStep, to_device_scalars
 from graph_standin import CPUCapturedStep
 from layouts_worker import cut, full, grads_for, max_relative_error, recipe
@@ -118,6 +119,10 @@ def compare(make_groups, name: str, one_process: bool) -> dict:
     exact = max(max(gap(p, e) for p, e in pairs),
                 max(gap(captured.state[p]["momentum"], eager.state[e]["momentum"]) for p, e in pairs))
     result = {"eager_gap": exact, "log": [kind for kind, _ in step.log], "keys": len(step.graphs)}
+    # cached "local" split plans of the general-layout bucket that has the most
+    result["local_plans"] = max((sum(1 for key in b.slot_cache if isinstance(key, tuple) and key[0] == "local")
+                                 for buckets in captured._buckets for b in buckets if isinstance(b, LayoutBucket)),
+                                default=0)
     if one_process:
         result["one_process"] = max(
             max_relative_error([full(p) for p in params], [s.detach() for s in single_params]),

@@ -56,6 +56,9 @@ def _check(result: dict, scenario: str, one_process: bool) -> None:
     assert result["log"] == want, scenario
     assert result["keys"] == want.count("capture")
     assert result["eager_gap"] == 0.0, scenario  # the replays are the eager steps, bit for bit
+    # Dion3: one cached split plan per distinct k of a bucket (here as many as graphs), not one
+    # per fraction (3); Muon/NorMuon: none
+    assert result["local_plans"] == (result["keys"] if name == "dion3_local" else 0), scenario
     if one_process:
         assert result["one_process"] <= TOLERANCE, (scenario, result["one_process"])
     else:
