@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+import captured_scenarios
 import gloo
 from dion3 import Dion3
 from layouts_worker import Block, cut, full, grads_for, max_relative_error, recipe
@@ -245,10 +246,13 @@ def checkpoint_error(mesh, world: int, directory: str) -> float:
 def worker(rank: int, world: int, out_path: str, which: str) -> None:
     def scenarios() -> dict:
         if which == "fsdp":
-            return fsdp_scenarios(init_device_mesh("cpu", (world,)))
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        results = tp_scenarios(mesh)
-        results["dcp/dp_tp_to_fsdp"] = checkpoint_error(mesh, world, os.path.dirname(out_path))
+            mesh = init_device_mesh("cpu", (world,))
+            results = fsdp_scenarios(mesh)
+        else:
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            results = tp_scenarios(mesh)
+            results["dcp/dp_tp_to_fsdp"] = checkpoint_error(mesh, world, os.path.dirname(out_path))
+        results["captured"] = captured_scenarios.scenarios(mesh)  # CapturedStep (CPU stand-ins)
         return results
 
     gloo.run_and_report(rank, world, out_path, scenarios)

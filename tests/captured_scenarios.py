@@ -1,21 +1,21 @@
-"""Spawned-worker side of tests/test_captured_sharded.py: CapturedStep on per-block groups
-(num_heads, split_sizes) of sharded layouts, on gloo, with the CPU stand-ins for capture of
-tests/graph_standin.py (every replay runs inside captured_region: no host sync, the same
-collectives and split sizes as at capture).
+"""CapturedStep on per-block groups (num_heads, split_sizes) of sharded layouts, on gloo, with
+the CPU stand-ins for capture of tests/graph_standin.py (every replay runs inside
+captured_region: no host sync, the same collectives and split sizes as at capture). Run inside
+the spawned processes of tests/sharded_blocks_worker.py (no processes of its own: starting
+them costs more than these steps); checked by tests/test_sharded_blocks.py.
 
 Layouts: FSDP2 Shard(0) over 2 ranks (DTensors cut by distribute_tensor, as fully_shard does),
 with a group of whole Shard(0) parameters beside the per-block ones (the row-sharded fast path);
 torchtitan's FSDP2 + TP recipe on (dp=2, tp=2) (tests/layouts_worker.py). For each, Muon,
-NorMuon and Dion3 "local" (whose fraction changes once, so that a second graph is captured)
+NorMuon and Dion3 "local" (whose fraction changes twice, so that more graphs are captured)
 against the same optimizer stepped eagerly on the same layout (bit for bit: the stand-in runs
 the same step) and against one process stepping the same fused weights with the same groups
 (where the rule is the one-process rule: Muon, NorMuon, and Dion3 "local" on blocks that each
-lie whole on one rank). Rank 0 writes the results as JSON. Not a test module (no test_ prefix).
+lie whole on one rank). Not a test module (no test_ prefix).
 """
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import gloo
@@ -145,25 +145,16 @@ def refusals(make_groups) -> dict:
     return messages
 
 
-def scenarios(layout: str, world: int) -> dict:
+def scenarios(mesh) -> dict:
+    """Every scenario on `mesh`: 1-D (FSDP2 over its ranks) or (dp, tp)."""
     out = {}
-    if layout == "fsdp":
-        mesh = init_device_mesh("cpu", (world,))
-        for option in ("num_heads", "split_sizes"):
-            for name in ALGORITHMS:
-                out[f"fsdp/{option}/{name}"] = compare(lambda: fsdp_groups(mesh, option), name,
+    layout = "fsdp" if mesh.ndim == 1 else "dp_tp"
+    builders = {"fsdp": fsdp_groups, "dp_tp": recipe_groups}
+    for option in ("num_heads", "split_sizes"):
+        for name in ALGORITHMS:
+            out[f"{layout}/{option}/{name}"] = compare(lambda: builders[layout](mesh, option), name,
                                                        one_process=name != "dion3_local")
+    if layout == "fsdp":
         out["fsdp/whole_heads/dion3_local"] = compare(lambda: whole_heads_groups(mesh), "dion3_local", True)
-        out["refused"] = refusals(lambda: fsdp_groups(mesh, "split_sizes"))
-    else:
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
-        for option in ("num_heads", "split_sizes"):
-            for name in ALGORITHMS:
-                out[f"dp_tp/{option}/{name}"] = compare(lambda: recipe_groups(mesh, option), name,
-                                                        one_process=name != "dion3_local")
-        out["refused"] = refusals(lambda: recipe_groups(mesh, "split_sizes"))
+    out["refused"] = refusals(lambda: builders[layout](mesh, "split_sizes"))
     return out
-
-
-def worker(rank: int, world: int, out_path: str, layout: str) -> None:
-    gloo.run_and_report(rank, world, out_path, lambda: scenarios(layout, world))
