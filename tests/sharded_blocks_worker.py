@@ -7,8 +7,9 @@ and torchtitan's FSDP2 + TP recipe on a (dp=2, tp=2) mesh (tests/layouts_worker.
 parallel weights (_StridedShard(0, sf=2), Shard(0)), row-parallel ones (Shard(0), Shard(1));
 HSDP (Replicate(), Shard(0)) and expert stacks (Shard(1), Shard(0)) on the same 4 ranks.
 Gradients are full tensors drawn on every rank and cut by DTensor. A DCP checkpoint of per-block
-state saved on (dp, tp) is loaded on FSDP2 over the 4 ranks. Rank 0 writes the results to
-a JSON file. Not a test module (no test_ prefix).
+state saved on (dp, tp) is loaded on FSDP2 over the 4 ranks. The same processes run
+CapturedStep's scenarios (tests/captured_scenarios.py) on the FSDP2 and (dp, tp) meshes. Rank 0
+writes the results to a JSON file. Not a test module (no test_ prefix).
 """
 from __future__ import annotations
 
