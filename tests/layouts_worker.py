@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import gloo
+from graph_standin import captured_region
 from dion3 import Dion3, Muon, NorMuon
 from dion3.distributed import matrix_layout
 
@@ -263,9 +264,9 @@ def expert_scenarios(world: int) -> dict:
 
 def host_syncs(mesh) -> dict:
     """Whether a step after the first (which builds the static plans) reads a device value on the
-    host or copies a host list to the device: what a CUDA graph cannot capture. The methods that
-    do so raise while the step runs. Global selection must (its split sizes go through the host),
-    showing the check can fail."""
+    host or copies a host list to the device: what a CUDA graph cannot capture (what does so
+    raises inside graph_standin.captured_region). Global selection must (its split sizes go
+    through the host), showing the check can fail."""
     out = {}
     for name, kind, options in (("muon", "muon", {}), ("normuon", "normuon", {}),
                                 ("dion3_local", "dion3", {"selection_scope": "local"}),
@@ -279,26 +280,14 @@ def host_syncs(mesh) -> dict:
             if step == 0:
                 opt.step()
                 continue
-            saved = {n: getattr(torch.Tensor, n) for n in ("tolist", "item", "nonzero", "__bool__", "cpu")}
-            saved_tensor = torch.tensor
-
-            def refuse(*args, **kwargs):
-                raise RuntimeError("host sync")
-
-            for n in saved:
-                setattr(torch.Tensor, n, refuse)
-            torch.tensor = refuse
             try:
-                opt.step()
+                with captured_region():
+                    opt.step()
                 out[name] = False
             except RuntimeError as error:
                 if "host sync" not in str(error):
                     raise
                 out[name] = True
-            finally:
-                for n, f in saved.items():
-                    setattr(torch.Tensor, n, f)
-                torch.tensor = saved_tensor
         if out[name]:  # a rank that stopped early left collectives behind: start a fresh group state
             dist.barrier()
     return out

@@ -7,8 +7,9 @@ and torchtitan's FSDP2 + TP recipe on a (dp=2, tp=2) mesh (tests/layouts_worker.
 parallel weights (_StridedShard(0, sf=2), Shard(0)), row-parallel ones (Shard(0), Shard(1));
 HSDP (Replicate(), Shard(0)) and expert stacks (Shard(1), Shard(0)) on the same 4 ranks.
 Gradients are full tensors drawn on every rank and cut by DTensor. A DCP checkpoint of per-block
-state saved on (dp, tp) is loaded on FSDP2 over the 4 ranks. Rank 0 writes the results to
-a JSON file. Not a test module (no test_ prefix).
+state saved on (dp, tp) is loaded on FSDP2 over the 4 ranks. The same processes run
+CapturedStep's scenarios (tests/captured_scenarios.py) on the FSDP2 and (dp, tp) meshes. Rank 0
+writes the results to a JSON file. Not a test module (no test_ prefix).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+import captured_scenarios
 import gloo
 from dion3 import Dion3
 from layouts_worker import Block, cut, full, grads_for, max_relative_error, recipe
@@ -245,10 +247,13 @@ def checkpoint_error(mesh, world: int, directory: str) -> float:
 def worker(rank: int, world: int, out_path: str, which: str) -> None:
     def scenarios() -> dict:
         if which == "fsdp":
-            return fsdp_scenarios(init_device_mesh("cpu", (world,)))
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        results = tp_scenarios(mesh)
-        results["dcp/dp_tp_to_fsdp"] = checkpoint_error(mesh, world, os.path.dirname(out_path))
+            mesh = init_device_mesh("cpu", (world,))
+            results = fsdp_scenarios(mesh)
+        else:
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            results = tp_scenarios(mesh)
+            results["dcp/dp_tp_to_fsdp"] = checkpoint_error(mesh, world, os.path.dirname(out_path))
+        results["captured"] = captured_scenarios.scenarios(mesh)  # CapturedStep (CPU stand-ins)
         return results
 
     gloo.run_and_report(rank, world, out_path, scenarios)

@@ -12,7 +12,8 @@ import torch
 import torch.multiprocessing as mp
 
 from dion3 import Dion3, FractionScheduler, FractionWarmup
-from dion3.optim.graph import CapturedStep, selection_key, to_device_scalars
+from dion3.optim.graph import CapturedStep, to_device_scalars
+from graph_standin import CPUCapturedStep
 from reference import ReferenceOptimizer, selected_count
 
 SHAPES = [(16, 12), (16, 12), (20, 8), (2, 12, 10)]
@@ -212,46 +213,6 @@ def test_scheduler_state_dict_is_checked():
 
 
 # ------------------------------------------------------------------------- captured step bookkeeping
-class _RecordedGraph:
-    """Stands in for a CUDA graph on the CPU: replaying runs the step eagerly, after checking that
-    the selection is the one it was captured with (a real graph's shapes are fixed)."""
-
-    def __init__(self, owner, key):
-        self.owner, self.key, self.replays = owner, key, 0
-
-    def replay(self):
-        assert selection_key(self.owner.optimizer) == self.key, "a graph replayed for another k"
-        self.replays += 1
-        # a graph reads the gradient buffers it was captured with, whatever .grad is now
-        params, current = self.owner._params, [p.grad for p in self.owner._params]
-        for p, static in zip(params, self.owner._static_grads):
-            p.grad = static
-        self.owner.optimizer.step()
-        for p, grad in zip(params, current):
-            p.grad = grad
-
-
-class _CPUCapturedStep(CapturedStep):
-    """CapturedStep's own bookkeeping with the device work replaced (its constructor needs CUDA)."""
-
-    def __init__(self, optimizer, warmup_steps, max_graphs):
-        to_device_scalars(optimizer, torch.device("cpu"))
-        self._start(optimizer, warmup_steps, max_graphs, torch.device("cpu"))
-        self.log = []
-
-    def _eager_step(self):
-        self.log.append(("eager", self._key))
-        self.optimizer.step()
-
-    def _record(self):
-        self.log.append(("capture", self._key))
-        return _RecordedGraph(self, self._key)
-
-    def _replay(self, graph):
-        self.log.append(("replay", graph.key))
-        graph.replay()
-
-
 def test_captured_step_keeps_one_graph_per_k_and_drops_the_least_recent():
     """warmup_steps=2, max_graphs=2, 16/20-row matrices: fractions 1 (k 16, 20), 0.625 (10, 13),
     0.25 (4, 5) from FractionWarmup(levels=3), then back to 1 by hand: a dropped k is captured
@@ -261,7 +222,7 @@ def test_captured_step_keeps_one_graph_per_k_and_drops_the_least_recent():
     params, plain = make_params(shapes), make_params(shapes)
     opt = Dion3(params, lr=0.05, weight_decay=0.1)
     opt_plain = Dion3(plain, lr=0.05, weight_decay=0.1)
-    step = _CPUCapturedStep(opt, warmup_steps=2, max_graphs=2)
+    step = CPUCapturedStep(opt, warmup_steps=2, max_graphs=2)
     scheduler = FractionScheduler(opt, FractionWarmup(0.25, 12, levels=3))
     fractions = []
     for i in range(16):
@@ -296,7 +257,7 @@ def test_captured_step_runs_a_changing_k_eagerly():
     """A fraction that changes k every step never reaches warmup_steps + 1 calls for one k: no
     graph until the schedule settles."""
     opt = Dion3(make_params([(16, 12)]), lr=0.05)
-    step = _CPUCapturedStep(opt, warmup_steps=3, max_graphs=4)
+    step = CPUCapturedStep(opt, warmup_steps=3, max_graphs=4)
     scheduler = FractionScheduler(opt, FractionWarmup(0.25, 12))
     for i in range(20):
         set_grads(opt.param_groups[0]["params"], grads_at(i, [(16, 12)]))
@@ -307,10 +268,24 @@ def test_captured_step_runs_a_changing_k_eagerly():
     assert kinds[15:] == ["capture"] + ["replay"] * 5 and step.captures == 1
 
 
+class _PlainSGD(torch.optim.Optimizer):
+    """X ← X − lr·G with lr read as a device scalar. torch's own SGD turns a tensor lr into a
+    Python number (.item(), a host sync) unless compiled, so its step cannot be captured."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.sub_(group["lr"] * p.grad)
+
+
 def test_captured_step_of_a_torch_optimizer_has_one_selection():
-    """No Dion3 group (here torch's SGD, which has no 'algorithm' key): one graph, as before."""
+    """No Dion3 group (a torch.optim.Optimizer whose groups have no 'algorithm' key): one graph."""
     weight = torch.nn.Parameter(torch.ones(4, 3))
-    step = _CPUCapturedStep(torch.optim.SGD([weight], lr=0.1), warmup_steps=2, max_graphs=4)
+    step = CPUCapturedStep(_PlainSGD([weight], lr=0.1), warmup_steps=2, max_graphs=4)
     for _ in range(4):
         weight.grad = torch.ones(4, 3)
         step()

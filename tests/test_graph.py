@@ -167,3 +167,28 @@ def test_captured_equals_eager_on_kernel_sized_buckets():
     assert step.graph is not None
     for a, b in zip(eager, graph):
         torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+
+
+def test_new_dtensor_gradients_are_copied_shard_to_shard(tmp_path):
+    """FSDP2 and TP give each backward new DTensor gradients (zero_grad(set_to_none=True)): the
+    replay copies them into the captured buffers through their local shards (torch's foreach
+    copy has no DTensor rule); a gradient of another layout is refused naming the parameter."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from dion3.optim.graph import copy_grads
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]))
+        opt = Muon([("attn.qkv", weight)], num_heads=2)
+        buffer = distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)])
+        fresh = torch.randn(6, 4)
+        copy_grads(opt, [buffer], [distribute_tensor(fresh, mesh, [Shard(0)])])
+        assert torch.equal(buffer.to_local(), fresh)
+        with pytest.raises(RuntimeError, match="'attn.qkv'.*Replicate"):
+            copy_grads(opt, [buffer], [distribute_tensor(fresh, mesh, [Replicate()])])
+    finally:
+        dist.destroy_process_group()

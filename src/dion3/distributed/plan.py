@@ -14,6 +14,7 @@ placements in the state entry), which such buckets reach through `pieces`, stack
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple, Optional
 
 from torch import Tensor
@@ -149,6 +150,12 @@ class LayoutBucket:
     @property
     def count(self) -> int:
         return sum(v.shape[0] for v in self.views)
+
+    @cached_property  # members are fixed when the bucket is built
+    def chunk(self) -> int:
+        """The most rows any member holds (ShardedBucket's ⌈rows/W⌉): the block that "local"
+        selection takes ⌈f·chunk⌉ rows of, and the width of the gathered scores."""
+        return max(len(m.rows) for m in self.members)
 
     def row_classes(self) -> list[int]:
         """Per member: the index of its row set among the distinct row sets (members of one

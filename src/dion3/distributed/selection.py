@@ -148,22 +148,21 @@ def piece_all_rows_plan(bucket) -> PiecePlan:
 
 
 def piece_local_count(bucket, fraction: float, member: int) -> int:
-    """"local" scope on a general layout: ⌈f·b⌉ rows (b: the most rows any member holds, the row
-    block size), capped by the rows this member holds; the same rule as the row-sharded path."""
-    block = max(len(m.rows) for m in bucket.members)
+    """"local" scope on a general layout: ⌈f·b⌉ rows (b = bucket.chunk, the most rows any member
+    holds), capped by the rows this member holds; the same rule as the row-sharded path."""
     held = len(bucket.members[member].rows)
-    return min(rules.selected_row_count(block, fraction), held) if block else 0
+    return min(rules.selected_row_count(bucket.chunk, fraction), held) if bucket.chunk else 0
 
 
 def piece_local_plan(bucket, scores: Tensor, fraction: float) -> PiecePlan:
     """Each row shard's own top rows by full-row L1 score (scores: [N, rows held], already summed
     over the column shards, so the members of a row shard pick the same rows); static counts,
     no host sync. On the owner, row shard q's rows fill slots [offset_q, offset_q + k_q)."""
-    key = ("local", fraction)
     count, device = bucket.count, bucket.momentum.device
+    ks = [piece_local_count(bucket, fraction, s) for s in range(bucket.world_size)]
+    key = ("local", tuple(ks))  # by the counts, as local_plan: few entries under a fraction schedule
     if key not in bucket.slot_cache:
         classes = bucket.row_classes()
-        ks = [piece_local_count(bucket, fraction, s) for s in range(bucket.world_size)]
         first = {q: s for s, q in reversed(list(enumerate(classes)))}
         offsets, total = {}, 0
         for q in sorted(first):
@@ -180,10 +179,10 @@ def piece_local_plan(bucket, scores: Tensor, fraction: float) -> PiecePlan:
 
 
 def piece_padded_scores(bucket, scores: Tensor) -> Tensor:
-    """[N, b] float32 full-row scores of this rank's rows, b = the most rows any member of the
-    row group holds (every row set appears there); padding scores −1 (real scores are ≥ 0)."""
-    block = max(len(m.rows) for m in bucket.row_members)
-    padded = scores.new_full((bucket.count, block), -1.0, dtype=torch.float32)
+    """[N, b] float32 full-row scores of this rank's rows, b = the most rows any member holds
+    (bucket.chunk; every row set is held by some member of the row group); padding scores −1
+    (real scores are ≥ 0)."""
+    padded = scores.new_full((bucket.count, bucket.chunk), -1.0, dtype=torch.float32)
     padded[:, : scores.shape[1]] = scores
     return padded
 

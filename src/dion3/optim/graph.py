@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import rules
+from ..distributed import is_dtensor
 from .base import OrthogonalOptimizer
 from .validation import SELECTING_ALGORITHMS, check_fractions
 
@@ -51,27 +52,66 @@ def stepped_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def _label(optimizer: torch.optim.Optimizer, group_index: int, i: int) -> str:
+    group = optimizer.param_groups[group_index]
+    names = group.get("param_names")
+    return repr(names[i]) if names else f"{i} of group {group_index} (shape {tuple(group['params'][i].shape)})"
+
+
 def require_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """The gradients of every parameter, or a clear error naming one that has none."""
     grads = []
     for group_index, group in enumerate(optimizer.param_groups):
-        names = group.get("param_names")
         for i, p in enumerate(group["params"]):
             if p.grad is None:
-                label = repr(names[i]) if names else f"{i} of group {group_index} (shape {tuple(p.shape)})"
                 raise RuntimeError(
-                    f"cannot run a captured optimizer step: parameter {label} has no gradient. A CUDA "
-                    "graph replays a fixed set of gradient buffers; give every parameter a gradient "
-                    "(or move parameters that are not trained into no optimizer group)"
+                    f"cannot run a captured optimizer step: parameter {_label(optimizer, group_index, i)} has "
+                    "no gradient. A CUDA graph replays a fixed set of gradient buffers; give every parameter a "
+                    "gradient (or move parameters that are not trained into no optimizer group)"
                 )
             grads.append(p.grad)
     return grads
 
 
+def _same_layout(a: Tensor, b: Tensor) -> bool:
+    if not is_dtensor(a) and not is_dtensor(b):
+        return True
+    return is_dtensor(a) and is_dtensor(b) and a.device_mesh == b.device_mesh and a.placements == b.placements
+
+
+def _layout(t: Tensor) -> str:
+    return f"{tuple(t.placements)} on {t.device_mesh}" if is_dtensor(t) else "a plain tensor"
+
+
+def _shard(t: Tensor) -> Tensor:
+    # a gradient's local shard without DTensor.to_local(), an autograd function (~50 µs a call:
+    # too slow for a replay's host time, ≤ 0.2 ms for the whole step)
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def copy_grads(optimizer: torch.optim.Optimizer, buffers: list[Tensor], grads: list[Tensor]) -> None:
+    """Copy each gradient into its buffer (one per parameter, in stepped_params order) where the
+    two differ. DTensor gradients (FSDP2 and TP give each backward new ones unless zero_grad keeps
+    them) are copied shard to shard, which needs the same mesh and placements."""
+    stale = [(n, b, g) for n, (b, g) in enumerate(zip(buffers, grads)) if b is not g]
+    if not stale:
+        return
+    for n, buffer, grad in stale:
+        if not _same_layout(buffer, grad):
+            where = [(gi, i) for gi, group in enumerate(optimizer.param_groups) for i in range(len(group["params"]))][n]
+            raise RuntimeError(
+                f"cannot run a captured optimizer step: the gradient of parameter {_label(optimizer, *where)} is laid "
+                f"out as {_layout(grad)}, but the captured step reads a gradient buffer laid out as {_layout(buffer)}"
+            )
+    torch._foreach_copy_([_shard(b) for _, b, _ in stale], [_shard(g) for _, _, g in stale])
+
+
 def selection_key(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
     """The k of every Dion3/Dion2 bucket: all a captured step's shapes depend on among the group
-    values that may change between steps (lr and weight decay are device scalars). Row-sharded
-    buckets select from each rank's ⌈rows/W⌉-row chunk (local scope; global scope is refused)."""
+    values that may change between steps (lr and weight decay are device scalars). Sharded
+    buckets (row-sharded and general layouts, blocks of fused weights too) select from the rows
+    each rank holds, at most `chunk` of them, so their k is ⌈f·chunk⌉ (local scope; global scope
+    is refused): a k of the whole matrix may stay the same while that one changes."""
     key = []
     for group, buckets in zip(optimizer.param_groups, getattr(optimizer, "_buckets", ())):
         if group.get("algorithm") not in SELECTING_ALGORITHMS:
@@ -104,14 +144,15 @@ class CapturedStep:
         if getattr(optimizer, "check_finite", False):
             raise ValueError("check_finite=True syncs with the host each step and cannot be captured; disable it")
         distributed = getattr(optimizer, "_is_distributed", lambda: False)()
-        if distributed and any(
-            g.get("algorithm") in SELECTING_ALGORITHMS and g.get("selection_scope") == "global"
-            for g in optimizer.param_groups
-        ):
-            raise ValueError(
-                "selection_scope='global' exchanges split sizes through the host each step and cannot "
-                "be captured in a CUDA graph; use selection_scope='local' for a captured distributed step"
-            )
+        for index, group in enumerate(optimizer.param_groups if distributed else ()):
+            if group.get("algorithm") in SELECTING_ALGORITHMS and group.get("selection_scope") == "global" \
+                    and group["params"]:
+                raise ValueError(
+                    f"parameter group {index} ({group['algorithm']!r}, parameter {_label(optimizer, index, 0)} and "
+                    f"{len(group['params']) - 1} more) has selection_scope='global', which exchanges split sizes "
+                    "through the host each step and cannot be captured in a CUDA graph; use "
+                    "selection_scope='local' for a captured distributed step"
+                )
         params = stepped_params(optimizer)
         devices = {p.device for p in params}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
@@ -152,10 +193,8 @@ class CapturedStep:
         # captured buffer, is one identity check per parameter (half of require_grads' time).
         if all(map(operator.is_, [p.grad for p in self._params], self._static_grads)):
             return
-        grads = require_grads(self.optimizer)  # names a parameter that lost its gradient
-        stale = [(s, g) for s, g in zip(self._static_grads, grads) if s is not g]
-        if stale:
-            torch._foreach_copy_([s for s, _ in stale], [g for _, g in stale])
+        # require_grads names a parameter that lost its gradient
+        copy_grads(self.optimizer, self._static_grads, require_grads(self.optimizer))
 
     def __call__(self) -> None:
         key = self._selection_key()
