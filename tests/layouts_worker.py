@@ -237,6 +237,35 @@ def traffic(mesh) -> dict:
     return out
 
 
+def owners_and_groups(mesh) -> dict:
+    """On the recipe, before any other optimizer is built on this process group: the process
+    groups that constructing Muon and then Dion3 (each on a fresh model, whose parameters carry
+    DeviceMesh objects of their own) creates, counted at dist.new_subgroups_by_enumeration; and
+    per rank, the matrices each rank orthogonalizes under each optimizer."""
+    from dion3.distributed import LayoutBucket
+
+    created = []
+    enumerate_groups = dist.new_subgroups_by_enumeration
+
+    def counting(ranks, *args, **kwargs):
+        created.append([list(r) for r in ranks])
+        return enumerate_groups(ranks, *args, **kwargs)
+
+    dist.new_subgroups_by_enumeration = counting
+    owned = {}
+    try:
+        for name, kind, options in (("muon", "muon", {}), ("dion3_global", "dion3", {"selection_scope": "global"})):
+            model, _ = recipe(mesh, dim=128, hidden=192)
+            opt = OPTIMIZERS[kind](list(model.parameters()), **SETTINGS, **options)
+            mine = sum(len(b.owned(b.rank)) for group in opt._buckets for b in group if isinstance(b, LayoutBucket))
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            owned[name] = gathered
+    finally:
+        dist.new_subgroups_by_enumeration = enumerate_groups
+    return {"created": created, "owned": owned}
+
+
 def expert_scenarios(world: int) -> dict:
     """A 3-D expert stack sharded over an expert axis alone (every rank holds whole experts: no
     bytes may move) and with each expert's rows sharded over dp as well, against one process."""
@@ -379,7 +408,7 @@ def worker(rank: int, world: int, out_path: str, which: str) -> None:
     try:
         if which == "dp_tp":
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-            results = {"layouts": layout_checks(mesh), **recipe_scenarios(mesh)}
+            results = {"owners": owners_and_groups(mesh), "layouts": layout_checks(mesh), **recipe_scenarios(mesh)}
             results["errors"]["local_scope"] = local_scope_error(mesh)
             results["uneven"] = uneven_scenarios(mesh)
             results["traffic"] = traffic(mesh)

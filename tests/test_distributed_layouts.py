@@ -80,6 +80,31 @@ def test_local_selection_follows_its_definition(dp_tp, hsdp_tp, layout):
     assert results["errors"]["local_scope"] <= TOLERANCE
 
 
+def test_process_groups_are_made_once_per_membership(dp_tp):
+    """Every recipe parameter carries a DeviceMesh object of its own. The products of two or
+    more axes that the recipe needs, by hand: column-parallel weights split rows over (dp, tp);
+    row-parallel ones rows over dp and columns over tp, so each matrix spans (dp, tp) too; the
+    row groups are (dp, tp) or dp alone, the column groups tp alone. One product, (dp, tp), whose
+    one group holds all four ranks: building Muon and then Dion3 on two fresh models creates
+    that group once (the worker counts dist.new_subgroups_by_enumeration before anything else
+    was built; keyed by mesh object, each construction made one per bucket: 5 + 5)."""
+    assert dp_tp["owners"]["created"] == [[[0, 1, 2, 3]]]
+
+
+@pytest.mark.parametrize("kind", ["muon", "dion3_global"])
+def test_owners_are_spread_over_the_ranks(dp_tp, kind):
+    """The recipe's six weights make five buckets over the same four ranks (wq and wv share
+    one; wk, wo, up, down are alone). Each bucket gives its matrices one per member, starting
+    where the previous bucket over the same members stopped: round robin over 4 ranks, so at
+    most ⌈6/4⌉ = 2 per rank. A bucket that does not fit in the members left before the last
+    starts again at member 0, which can give one member one more than round robin: the bound is
+    ⌈6/4⌉ + 1 = 3. (Restarting at member 0 for every bucket gave rank 0 five of the six.)"""
+    owned = dp_tp["owners"]["owned"][kind]
+    assert sum(owned) == 6, owned  # each matrix has one owner
+    assert min(owned) >= 1, owned
+    assert max(owned) <= -(-6 // 4) + 1, owned
+
+
 @pytest.mark.parametrize("scope", ["local", "global"])
 def test_dion3_sends_a_fraction_of_muons_bytes(dp_tp, scope):
     muon = [sent for sent, _ in dp_tp["traffic"]["muon"]]
@@ -88,8 +113,10 @@ def test_dion3_sends_a_fraction_of_muons_bytes(dp_tp, scope):
     # Local selection sends ⌈f·b⌉ rows per shard: within 0.3× on every rank (0.254–0.257 here).
     # Global selection sends whatever share of the top rows a rank holds (data-dependent, as on
     # the row-sharded path): within 0.3× over all ranks, within 0.35× on each. Measured
-    # (2026-12-01, this recipe, 21 gradient draws): over all ranks 0.258–0.278; the largest rank
-    # 0.276–0.324 (0.298 on this draw), above 0.3 on 3 draws, from an uneven share of top rows.
+    # (2026-12-01, this recipe, owners spread over the ranks, 21 gradient draws, seeds
+    # 100 + step + 1000·draw): over all ranks 0.255–0.283; the largest rank 0.269–0.335 (0.306
+    # on this draw), above 0.3 on 5 draws, from an uneven share of top rows. (With every
+    # bucket owned from rank 0, the same draws gave 0.269–0.355 on the largest rank.)
     assert sum(dion3) <= 0.3 * sum(muon), (dion3, muon)
     budget = 0.3 if scope == "local" else 0.35
     for sent, reference in zip(dion3, muon):
@@ -223,3 +250,31 @@ def test_block_of_a_strided_piece():
     assert block.rows == (0, 1) and local == slice(1, 3) and block.cols == (0, 4)
     empty, none = piece.block(8, 12)
     assert empty.rows == () and none == slice(0, 0)
+
+
+def test_groups_of_a_destroyed_default_group_are_not_reused(tmp_path, monkeypatch):
+    """One gloo rank in this process: a (1, 1) mesh's product of both axes creates its group
+    once while the default group lives (a second, equal mesh reuses it), and again after the
+    default group is destroyed and made anew; the new group works (an all-reduce over it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dion3.distributed import axes_group
+
+    created = []
+    enumerate_groups = dist.new_subgroups_by_enumeration
+    monkeypatch.setattr(dist, "new_subgroups_by_enumeration",
+                        lambda ranks, *a, **k: created.append(ranks) or enumerate_groups(ranks, *a, **k))
+    groups = []
+    for life in range(2):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'store{life}'}", rank=0, world_size=1)
+        try:
+            for _ in range(2):
+                groups.append(axes_group(init_device_mesh("cpu", (1, 1)), (0, 1)).group)
+            total = torch.ones(1)
+            dist.all_reduce(total, group=groups[-1])
+            assert total.item() == 1.0
+        finally:
+            dist.destroy_process_group()
+    assert len(created) == 2, created  # once per default group
+    assert groups[0] is groups[1] and groups[2] is groups[3] and groups[0] is not groups[2]

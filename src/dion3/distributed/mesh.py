@@ -59,30 +59,54 @@ def coordinate_of(mesh: "DeviceMesh", global_rank: int) -> tuple[int, ...]:
     return tuple(int(c) for c in where[0])
 
 
-_AXIS_GROUPS: dict[tuple, tuple["DeviceMesh", MeshInfo]] = {}  # (id(mesh), axes) → (mesh, its groups)
+def axes_members(mesh: "DeviceMesh", axes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The global ranks of every group that the product of `axes` of `mesh` splits the mesh
+    into, each sorted, the groups in mesh order: the same on every rank (read from the rank
+    tensor), and equal for equal meshes however many DeviceMesh objects describe them."""
+    others = [a for a in range(mesh.ndim) if a not in axes]
+    size = 1
+    for a in axes:
+        size *= mesh.mesh.shape[a]
+    ranks = mesh.mesh.permute(*others, *axes).reshape(-1, size).tolist()
+    return tuple(tuple(sorted(int(r) for r in members)) for members in ranks)
+
+
+# Process groups of mesh axes by (device type, backend, axes_members), for the life of the default
+# process group they belong to (a destroyed and re-initialized default group starts an empty
+# table). Each parameter of an FSDP2/TP model carries a DeviceMesh object of its own, and meshes
+# made apart (two init_device_mesh calls) hold distinct groups of the same ranks: keyed by
+# object, each would get or use communicators of its own.
+_GROUPS: dict[tuple, "dist.ProcessGroup"] = {}
+_GROUPS_WORLD: list = [None]  # the default group the table's groups belong to
 
 
 def axes_group(mesh: "DeviceMesh", axes: tuple[int, ...]) -> Optional[MeshInfo]:
     """MeshInfo of the product of `axes` of `mesh` around this rank (None for no axes).
 
-    One axis uses the mesh's own group; a product of axes gets process groups created on every
-    rank together (dist.new_subgroups_by_enumeration), once per (mesh, axes) and kept: this is
-    called at construction, in the same order on all ranks, never per step."""
+    One group per membership: one axis uses the group of the first mesh seen with those
+    members (the mesh's own groups exist already); a product of axes gets process groups created
+    on every rank together (dist.new_subgroups_by_enumeration) the first time its members are
+    seen. Creating them is collective, so this is called at construction, in the same order on
+    all ranks, never per step; whether a call creates groups depends only on the meshes and axes
+    seen before, which every rank sees alike."""
     if not axes:
         return None
-    key = (id(mesh), tuple(axes))  # by identity: an equal mesh made later has groups of its own
-    if key not in _AXIS_GROUPS or _AXIS_GROUPS[key][0] is not mesh:
-        if len(axes) == 1:
-            group = mesh.get_group(axes[0])
-        else:
-            others = [a for a in range(mesh.ndim) if a not in axes]
-            size = 1
-            for a in axes:
-                size *= mesh.mesh.shape[a]
-            ranks = mesh.mesh.permute(*others, *axes).reshape(-1, size).tolist()
-            group, _ = dist.new_subgroups_by_enumeration(ranks)
-        _AXIS_GROUPS[key] = mesh, MeshInfo(group, dist.get_world_size(group), dist.get_rank(group), "device_mesh", mesh)
-    return _AXIS_GROUPS[key][1]
+    axes = tuple(axes)
+    world = dist.group.WORLD
+    if _GROUPS_WORLD[0] is not world:  # a new default group: the old groups are gone
+        _GROUPS.clear()
+        _GROUPS_WORLD[0] = world
+    members = axes_members(mesh, axes)
+    if len(axes) == 1:
+        own = mesh.get_group(axes[0])
+        group = _GROUPS.setdefault((mesh.device_type, dist.get_backend(own), members), own)
+    else:
+        key = (mesh.device_type, dist.get_backend(world), members)
+        if key not in _GROUPS:
+            _GROUPS[key], _ = dist.new_subgroups_by_enumeration([list(m) for m in members])
+        group = _GROUPS[key]
+    # the mesh is this call's own: group_coordinates reads member coordinates from it
+    return MeshInfo(group, dist.get_world_size(group), dist.get_rank(group), "device_mesh", mesh)
 
 
 def group_coordinates(info: MeshInfo, axes: tuple[int, ...]) -> list[tuple[int, ...]]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple, Optional
 
+import torch.distributed as dist
 from torch import Tensor
 
 from .. import blocks
@@ -264,19 +265,20 @@ def _axis_groups(p: Tensor, axes: Axes, flatten: bool) -> tuple[Optional[MeshInf
 
 def _spread_owners(buckets: list[LayoutBucket]) -> None:
     """Buckets of fewer matrices than members (TP layouts have few same-shape matrices) would
-    all be owned by the first members: start each bucket's owners where the previous bucket of
-    the same group stopped, without wrapping around (the order in which the same buckets are
-    built is the same on every rank, so every member agrees)."""
-    next_owner: dict[int, int] = {}
+    all be owned by the first members: start each bucket's owners where the previous bucket over
+    the same members stopped, without wrapping around (the order in which the same buckets are
+    built is the same on every rank, so every member agrees). Buckets are matched by the global
+    ranks of their group, not by group object: each parameter's mesh is an object of its own."""
+    next_owner: dict[tuple[int, ...], int] = {}
     for bucket in buckets:
         if bucket.mesh is None or bucket.holder() is not None:
             continue
         world = bucket.world_size
         block = -(-bucket.count // world)
         used = -(-bucket.count // block)
-        start = next_owner.get(id(bucket.mesh.group), 0)
-        bucket.first_owner = start % (world - used + 1)
-        next_owner[id(bucket.mesh.group)] = bucket.first_owner + used
+        members = tuple(dist.get_process_group_ranks(bucket.mesh.group))
+        bucket.first_owner = next_owner.get(members, 0) % (world - used + 1)
+        next_owner[members] = bucket.first_owner + used
 
 
 def _row_sharded_axis(p: Tensor, axes: Axes, flatten: bool) -> Optional[int]:
