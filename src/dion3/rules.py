@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .kernels import accumulate_momentum, post_update, scale_cast, snapshot_rows
+from .kernels import accumulate_momentum, momentum_pass_measures, post_update, scale_cast, selection_norm, snapshot_rows
 from .ortho import orthogonalize
 from .ortho.newton_schulz import InputScaling, default_compute_dtype, input_scaling, resolve_method
 
@@ -110,7 +110,7 @@ def pre_step(
     measure = want_norm or scaling is not None
     # The fused CUDA momentum pass measures row squares for free; elsewhere that costs a pass
     # over all R rows, against one over the k rows of the snapshot: measure U there instead.
-    on_the_way = momentum.device.type == "cuda"
+    on_the_way = momentum_pass_measures(momentum)
     scores, squares = accumulate_momentum(momentum, grads, 1.0, scores=rows is None, squares=measure and on_the_way)
     if rows is None:
         rows = top_rows(scores, selected_row_count(momentum.shape[-2], cfg.fraction))
@@ -123,10 +123,13 @@ def pre_step(
         factor = scaling.factor(norm)
         scaled = update.mul_(factor) if update.dtype == scaling.dtype else (update * factor).to(scaling.dtype)
         return PreStep(scaled, rows, norm, True)
-    norm = _frobenius(squares.gather(-1, rows)) if measure else None
+    if not measure:
+        return PreStep(snapshot_rows(momentum, rows, cfg.mu), rows, None)
+    # the norm over the selected rows (and the snapshot's factor) in one launch on CUDA
+    norm, factor = selection_norm(squares, rows, *((scaling.norm_scale, scaling.eps) if scaling else ()))
     if scaling is None:
         return PreStep(snapshot_rows(momentum, rows, cfg.mu), rows, norm)
-    return PreStep(snapshot_rows(momentum, rows, cfg.mu, scaling.factor(norm), scaling.dtype), rows, norm, True)
+    return PreStep(snapshot_rows(momentum, rows, cfg.mu, factor, scaling.dtype), rows, norm, True)
 
 
 def snapshot_scaling(momentum: Tensor, cfg: RuleConfig, group: dict) -> Optional[InputScaling]:

@@ -121,9 +121,9 @@ def _grad_pointer_table(grads: Sequence[Tensor]) -> Optional[Tensor]:
 
 
 def fused_accumulate_supported(momentum: Tensor, grads: Sequence[Tensor]) -> bool:
+    """Layouts and dtypes the kernels handle (the device is dion3.kernels' dispatch's to check)."""
     return (
-        momentum.is_cuda
-        and momentum.is_contiguous()
+        momentum.is_contiguous()
         and momentum.dtype in SUPPORTED_DTYPES
         and all(g.dtype in SUPPORTED_DTYPES and g.device == momentum.device for g in grads)
     )

@@ -116,6 +116,15 @@ def snapshot_rows_reference(
     return scale_cast_reference(update, scale, out_dtype or update.dtype)
 
 
+def selection_norm_reference(
+    squares: Tensor, rows: Tensor, norm_scale: Optional[float] = None, eps: float = 0.0
+) -> tuple[Tensor, Optional[Tensor]]:
+    """(‖selected rows‖_F [N, 1, 1] from squared row norms squares [N, R] and rows [N, k], and
+    1/(norm_scale·norm + eps) or None when norm_scale is None), in squares' dtype."""
+    norm = squares.gather(-1, rows).sum(dim=-1).sqrt().view(-1, 1, 1)
+    return norm, None if norm_scale is None else torch.reciprocal(norm * norm_scale + eps)
+
+
 def scale_cast_reference(x: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
     """(x · scale) written in out_dtype, computed in the wider of the two dtypes; scale [N, 1|R, 1]."""
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)

@@ -1,0 +1,134 @@
+"""The per-matrix kernels of Dion3's selection (its norm and Newton–Schulz factor, its inverse for
+the fused update) against float64 math, and whole Dion3 / NorMuon steps through every fused
+kernel against the float64 reference optimizer: on CPU under TRITON_INTERPRET=1 (in a
+subprocess: the variable must be set before Triton is imported)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(os.path.dirname(TESTS), "src")
+
+KERNEL_CASES = textwrap.dedent(
+    """
+    import importlib, json, torch
+    # by module path: dion3.kernels exports a function named post_update
+    pu = importlib.import_module("dion3.kernels.post_update")
+    sel = importlib.import_module("dion3.kernels.selection")
+    sel.BLOCK_SLOTS = 8      # several blocks of slots and rows per program
+    pu.POSITION_BLOCK = 16
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for n, r, k in [(3, 37, 11), (2, 40, 40), (1, 5, 1)]:
+        squares = torch.rand(n, r, generator=gen, dtype=torch.float64) * 4
+        rows = torch.stack([torch.randperm(r, generator=gen)[:k] for _ in range(n)])  # any order
+        norm, factor = sel.selection_norm_triton(squares.float(), rows, 0.7, 1e-3)
+        plain, none = sel.selection_norm_triton(squares.float(), rows)
+        exact = torch.stack([squares.float().double()[i, rows[i]].sum().sqrt() for i in range(n)]).view(n, 1, 1)
+        exact_factor = 1.0 / (0.7 * exact + 1e-3)
+        position = pu.selection_positions(rows, r)
+        inverse = torch.full((n, r), -1, dtype=torch.int64)
+        for i in range(n):
+            for slot, row in enumerate(rows[i].tolist()):
+                inverse[i, row] = slot
+        results.append(dict(
+            case=f"{n}x{r} k={k}",
+            norm_rel=((norm.double() - exact).abs() / exact).max().item(),
+            factor_rel=((factor.double() - exact_factor).abs() / exact_factor).max().item(),
+            plain_same=bool(torch.equal(plain, norm)) and none is None,
+            shapes=[list(norm.shape), list(factor.shape)], dtypes=[str(norm.dtype), str(factor.dtype)],
+            positions_exact=bool(torch.equal(position.long(), inverse)) and position.dtype == torch.int32))
+    print(json.dumps(results))
+    """
+)
+
+# Dion3 and NorMuon through the fused path (accumulate, selection norm, scaled snapshot, positions,
+# post-update) with the exact polar factor, three steps, against the float64 reference optimizer.
+STEP_CASES = textwrap.dedent(
+    """
+    import json, torch
+    import dion3, dion3.kernels as kernels, dion3.rules as rules
+    from reference import ReferenceOptimizer, exact_polar
+    kernels._triton_ready = lambda device: True  # the CUDA dispatch, interpreted on CPU tensors
+    kernels._half_dot_ready = lambda device: False  # (symmetric products: cuBLAS at these sizes on a GPU too)
+    rules.orthogonalize = lambda x, *args, **kwargs: exact_polar(x).to(x.dtype)
+    calls = {}
+    for module, name in ((kernels._momentum_kernel, "accumulate_momentum_triton"),
+                         (kernels._momentum_kernel, "snapshot_rows_triton"),
+                         (kernels._selection_kernel, "selection_norm_triton"),
+                         (kernels._post_update_kernel, "selection_positions"),
+                         (kernels._post_update_kernel, "post_update_triton")):
+        def counted(*args, _real=getattr(module, name), _name=name, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+        setattr(module, name, counted)
+    gen = torch.Generator().manual_seed(2)
+    shapes = [(12, 20)] * 3 + [(24, 16)] * 2
+    results = []
+    for algorithm, make in (("dion3", dion3.Dion3), ("normuon", dion3.NorMuon)):
+        calls.clear()
+        start = [torch.randn(s, generator=gen) for s in shapes]
+        params = [torch.nn.Parameter(x.clone()) for x in start]
+        options = dict(lr=0.02, mu=0.9, weight_decay=0.1)
+        if algorithm == "dion3":
+            options["fraction"] = 0.25
+        optimizer = make(params, **options)
+        ref = ReferenceOptimizer(start, algorithm, **options)
+        for _ in range(3):
+            grads = [torch.randn(s, generator=gen) for s in shapes]
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            optimizer.step()
+            ref.step(grads)
+        error = max(((p.detach().double() - r).abs().max() / r.abs().max()).item() for p, r in zip(params, ref.params))
+        results.append(dict(algorithm=algorithm, error=error, calls=dict(calls)))
+    print(json.dumps(results))
+    """
+)
+
+
+def _interpreted(script: str):
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", DION3_CPU_NS_DTYPE="float32",
+               PYTHONPATH=os.pathsep.join([SRC, TESTS, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_interpreted_selection_norm_and_positions_match_float64():
+    results = _interpreted(KERNEL_CASES)
+    assert len(results) == 3
+    for r in results:
+        assert r["norm_rel"] <= 1e-6 and r["factor_rel"] <= 1e-6, r  # float32 sums of ≤ 40 terms
+        assert r["plain_same"] and r["positions_exact"], r
+        assert r["shapes"] == [[int(r["case"][0]), 1, 1]] * 2 and r["dtypes"] == ["torch.float32"] * 2, r
+
+
+def test_interpreted_fused_steps_match_float64_reference():
+    results = {r["algorithm"]: r for r in _interpreted(STEP_CASES)}
+    # every fused kernel ran, once per bucket and step (2 buckets, 3 steps)
+    assert results["dion3"]["calls"] == {name: 6 for name in (
+        "accumulate_momentum_triton", "selection_norm_triton", "snapshot_rows_triton",
+        "selection_positions", "post_update_triton")}, results["dion3"]
+    assert results["normuon"]["calls"] == {"accumulate_momentum_triton": 6, "post_update_triton": 6}, results["normuon"]
+    for r in results.values():
+        assert r["error"] <= 2e-6, r  # float32 steps against float64 math
+
+
+def test_cpu_selection_norm_matches_float64():
+    from dion3.kernels import selection_norm
+
+    gen = torch.Generator().manual_seed(3)
+    squares = torch.rand(4, 30, generator=gen, dtype=torch.float64) * 3
+    rows = torch.stack([torch.randperm(30, generator=gen)[:7] for _ in range(4)])
+    norm, factor = selection_norm(squares.float(), rows, 1.3, 1e-4)
+    exact = torch.stack([squares.float().double()[i, rows[i]].sum().sqrt() for i in range(4)]).view(4, 1, 1)
+    assert torch.allclose(norm.double(), exact, rtol=1e-6, atol=0)
+    assert torch.allclose(factor.double(), 1.0 / (1.3 * exact + 1e-4), rtol=1e-6, atol=0)
+    assert selection_norm(squares.float(), rows)[1] is None
