@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .kernels import accumulate_momentum, momentum_pass_measures, post_update, scale_cast, selection_norm, snapshot_rows
+from .kernels import accumulate_momentum, fused_row_normalization, momentum_pass_measures, post_update, scale_cast, selection_norm, snapshot_rows
 from .ortho import orthogonalize
 from .ortho.newton_schulz import InputScaling, default_compute_dtype, input_scaling, resolve_method
 
@@ -178,6 +178,24 @@ def row_normalization(ortho: Tensor, variance: Tensor, beta2: float, epsilon: fl
     scaled_frob = (row_sq * inverse_rms.square()).sum(dim=-2, keepdim=True).sqrt()  # ‖Ô‖_F before rescale
     row_scale = inverse_rms * (frob / scaled_frob.clamp_min(epsilon))
     return row_scale, new_variance.to(variance.dtype)
+
+
+def row_normalization_in_place(
+    ortho: Tensor, variance: Tensor, rows: Optional[Tensor], beta2: float, epsilon: float
+) -> Tensor:
+    """row_normalization of O [N, k, C] against the rows `rows` [N, k] (None: every row) of a
+    bucket's second moments V [N, R, 1], writing their new values into V; returns the factors
+    s ([N, k] float32 from the fused kernel on CUDA, which takes O's row norms and does the
+    rest in one launch; else [N, k, 1] as row_normalization gives them)."""
+    row_scale = fused_row_normalization(ortho, variance, rows, beta2, epsilon)
+    if row_scale is not None:
+        return row_scale
+    row_scale, new = row_normalization(ortho, variance if rows is None else gather_rows(variance, rows), beta2, epsilon)
+    if rows is None:
+        variance.copy_(new)
+    else:
+        scatter_rows(variance, rows, new)
+    return row_scale
 
 
 def normalize_rows(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float) -> tuple[Tensor, Tensor]:

@@ -37,9 +37,10 @@ except ImportError:  # pragma: no cover - depends on the install
 try:
     from . import momentum as _momentum_kernel
     from . import scale as _scale_kernel
+    from . import normalization as _normalization_kernel
     from . import selection as _selection_kernel
 except ImportError:  # pragma: no cover - depends on the install
-    _momentum_kernel = _scale_kernel = _selection_kernel = None
+    _momentum_kernel = _scale_kernel = _normalization_kernel = _selection_kernel = None
 
 SYMMETRIC_MIN_N = 1024
 # Split products (kernels/split.py) for C-free products (X·Xᵀ) from this n up, when their
@@ -198,6 +199,18 @@ def selection_norm(squares, rows, norm_scale=None, eps: float = 0.0):
     return selection_norm_reference(squares, rows, norm_scale, eps)
 
 
+def fused_row_normalization(ortho, variance, rows, beta2: float, epsilon: float):
+    """NorMuon's per-row factors [N, k] (float32) for O [N, k, C], updating the variance buffer
+    [N, R, 1] in place at rows [N, k] (None: all rows): O's row norms, then one launch for the
+    rest. None where the kernel does not run (the caller then takes the PyTorch path,
+    dion3.rules.row_normalization)."""
+    if not (_triton_ready(ortho.device) and _normalization_kernel is not None
+            and _normalization_kernel.row_normalization_supported(ortho, variance, rows)):
+        return None
+    norms = torch.linalg.vector_norm(ortho, dim=-1, dtype=torch.float32)
+    return _normalization_kernel.row_normalization_triton(norms, variance, rows, beta2, epsilon, ortho.shape[-1])
+
+
 def snapshot_rows(momentum, rows, mu: float, scale=None, out_dtype=None):
     """Dion3's snapshot with error feedback: return U = momentum[rows] and scale those rows of
     momentum by mu (one pass over the selected rows on CUDA). rows: [N, k] int64.
@@ -248,6 +261,7 @@ def contiguous_cast(x, out_dtype):
 __all__ = [
     "accumulate_momentum",
     "contiguous_cast",
+    "fused_row_normalization",
     "gram_with_copy",
     "scale_cast",
     "selection_norm",

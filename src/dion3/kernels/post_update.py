@@ -147,8 +147,13 @@ def post_update_triton(
     k = R if rows is None else rows.shape[1]
     if update.shape != (total, k, C):
         raise ValueError(f"update must have shape {(total, k, C)}, got {tuple(update.shape)}")
-    # [N·k] factors in update's row order (a view when row_scale is contiguous); placeholder if None
-    scale = update if row_scale is None else row_scale_column(row_scale, update).reshape(-1).contiguous()
+    # [N·k] factors in update's row order, read flat; placeholder if None
+    if row_scale is None:
+        scale = update
+    elif row_scale.is_contiguous() and tuple(row_scale.shape) in ((total, k), (total, k, 1)):
+        scale = row_scale  # no view to dispatch
+    else:
+        scale = row_scale_column(row_scale, update).reshape(-1).contiguous()
     if total == 0 or R == 0 or C == 0:
         return
     position = update  # placeholder pointer when rows is None
