@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 OPTIMIZERS = ("muon", "normuon", "dion3-f0.25")
 # Ops that start no device work (allocations, host-side queries), and ops that wait for the device.
 HOST_ONLY = {"empty.memory_format", "empty_strided.default", "empty_like.default", "detach.default",
-             "alias.default", "lift_fresh.default", "promote_types.default", "result_type.Tensor",
+             "alias.default", "lift_fresh.default", "_unsafe_view.default", "promote_types.default", "result_type.Tensor",
              "_record_function_enter_new.default", "_record_function_exit._RecordFunction"}
 SYNCING = {"_local_scalar_dense.default", "item.default", "nonzero.default", "_assert_async.msg"}
 

@@ -1,5 +1,5 @@
 """The per-matrix kernels of Dion3's selection (its norm and Newton–Schulz factor, its inverse for
-the fused update) against float64 math, and whole Dion3 / NorMuon steps through every fused
+the fused update) and of the row normalization (NorMuon, Dion3) against float64 math, and whole Dion3 / NorMuon steps through every fused
 kernel against the float64 reference optimizer: on CPU under TRITON_INTERPRET=1 (in a
 subprocess: the variable must be set before Triton is imported)."""
 import json
@@ -17,21 +17,22 @@ SRC = os.path.join(os.path.dirname(TESTS), "src")
 KERNEL_CASES = textwrap.dedent(
     """
     import importlib, json, torch
-    # by module path: dion3.kernels exports a function named post_update
-    pu = importlib.import_module("dion3.kernels.post_update")
     sel = importlib.import_module("dion3.kernels.selection")
     sel.BLOCK_SLOTS = 8      # several blocks of slots and rows per program
-    pu.POSITION_BLOCK = 16
     gen = torch.Generator().manual_seed(0)
     results = []
     for n, r, k in [(3, 37, 11), (2, 40, 40), (1, 5, 1)]:
         squares = torch.rand(n, r, generator=gen, dtype=torch.float64) * 4
         rows = torch.stack([torch.randperm(r, generator=gen)[:k] for _ in range(n)])  # any order
-        norm, factor = sel.selection_norm_triton(squares.float(), rows, 0.7, 1e-3)
         plain, none = sel.selection_norm_triton(squares.float(), rows)
+        alone = sel.selection_positions(rows, r)  # nothing attached yet: its own launch
+        norm, factor = sel.selection_norm_triton(squares.float(), rows, 0.7, 1e-3, positions=True)
+        attached = sel.attached_positions(rows, r)
         exact = torch.stack([squares.float().double()[i, rows[i]].sum().sqrt() for i in range(n)]).view(n, 1, 1)
         exact_factor = 1.0 / (0.7 * exact + 1e-3)
-        position = pu.selection_positions(rows, r)
+        position = sel.selection_positions(rows, r)  # the attached one
+        rows.add_(0)  # an in-place change: the attached inverse no longer counts
+        stale = sel.attached_positions(rows, r)
         inverse = torch.full((n, r), -1, dtype=torch.int64)
         for i in range(n):
             for slot, row in enumerate(rows[i].tolist()):
@@ -42,7 +43,31 @@ KERNEL_CASES = textwrap.dedent(
             factor_rel=((factor.double() - exact_factor).abs() / exact_factor).max().item(),
             plain_same=bool(torch.equal(plain, norm)) and none is None,
             shapes=[list(norm.shape), list(factor.shape)], dtypes=[str(norm.dtype), str(factor.dtype)],
-            positions_exact=bool(torch.equal(position.long(), inverse)) and position.dtype == torch.int32))
+            positions_exact=all(bool(torch.equal(p.long(), inverse)) and p.dtype == torch.int32 for p in (alone, position)),
+            attached_reused=attached is not None and position is attached and stale is None))
+    # row normalization from O's row norms, at selected rows of V or at all of them
+    norm_mod = importlib.import_module("dion3.kernels.normalization")
+    norm_mod.BLOCK_SLOTS = 8
+    for n, r, k, cols, beta2, selected in [(3, 29, 13, 40, 0.95, True), (2, 21, 21, 7, 0.3, False)]:
+        norms = torch.rand(n, k, generator=gen, dtype=torch.float64) * 2 + 0.1
+        variance = torch.rand(n, r, 1, generator=gen, dtype=torch.float64) * 0.1
+        rows = torch.stack([torch.randperm(r, generator=gen)[:k].sort().values for _ in range(n)]) if selected else None
+        v = variance.float()
+        scale = norm_mod.row_normalization_triton(norms.float(), v, rows, beta2, 1e-8, cols)
+        n_sq = norms.float().double() ** 2  # float64 math from the float32 inputs
+        picks = rows if selected else torch.arange(r).expand(n, r)
+        old = torch.stack([variance.float().double()[i, picks[i], 0] for i in range(n)])
+        new = beta2 * old + (1 - beta2) * n_sq / cols
+        inverse = 1 / (new.sqrt() + 1e-8)
+        exact = inverse * (n_sq.sum(1, keepdim=True).sqrt() / (n_sq * inverse**2).sum(1, keepdim=True).sqrt())
+        expected_v = variance.float().double().clone()
+        for i in range(n):
+            expected_v[i, picks[i], 0] = new[i]
+        results.append(dict(
+            case=f"normalization {n}x{r} k={k} selected={selected}",
+            scale_rel=((scale.double() - exact).abs() / exact).max().item(),
+            variance_rel=((v.double() - expected_v).abs() / expected_v).max().item(),
+            shape=list(scale.shape)))
     print(json.dumps(results))
     """
 )
@@ -57,21 +82,26 @@ STEP_CASES = textwrap.dedent(
     kernels._triton_ready = lambda device: True  # the CUDA dispatch, interpreted on CPU tensors
     kernels._half_dot_ready = lambda device: False  # (symmetric products: cuBLAS at these sizes on a GPU too)
     rules.orthogonalize = lambda x, *args, **kwargs: exact_polar(x).to(x.dtype)
-    calls = {}
+    calls, reused = {}, [0]
     for module, name in ((kernels._momentum_kernel, "accumulate_momentum_triton"),
                          (kernels._momentum_kernel, "snapshot_rows_triton"),
                          (kernels._selection_kernel, "selection_norm_triton"),
-                         (kernels._post_update_kernel, "selection_positions"),
+                         (kernels._selection_kernel, "attached_positions"),
+                         (kernels._normalization_kernel, "row_normalization_triton"),
                          (kernels._post_update_kernel, "post_update_triton")):
         def counted(*args, _real=getattr(module, name), _name=name, **kwargs):
             calls[_name] = calls.get(_name, 0) + 1
-            return _real(*args, **kwargs)
+            result = _real(*args, **kwargs)
+            if _name == "attached_positions" and result is not None:
+                reused[0] += 1
+            return result
         setattr(module, name, counted)
     gen = torch.Generator().manual_seed(2)
     shapes = [(12, 20)] * 3 + [(24, 16)] * 2
     results = []
     for algorithm, make in (("dion3", dion3.Dion3), ("normuon", dion3.NorMuon)):
         calls.clear()
+        reused[0] = 0
         start = [torch.randn(s, generator=gen) for s in shapes]
         params = [torch.nn.Parameter(x.clone()) for x in start]
         options = dict(lr=0.02, mu=0.9, weight_decay=0.1)
@@ -86,7 +116,7 @@ STEP_CASES = textwrap.dedent(
             optimizer.step()
             ref.step(grads)
         error = max(((p.detach().double() - r).abs().max() / r.abs().max()).item() for p, r in zip(params, ref.params))
-        results.append(dict(algorithm=algorithm, error=error, calls=dict(calls)))
+        results.append(dict(algorithm=algorithm, error=error, calls=dict(calls), reused=reused[0]))
     print(json.dumps(results))
     """
 )
@@ -101,22 +131,30 @@ def _interpreted(script: str):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_interpreted_selection_norm_and_positions_match_float64():
+def test_interpreted_selection_and_normalization_kernels_match_float64():
     results = _interpreted(KERNEL_CASES)
-    assert len(results) == 3
+    normalization = [r for r in results if r["case"].startswith("normalization")]
+    results = [r for r in results if r not in normalization]
+    assert len(results) == 3 and len(normalization) == 2
+    for r in normalization:  # float32 math against float64 (unselected rows of V: exact)
+        assert r["scale_rel"] <= 2e-6 and r["variance_rel"] <= 1e-6, r
+        assert r["shape"] == [int(r["case"].split()[1].split("x")[0]), int(r["case"].split("k=")[1].split()[0])], r
     for r in results:
         assert r["norm_rel"] <= 1e-6 and r["factor_rel"] <= 1e-6, r  # float32 sums of ≤ 40 terms
-        assert r["plain_same"] and r["positions_exact"], r
+        assert r["plain_same"] and r["positions_exact"] and r["attached_reused"], r
         assert r["shapes"] == [[int(r["case"][0]), 1, 1]] * 2 and r["dtypes"] == ["torch.float32"] * 2, r
 
 
 def test_interpreted_fused_steps_match_float64_reference():
     results = {r["algorithm"]: r for r in _interpreted(STEP_CASES)}
-    # every fused kernel ran, once per bucket and step (2 buckets, 3 steps)
+    # every fused kernel ran, once per bucket and step (2 buckets, 3 steps); the post-update
+    # found the selection's inverse built with its norm
     assert results["dion3"]["calls"] == {name: 6 for name in (
-        "accumulate_momentum_triton", "selection_norm_triton", "snapshot_rows_triton",
-        "selection_positions", "post_update_triton")}, results["dion3"]
-    assert results["normuon"]["calls"] == {"accumulate_momentum_triton": 6, "post_update_triton": 6}, results["normuon"]
+        "accumulate_momentum_triton", "selection_norm_triton", "snapshot_rows_triton", "attached_positions",
+        "row_normalization_triton", "post_update_triton")}, results["dion3"]
+    assert results["dion3"]["reused"] == 6, results["dion3"]
+    assert results["normuon"]["calls"] == {name: 6 for name in (
+        "accumulate_momentum_triton", "row_normalization_triton", "post_update_triton")}, results["normuon"]
     for r in results.values():
         assert r["error"] <= 2e-6, r  # float32 steps against float64 math
 

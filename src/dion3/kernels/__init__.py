@@ -192,10 +192,11 @@ def momentum_pass_measures(momentum) -> bool:
 def selection_norm(squares, rows, norm_scale=None, eps: float = 0.0):
     """Each matrix's Frobenius norm over its selected rows, from squared row norms squares [N, R]
     (float32) and rows [N, k]; with norm_scale also 1/(norm_scale·norm + eps): (norm, factor or
-    None), [N, 1, 1] float32. One launch on CUDA."""
+    None), [N, 1, 1] float32. One launch on CUDA, which also builds the selection's inverse
+    for the fused post-update of these rows (kernels/selection.py)."""
     if (_triton_ready(squares.device) and _selection_kernel is not None
             and _selection_kernel.selection_norm_supported(squares, rows)):
-        return _selection_kernel.selection_norm_triton(squares, rows, norm_scale, eps)
+        return _selection_kernel.selection_norm_triton(squares, rows, norm_scale, eps, positions=True)
     return selection_norm_reference(squares, rows, norm_scale, eps)
 
 

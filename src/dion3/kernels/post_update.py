@@ -2,8 +2,8 @@
 with s an optional per-row factor of update (NorMuon's normalization folded in: O is read once).
 
 One launch covers every matrix of a bucket: a table of data pointers (one int64 per matrix,
-cached per set of parameters) replaces a Python loop over parameters; a selection's inverse
-(each row's position in update) takes one more small launch. Each element is read
+cached per set of parameters) replaces a Python loop over parameters. A selection's inverse (each row's position in update)
+comes from kernels/selection.py: built with the selection's norm, else one more small launch. Each element is read
 once, computed in fp32 and rounded once to the parameter's dtype. decay and step may be
 Python floats or 0-d device tensors read inside the kernel (no host sync: capturable).
 """
@@ -17,12 +17,12 @@ import triton.language as tl
 from torch import Tensor
 
 from .reference import row_scale_column
+from .selection import selection_positions
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_ROWS = 4
 BLOCK_COLS = 512
 NUM_WARPS = 4  # H200 sweep (benchmarks/sweep_elementwise.py): within 1% of the best config
-POSITION_BLOCK = 1024  # rows (or slots) per store of the selection's inverse
 
 _pointer_tables: dict = {}
 
@@ -69,32 +69,6 @@ def _post_update_kernel(
     else:
         value = value - step_value * change
     tl.store(param + offsets, value.to(dtype_probe.dtype.element_ty), mask=inside)
-
-
-@triton.jit
-def _positions_kernel(rows_ptr, position_ptr, R, k, BLOCK: tl.constexpr):
-    # one program per matrix: −1 on every row, then each selected row's slot (after a barrier,
-    # so that no thread's −1 lands on a slot another thread has written)
-    matrix = tl.program_id(0).to(tl.int64)
-    for start in range(0, R, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        tl.store(position_ptr + matrix * R + offsets, tl.full([BLOCK], -1, tl.int32), mask=offsets < R)
-    tl.debug_barrier()
-    for start in range(0, k, BLOCK):
-        slots = start + tl.arange(0, BLOCK)
-        inside = slots < k
-        rows = tl.load(rows_ptr + matrix * k + slots, mask=inside, other=0)
-        tl.store(position_ptr + matrix * R + rows, slots.to(tl.int32), mask=inside)
-
-
-def selection_positions(rows: Tensor, R: int) -> Tensor:
-    """The inverse of a row selection rows [N, k] (distinct rows of R): [N, R] int32 holding
-    each row's slot in rows, −1 for rows not selected. One launch, on the device (capturable)."""
-    total, k = rows.shape
-    position = torch.empty((total, R), dtype=torch.int32, device=rows.device)
-    if total and R:
-        _positions_kernel[(total,)](rows.contiguous(), position, R, k, BLOCK=POSITION_BLOCK)
-    return position
 
 
 def _pointer_table(params: Sequence[Tensor], device: torch.device) -> Tensor:

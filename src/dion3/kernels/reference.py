@@ -13,7 +13,10 @@ def symmetric_matmul_reference(
     """D = alpha·a·b + beta·c for batched [..., n, k] @ [..., k, n]; the result is symmetric
     by the caller's promise, so only the full product is computed here."""
     if c is None or beta == 0.0:
-        out = torch.matmul(a, b)
+        # bmm for equal batches: the product torch.matmul runs, without its expand and reshape
+        # dispatches (host time is most of a small product's cost)
+        batched = a.dim() == b.dim() == 3 and a.shape[0] == b.shape[0]
+        out = torch.bmm(a, b) if batched else torch.matmul(a, b)
         return out if alpha == 1.0 else out.mul_(alpha)
     return torch.baddbmm(c, a, b, beta=beta, alpha=alpha) if a.dim() == 3 else torch.addmm(
         c, a, b, beta=beta, alpha=alpha
