@@ -16,34 +16,36 @@ SRC = os.path.join(os.path.dirname(TESTS), "src")
 
 KERNEL_CASES = textwrap.dedent(
     """
-    import importlib, json, torch
+    import importlib, json, sys, torch
+    device = sys.argv[1]
     sel = importlib.import_module("dion3.kernels.selection")
     sel.BLOCK_SLOTS = 8      # several blocks of slots and rows per program
     gen = torch.Generator().manual_seed(0)
     results = []
     for n, r, k in [(3, 37, 11), (2, 40, 40), (1, 5, 1)]:
         squares = torch.rand(n, r, generator=gen, dtype=torch.float64) * 4
-        rows = torch.stack([torch.randperm(r, generator=gen)[:k] for _ in range(n)])  # any order
-        plain, none = sel.selection_norm_triton(squares.float(), rows)
+        rows = torch.stack([torch.randperm(r, generator=gen)[:k] for _ in range(n)]).to(device)  # any order
+        plain, none = sel.selection_norm_triton(squares.float().to(device), rows)
         alone = sel.selection_positions(rows, r)  # nothing attached yet: its own launch
-        norm, factor = sel.selection_norm_triton(squares.float(), rows, 0.7, 1e-3, positions=True)
+        norm, factor = sel.selection_norm_triton(squares.float().to(device), rows, 0.7, 1e-3, positions=True)
+        norm, factor, rows = norm.cpu(), factor.cpu(), rows
         attached = sel.attached_positions(rows, r)
-        exact = torch.stack([squares.float().double()[i, rows[i]].sum().sqrt() for i in range(n)]).view(n, 1, 1)
+        exact = torch.stack([squares.float().double()[i, rows[i].cpu()].sum().sqrt() for i in range(n)]).view(n, 1, 1)
         exact_factor = 1.0 / (0.7 * exact + 1e-3)
         position = sel.selection_positions(rows, r)  # the attached one
         rows.add_(0)  # an in-place change: the attached inverse no longer counts
         stale = sel.attached_positions(rows, r)
         inverse = torch.full((n, r), -1, dtype=torch.int64)
         for i in range(n):
-            for slot, row in enumerate(rows[i].tolist()):
+            for slot, row in enumerate(rows[i].cpu().tolist()):
                 inverse[i, row] = slot
         results.append(dict(
             case=f"{n}x{r} k={k}",
             norm_rel=((norm.double() - exact).abs() / exact).max().item(),
             factor_rel=((factor.double() - exact_factor).abs() / exact_factor).max().item(),
-            plain_same=bool(torch.equal(plain, norm)) and none is None,
+            plain_same=bool(torch.equal(plain.cpu(), norm)) and none is None,
             shapes=[list(norm.shape), list(factor.shape)], dtypes=[str(norm.dtype), str(factor.dtype)],
-            positions_exact=all(bool(torch.equal(p.long(), inverse)) and p.dtype == torch.int32 for p in (alone, position)),
+            positions_exact=all(bool(torch.equal(p.long().cpu(), inverse)) and p.dtype == torch.int32 for p in (alone, position)),
             attached_reused=attached is not None and position is attached and stale is None))
     # row normalization from O's row norms, at selected rows of V or at all of them
     norm_mod = importlib.import_module("dion3.kernels.normalization")
@@ -52,8 +54,10 @@ KERNEL_CASES = textwrap.dedent(
         norms = torch.rand(n, k, generator=gen, dtype=torch.float64) * 2 + 0.1
         variance = torch.rand(n, r, 1, generator=gen, dtype=torch.float64) * 0.1
         rows = torch.stack([torch.randperm(r, generator=gen)[:k].sort().values for _ in range(n)]) if selected else None
-        v = variance.float()
-        scale = norm_mod.row_normalization_triton(norms.float(), v, rows, beta2, 1e-8, cols)
+        v = variance.float().to(device)
+        scale = norm_mod.row_normalization_triton(norms.float().to(device), v, None if rows is None else rows.to(device),
+                                                  beta2, 1e-8, cols).cpu()
+        v = v.cpu()
         n_sq = norms.float().double() ** 2  # float64 math from the float32 inputs
         picks = rows if selected else torch.arange(r).expand(n, r)
         old = torch.stack([variance.float().double()[i, picks[i], 0] for i in range(n)])
@@ -122,17 +126,22 @@ STEP_CASES = textwrap.dedent(
 )
 
 
-def _interpreted(script: str):
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", DION3_CPU_NS_DTYPE="float32",
+def _run(script: str, device: str = "cpu"):
+    """The script's last JSON line, run on device: the CPU under the interpreter, or a GPU."""
+    triton = pytest.importorskip("triton")
+    if device == "cpu" and tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9):
+        # as in test_kernels.py: 3.6's interpreter fails on loops over a runtime bound
+        pytest.skip(f"interpreter cases need Triton ≥ 3.9; have {triton.__version__}")
+    env = dict(os.environ, DION3_CPU_NS_DTYPE="float32",
                PYTHONPATH=os.pathsep.join([SRC, TESTS, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "-c", script, device], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_interpreted_selection_and_normalization_kernels_match_float64():
-    results = _interpreted(KERNEL_CASES)
+def _check_kernel_cases(results) -> None:
     normalization = [r for r in results if r["case"].startswith("normalization")]
     results = [r for r in results if r not in normalization]
     assert len(results) == 3 and len(normalization) == 2
@@ -145,8 +154,18 @@ def test_interpreted_selection_and_normalization_kernels_match_float64():
         assert r["shapes"] == [[int(r["case"][0]), 1, 1]] * 2 and r["dtypes"] == ["torch.float32"] * 2, r
 
 
+def test_interpreted_selection_and_normalization_kernels_match_float64():
+    _check_kernel_cases(_run(KERNEL_CASES))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_selection_and_normalization_kernels_match_float64():
+    _check_kernel_cases(_run(KERNEL_CASES, "cuda"))
+
+
 def test_interpreted_fused_steps_match_float64_reference():
-    results = {r["algorithm"]: r for r in _interpreted(STEP_CASES)}
+    results = {r["algorithm"]: r for r in _run(STEP_CASES)}
     # every fused kernel ran, once per bucket and step (2 buckets, 3 steps); the post-update
     # found the selection's inverse built with its norm
     assert results["dion3"]["calls"] == {name: 6 for name in (
