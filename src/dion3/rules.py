@@ -8,7 +8,8 @@ One rule serves Muon, NorMuon and Dion3; they differ only in its parameters:
 
 The step is split where the distributed layer exchanges data:
     pre_step (momentum, selection, snapshot)  →  orthogonalize  →  normalize_rows  →  apply_update
-On a single device row_normalization replaces normalize_rows: apply_update takes its per-row
+On a single device row_normalization_in_place replaces normalize_rows (row_normalization, or
+one kernel on CUDA that also reads and writes the rows' variance): apply_update takes its per-row
 factors, so the normalized copy of O is never written.
 """
 from __future__ import annotations
@@ -20,7 +21,10 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .kernels import accumulate_momentum, fused_row_normalization, momentum_pass_measures, post_update, scale_cast, selection_norm, snapshot_rows
+from .kernels import (
+    accumulate_momentum, fused_row_normalization, momentum_pass_measures, post_update, scale_cast, selection_norm,
+    snapshot_rows,
+)
 from .ortho import orthogonalize
 from .ortho.newton_schulz import InputScaling, default_compute_dtype, input_scaling, resolve_method
 
