@@ -8,7 +8,8 @@ One rule serves Muon, NorMuon and Dion3; they differ only in its parameters:
 
 The step is split where the distributed layer exchanges data:
     pre_step (momentum, selection, snapshot)  →  orthogonalize  →  normalize_rows  →  apply_update
-On a single device row_normalization replaces normalize_rows: apply_update takes its per-row
+On a single device row_normalization_in_place replaces normalize_rows (row_normalization, or
+one kernel on CUDA that also reads and writes the rows' variance): apply_update takes its per-row
 factors, so the normalized copy of O is never written.
 """
 from __future__ import annotations
@@ -20,7 +21,10 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .kernels import accumulate_momentum, post_update, scale_cast, snapshot_rows
+from .kernels import (
+    accumulate_momentum, fused_row_normalization, momentum_pass_measures, post_update, scale_cast, selection_norm,
+    snapshot_rows,
+)
 from .ortho import orthogonalize
 from .ortho.newton_schulz import InputScaling, default_compute_dtype, input_scaling, resolve_method
 
@@ -110,7 +114,7 @@ def pre_step(
     measure = want_norm or scaling is not None
     # The fused CUDA momentum pass measures row squares for free; elsewhere that costs a pass
     # over all R rows, against one over the k rows of the snapshot: measure U there instead.
-    on_the_way = momentum.device.type == "cuda"
+    on_the_way = momentum_pass_measures(momentum)
     scores, squares = accumulate_momentum(momentum, grads, 1.0, scores=rows is None, squares=measure and on_the_way)
     if rows is None:
         rows = top_rows(scores, selected_row_count(momentum.shape[-2], cfg.fraction))
@@ -123,10 +127,13 @@ def pre_step(
         factor = scaling.factor(norm)
         scaled = update.mul_(factor) if update.dtype == scaling.dtype else (update * factor).to(scaling.dtype)
         return PreStep(scaled, rows, norm, True)
-    norm = _frobenius(squares.gather(-1, rows)) if measure else None
+    if not measure:
+        return PreStep(snapshot_rows(momentum, rows, cfg.mu), rows, None)
+    # the norm over the selected rows (and the snapshot's factor) in one launch on CUDA
+    norm, factor = selection_norm(squares, rows, *((scaling.norm_scale, scaling.eps) if scaling else ()))
     if scaling is None:
         return PreStep(snapshot_rows(momentum, rows, cfg.mu), rows, norm)
-    return PreStep(snapshot_rows(momentum, rows, cfg.mu, scaling.factor(norm), scaling.dtype), rows, norm, True)
+    return PreStep(snapshot_rows(momentum, rows, cfg.mu, factor, scaling.dtype), rows, norm, True)
 
 
 def snapshot_scaling(momentum: Tensor, cfg: RuleConfig, group: dict) -> Optional[InputScaling]:
@@ -175,6 +182,24 @@ def row_normalization(ortho: Tensor, variance: Tensor, beta2: float, epsilon: fl
     scaled_frob = (row_sq * inverse_rms.square()).sum(dim=-2, keepdim=True).sqrt()  # ‖Ô‖_F before rescale
     row_scale = inverse_rms * (frob / scaled_frob.clamp_min(epsilon))
     return row_scale, new_variance.to(variance.dtype)
+
+
+def row_normalization_in_place(
+    ortho: Tensor, variance: Tensor, rows: Optional[Tensor], beta2: float, epsilon: float
+) -> Tensor:
+    """row_normalization of O [N, k, C] against the rows `rows` [N, k] (None: every row) of a
+    bucket's second moments V [N, R, 1], writing their new values into V; returns the factors
+    s ([N, k] float32 from the fused kernel on CUDA, which takes O's row norms and does the
+    rest in one launch; else [N, k, 1] as row_normalization gives them)."""
+    row_scale = fused_row_normalization(ortho, variance, rows, beta2, epsilon)
+    if row_scale is not None:
+        return row_scale
+    row_scale, new = row_normalization(ortho, variance if rows is None else gather_rows(variance, rows), beta2, epsilon)
+    if rows is None:
+        variance.copy_(new)
+    else:
+        scatter_rows(variance, rows, new)
+    return row_scale
 
 
 def normalize_rows(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float) -> tuple[Tensor, Tensor]:

@@ -17,6 +17,7 @@ from .reference import (
     accumulate_momentum_reference,
     post_update_reference,
     scale_cast_reference,
+    selection_norm_reference,
     snapshot_rows_reference,
     symmetric_matmul_reference,
 )
@@ -36,8 +37,10 @@ except ImportError:  # pragma: no cover - depends on the install
 try:
     from . import momentum as _momentum_kernel
     from . import scale as _scale_kernel
+    from . import normalization as _normalization_kernel
+    from . import selection as _selection_kernel
 except ImportError:  # pragma: no cover - depends on the install
-    _momentum_kernel = _scale_kernel = None
+    _momentum_kernel = _scale_kernel = _normalization_kernel = _selection_kernel = None
 
 SYMMETRIC_MIN_N = 1024
 # Split products (kernels/split.py) for C-free products (X·Xᵀ) from this n up, when their
@@ -182,6 +185,37 @@ def accumulate_momentum(momentum, grads, decay: float, scores: bool, squares: bo
     return accumulate_momentum_reference(momentum, grads, decay, scores, squares)
 
 
+def momentum_pass_measures(momentum) -> bool:
+    """Whether accumulate_momentum runs the fused pass on this momentum buffer (gradients of its
+    dtypes), which measures each row's squared norm at no extra cost; the PyTorch path needs
+    another pass over every row for it."""
+    return (_triton_ready(momentum.device) and _momentum_kernel is not None
+            and _momentum_kernel.fused_accumulate_supported(momentum, []))
+
+
+def selection_norm(squares, rows, norm_scale=None, eps: float = 0.0):
+    """Each matrix's Frobenius norm over its selected rows, from squared row norms squares [N, R]
+    (float32) and rows [N, k]; with norm_scale also 1/(norm_scale·norm + eps): (norm, factor or
+    None), [N, 1, 1] float32. One launch on CUDA, which also builds the selection's inverse
+    for the fused post-update of these rows (kernels/selection.py)."""
+    if (_triton_ready(squares.device) and _selection_kernel is not None
+            and _selection_kernel.selection_norm_supported(squares, rows)):
+        return _selection_kernel.selection_norm_triton(squares, rows, norm_scale, eps, positions=True)
+    return selection_norm_reference(squares, rows, norm_scale, eps)
+
+
+def fused_row_normalization(ortho, variance, rows, beta2: float, epsilon: float):
+    """NorMuon's per-row factors [N, k] (float32) for O [N, k, C], updating the variance buffer
+    [N, R, 1] in place at rows [N, k] (None: all rows): O's row norms, then one launch for the
+    rest. None where the kernel does not run (the caller then takes the PyTorch path,
+    dion3.rules.row_normalization)."""
+    if not (_triton_ready(ortho.device) and _normalization_kernel is not None
+            and _normalization_kernel.row_normalization_supported(ortho, variance, rows)):
+        return None
+    norms = torch.linalg.vector_norm(ortho, dim=-1, dtype=torch.float32)
+    return _normalization_kernel.row_normalization_triton(norms, variance, rows, beta2, epsilon, ortho.shape[-1])
+
+
 def snapshot_rows(momentum, rows, mu: float, scale=None, out_dtype=None):
     """Dion3's snapshot with error feedback: return U = momentum[rows] and scale those rows of
     momentum by mu (one pass over the selected rows on CUDA). rows: [N, k] int64.
@@ -232,8 +266,10 @@ def contiguous_cast(x, out_dtype):
 __all__ = [
     "accumulate_momentum",
     "contiguous_cast",
+    "fused_row_normalization",
     "gram_with_copy",
     "scale_cast",
+    "selection_norm",
     "snapshot_rows",
     "symmetric_matmul",
     "post_update",
@@ -241,5 +277,6 @@ __all__ = [
     "symmetric_speedup",
     "set_kernels_enabled",
     "kernels_enabled",
+    "momentum_pass_measures",
     "SYMMETRIC_MIN_N",
 ]

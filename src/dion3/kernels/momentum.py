@@ -121,22 +121,23 @@ def _grad_pointer_table(grads: Sequence[Tensor]) -> Optional[Tensor]:
 
 
 def fused_accumulate_supported(momentum: Tensor, grads: Sequence[Tensor]) -> bool:
+    """Layouts and dtypes the kernels handle (the device is dion3.kernels' dispatch's to check)."""
     return (
-        momentum.is_cuda
-        and momentum.is_contiguous()
+        momentum.is_contiguous()
         and momentum.dtype in SUPPORTED_DTYPES
         and all(g.dtype in SUPPORTED_DTYPES and g.device == momentum.device for g in grads)
     )
 
 
 def _launch_accumulate(
-    momentum_rows, grad, table, scores_rows, squares_rows, decay, count, piece_rows, scores, squares
+    momentum_rows, grad, table, scores_rows, squares_rows, decay, count, piece_rows, cols, scores, squares
 ) -> None:
-    """One launch over count rows of momentum_rows [rows, C]: from grad itself (table None) or
-    from the pieces listed in table (grad: the first piece, giving the element type)."""
+    """One launch over count rows of cols entries from momentum_rows (contiguous; its pointer is
+    the first row): from grad itself (table None) or from the pieces listed in table (grad: the
+    first piece, giving the element type)."""
     _accumulate_kernel[(triton.cdiv(count, BLOCK_ROWS),)](
         momentum_rows, grad, grad if table is None else table, scores_rows, squares_rows, float(decay),
-        count, piece_rows, momentum_rows.shape[1],
+        count, piece_rows, cols,
         HAS_DECAY=decay != 1.0, SCORES=scores, SQUARES=squares, POINTER_TABLE=table is not None,
         BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=NUM_WARPS,
     )
@@ -154,20 +155,22 @@ def accumulate_momentum_triton(
         raise ValueError(f"gradients of shapes {shapes} do not fill momentum {tuple(momentum.shape)}")
     wanted = lambda flag: torch.empty((n, rows), dtype=torch.float32, device=momentum.device) if flag else None  # noqa: E731
     out_scores, out_squares = wanted(scores), wanted(squares)
+    table = _grad_pointer_table(grads) if _one_launch_pieces(grads) else None
+    if table is not None:  # the tensors themselves (no views to dispatch); momentum: placeholder pointer
+        piece_rows = grads[0].shape[0] * rows
+        _launch_accumulate(momentum, grads[0], table, momentum if out_scores is None else out_scores,
+                           momentum if out_squares is None else out_squares, decay, n * rows, piece_rows, cols,
+                           scores, squares)
+        return out_scores, out_squares
     flat_m = momentum.view(n * rows, cols)
     # placeholder pointers for outputs not asked for
     flat_s = out_scores.view(n * rows) if scores else flat_m
     flat_q = out_squares.view(n * rows) if squares else flat_m
-    table = _grad_pointer_table(grads) if _one_launch_pieces(grads) else None
-    if table is not None:
-        piece_rows = grads[0].shape[0] * rows
-        _launch_accumulate(flat_m, grads[0], table, flat_s, flat_q, decay, n * rows, piece_rows, scores, squares)
-        return out_scores, out_squares
     offset = 0
     for grad in grads:
         count = grad.shape[0] * rows
         grad = grad if grad.is_contiguous() else grad.contiguous()
-        _launch_accumulate(flat_m[offset:], grad, None, flat_s[offset:], flat_q[offset:], decay, count, count,
+        _launch_accumulate(flat_m[offset:], grad, None, flat_s[offset:], flat_q[offset:], decay, count, count, cols,
                            scores, squares)
         offset += count
     return out_scores, out_squares
@@ -209,7 +212,12 @@ def snapshot_rows_triton(
     k = rows.shape[-1]
     out = torch.empty((n, k, c), dtype=out_dtype or momentum.dtype, device=momentum.device)
     per_row = scale is not None and scale.numel() == n * k and k > 1
-    scale_arg = out if scale is None else scale.reshape(-1).to(torch.float32).contiguous()
+    if scale is None:
+        scale_arg = out  # placeholder pointer
+    elif scale.dtype == torch.float32 and scale.is_contiguous():
+        scale_arg = scale  # read flat: no view to dispatch
+    else:
+        scale_arg = scale.reshape(-1).to(torch.float32).contiguous()
     grid = (triton.cdiv(k, BLOCK_ROWS), n, triton.cdiv(c, BLOCK_COLS))
     _snapshot_kernel[grid](momentum, rows.contiguous(), out, scale_arg, float(mu), r, c, k,
                           SCALED=scale is not None, PER_ROW=per_row, BLOCK_K=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,

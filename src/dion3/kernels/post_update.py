@@ -2,7 +2,8 @@
 with s an optional per-row factor of update (NorMuon's normalization folded in: O is read once).
 
 One launch covers every matrix of a bucket: a table of data pointers (one int64 per matrix,
-cached per set of parameters) replaces a Python loop over parameters. Each element is read
+cached per set of parameters) replaces a Python loop over parameters. A selection's inverse (each row's position in update)
+comes from kernels/selection.py: built with the selection's norm, else one more small launch. Each element is read
 once, computed in fp32 and rounded once to the parameter's dtype. decay and step may be
 Python floats or 0-d device tensors read inside the kernel (no host sync: capturable).
 """
@@ -16,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .reference import row_scale_column
+from .selection import selection_positions
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_ROWS = 4
@@ -119,18 +121,20 @@ def post_update_triton(
     k = R if rows is None else rows.shape[1]
     if update.shape != (total, k, C):
         raise ValueError(f"update must have shape {(total, k, C)}, got {tuple(update.shape)}")
-    # [N·k] factors in update's row order (a view when row_scale is contiguous); placeholder if None
-    scale = update if row_scale is None else row_scale_column(row_scale, update).reshape(-1).contiguous()
+    # [N·k] factors in update's row order, read flat; placeholder if None
+    if row_scale is None:
+        scale = update
+    elif row_scale.is_contiguous() and tuple(row_scale.shape) in ((total, k), (total, k, 1)):
+        scale = row_scale  # no view to dispatch
+    else:
+        scale = row_scale_column(row_scale, update).reshape(-1).contiguous()
     if total == 0 or R == 0 or C == 0:
         return
     position = update  # placeholder pointer when rows is None
     if rows is not None:
         if rows.shape != (total, k):
             raise ValueError(f"rows must have shape {(total, k)}, got {tuple(rows.shape)}")
-        # Inverse of the row selection, built on the device (no sync, capturable).
-        position = torch.full((total, R), -1, dtype=torch.int32, device=update.device)
-        order = torch.arange(k, dtype=torch.int32, device=update.device).expand(total, k)
-        position.scatter_(1, rows.long(), order)
+        position = selection_positions(rows, R)
     decay_is_pointer = isinstance(decay, Tensor)
     step_is_pointer = isinstance(step, Tensor)
     grid = (triton.cdiv(R, BLOCK_ROWS), total, triton.cdiv(C, BLOCK_COLS))

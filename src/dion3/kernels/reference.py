@@ -13,7 +13,10 @@ def symmetric_matmul_reference(
     """D = alpha·a·b + beta·c for batched [..., n, k] @ [..., k, n]; the result is symmetric
     by the caller's promise, so only the full product is computed here."""
     if c is None or beta == 0.0:
-        out = torch.matmul(a, b)
+        # bmm for equal batches: the product torch.matmul runs, without its expand and reshape
+        # dispatches (host time is most of a small product's cost)
+        batched = a.dim() == b.dim() == 3 and a.shape[0] == b.shape[0]
+        out = torch.bmm(a, b) if batched else torch.matmul(a, b)
         return out if alpha == 1.0 else out.mul_(alpha)
     return torch.baddbmm(c, a, b, beta=beta, alpha=alpha) if a.dim() == 3 else torch.addmm(
         c, a, b, beta=beta, alpha=alpha
@@ -114,6 +117,15 @@ def snapshot_rows_reference(
     if scale is None:
         return update if out_dtype in (None, update.dtype) else update.to(out_dtype)
     return scale_cast_reference(update, scale, out_dtype or update.dtype)
+
+
+def selection_norm_reference(
+    squares: Tensor, rows: Tensor, norm_scale: Optional[float] = None, eps: float = 0.0
+) -> tuple[Tensor, Optional[Tensor]]:
+    """(‖selected rows‖_F [N, 1, 1] from squared row norms squares [N, R] and rows [N, k], and
+    1/(norm_scale·norm + eps) or None when norm_scale is None), in squares' dtype."""
+    norm = squares.gather(-1, rows).sum(dim=-1).sqrt().view(-1, 1, 1)
+    return norm, None if norm_scale is None else torch.reciprocal(norm * norm_scale + eps)
 
 
 def scale_cast_reference(x: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:

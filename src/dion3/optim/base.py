@@ -311,30 +311,14 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         grads = bucket.grads(group["flatten"])
         update, rows, norm, normalized = rules.pre_step(
             bucket.momentum, grads, cfg, want_norm=True, scaling=rules.snapshot_scaling(bucket.momentum, cfg, group))
-        variance = None
+        ortho = rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"], norm, normalized)
+        # NorMuon/Dion3: per-row factors, applied inside the fused post-update (no normalized
+        # copy of O is written); the variance of the rows is updated in the bucket's buffer
+        row_scale = None
         if cfg.normalize:
-            variance = bucket.variance if rows is None else rules.gather_rows(bucket.variance, rows)
-        ortho, row_scale, variance = self._orthogonalize(update, variance, cfg, group, norm, normalized)
-        if variance is not None:
-            if rows is None:
-                bucket.variance.copy_(variance)
-            else:
-                rules.scatter_rows(bucket.variance, rows, variance)
+            row_scale = rules.row_normalization_in_place(ortho, bucket.variance, rows, cfg.beta2, cfg.epsilon)
         scale = rules.lr_scale(group["adjust_lr"], *bucket.shape)
         rules.apply_update(bucket.views, ortho, rows, group["lr"], group["weight_decay"], scale, row_scale)
-
-    def _orthogonalize(
-        self, update: Tensor, variance: Optional[Tensor], cfg: rules.RuleConfig, group: dict,
-        norm: Optional[Tensor] = None, normalized: bool = False,
-    ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-        """O = Orth(U) for U [N, k, cols] and, for NorMuon/Dion3, its per-row normalization
-        factors and new variance: (O, row_scale or None, variance or None). The factors are
-        applied inside the fused post-update, so no normalized copy of O is written."""
-        ortho = rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"], norm, normalized)
-        if variance is None:
-            return ortho, None, None
-        row_scale, variance = rules.row_normalization(ortho, variance, cfg.beta2, cfg.epsilon)
-        return ortho, row_scale, variance
 
     def _partial_step(self, bucket: Bucket, keep: list[int], group: dict) -> None:
         """Only some entries of the bucket have gradients, or its state lives in parameter-shaped

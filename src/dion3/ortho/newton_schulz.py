@@ -64,10 +64,11 @@ class InputScaling:
 
     dtype: torch.dtype
     norm_scale: float
+    eps: float = _NORM_EPS
 
     def factor(self, norm: Tensor) -> Tensor:
         """The factor per matrix (norm: ‖x‖_F, float32 or wider)."""
-        return 1.0 / (norm * self.norm_scale + _NORM_EPS)
+        return torch.reciprocal(norm * self.norm_scale + self.eps)
 
 
 def input_scaling(
