@@ -403,6 +403,59 @@ def rejected_layouts(mesh) -> dict:
     return gloo.value_errors(cases)
 
 
+def pipeline_scenarios(world) -> dict:
+    """(pp=2, dp=2, tp=2): each pipeline stage holds a model stage of its own (other seed, other
+    hidden width), tensor parallel on world["tp"] and fully_shard on world["dp"], so every
+    parameter lives on the sub-mesh world["dp", "tp"], whose rank tensor covers only this rank's
+    stage. Muon and Dion3 (global selection), given that sub-mesh or None (each parameter's own
+    mesh), against one process on the stage's parameters; the process groups that construction
+    creates, counted at dist.new_subgroups_by_enumeration; and the members of each rank's group of
+    the sub-mesh's two axes. Errors and members per global rank."""
+    from dion3.distributed import axes_group
+    from dion3.distributed import mesh as mesh_module
+
+    stage = world.get_coordinate()[0]
+    created = []
+    enumerate_groups = dist.new_subgroups_by_enumeration
+
+    def counting(ranks, *args, **kwargs):
+        created.append([list(r) for r in ranks])
+        return enumerate_groups(ranks, *args, **kwargs)
+
+    dist.new_subgroups_by_enumeration = counting
+    errors = {}
+    try:
+        for name, kind, options in (("muon", "muon", {}),
+                                    ("dion3_global", "dion3", {"selection_scope": "global", "fraction": 0.25})):
+            for given in ("sub_mesh", "none"):
+                model, reference = recipe(world, hidden=12 + 4 * stage, seed=stage)
+                mesh_arg = world["dp", "tp"] if given == "sub_mesh" else None
+                error, _, same_rows, _ = run_pair(list(model.parameters()), list(reference.parameters()), kind,
+                                                  mesh_arg=mesh_arg, **options)
+                errors[f"{name}/{given}"] = (error, same_rows)
+        members = dist.get_process_group_ranks(axes_group(world["dp", "tp"], (0, 1)).group)
+        # without a readable root mesh (older or changed torch): every rank's slice, gathered
+        saved_root, saved_groups = mesh_module._root_mesh, dict(mesh_module._GROUPS)
+        mesh_module._root_mesh = lambda mesh: None
+        mesh_module._GROUPS.clear()
+        try:
+            gathered_members = dist.get_process_group_ranks(axes_group(world["dp", "tp"], (0, 1)).group)
+        finally:
+            mesh_module._root_mesh = saved_root
+            mesh_module._GROUPS.clear()
+            mesh_module._GROUPS.update(saved_groups)
+    finally:
+        dist.new_subgroups_by_enumeration = enumerate_groups
+    enumerations = {"pp_tp": mesh_module.world_members(world["pp", "tp"], (0, 1)),
+                    "pp_tp/tp": mesh_module.world_members(world["pp", "tp"], (1,))}
+    if hasattr(world, "_flatten"):  # a flattened axis spans two root axes
+        enumerations["dp_tp_flat"] = mesh_module.world_members(world["dp", "tp"]._flatten("dp_tp"), (0,))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"errors": errors, "members": members, "created": created,
+                                      "gathered_members": gathered_members, "enumerations": enumerations})
+    return {"ranks": gathered}
+
+
 def worker(rank: int, world: int, out_path: str, which: str) -> None:
     gloo.start(rank, world, f"{out_path}.store")
     try:
@@ -416,6 +469,8 @@ def worker(rank: int, world: int, out_path: str, which: str) -> None:
             results["rejected"] = rejected_layouts(mesh)
             results["host_syncs"] = host_syncs(mesh)
             results["checkpoint"] = checkpoint_errors(mesh, world, os.path.dirname(out_path))
+        elif which == "pp_dp_tp":  # pipeline stages on one 3-D mesh, each on its sub-mesh (dp, tp)
+            results = pipeline_scenarios(init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp")))
         else:  # HSDP + TP: (replicate=2, shard=2, tp=2)
             mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
             results = recipe_scenarios(mesh, dp=("replicate", "shard"))
@@ -430,7 +485,7 @@ def worker(rank: int, world: int, out_path: str, which: str) -> None:
         gloo.stop()
 
 
-if __name__ == "__main__":  # manual run: python tests/layouts_worker.py WORLD dp_tp|hsdp_tp OUT.json
+if __name__ == "__main__":  # manual run: python tests/layouts_worker.py WORLD dp_tp|hsdp_tp|pp_dp_tp OUT.json
     import torch.multiprocessing as mp
 
     mp.spawn(worker, args=(int(sys.argv[1]), sys.argv[3], sys.argv[2]), nprocs=int(sys.argv[1]))

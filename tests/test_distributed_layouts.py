@@ -37,6 +37,11 @@ def hsdp_tp(tmp_path_factory):
     return _spawn(tmp_path_factory, 8, "hsdp_tp")
 
 
+@pytest.fixture(scope="module")
+def pp_dp_tp(tmp_path_factory):
+    return _spawn(tmp_path_factory, 8, "pp_dp_tp")
+
+
 def test_recipe_gives_the_torchtitan_placements(dp_tp):
     layouts = dp_tp["layouts"]
     for name in ("wq.weight", "wk.weight", "wv.weight", "up.weight"):  # column-parallel
@@ -278,3 +283,41 @@ def test_groups_of_a_destroyed_default_group_are_not_reused(tmp_path, monkeypatc
             dist.destroy_process_group()
     assert len(created) == 2, created  # once per default group
     assert groups[0] is groups[1] and groups[2] is groups[3] and groups[0] is not groups[2]
+
+
+PIPELINE = [f"{kind}/{given}" for kind in ("muon", "dion3_global") for given in ("sub_mesh", "none")]
+
+
+@pytest.mark.parametrize("scenario", PIPELINE)
+def test_pipeline_stages_on_a_sub_mesh_match_one_process(pp_dp_tp, scenario):
+    """(pp=2, dp=2, tp=2), each stage its own model on the sub-mesh world["dp", "tp"] (given as
+    distributed_mesh, or None: each parameter's mesh): every rank against one process on its
+    stage's parameters (the worker finishing at all shows that no rank waited on a collective
+    the others never called)."""
+    for rank, results in enumerate(pp_dp_tp["ranks"]):
+        error, same_rows = results["errors"][scenario]
+        assert error <= TOLERANCE, (rank, error)
+        assert same_rows, rank
+
+
+def test_pipeline_sub_mesh_groups_hold_one_stage(pp_dp_tp):
+    """The group of the sub-mesh's two axes (dp, tp) holds the four ranks of this rank's stage
+    (rank = 4·pp + 2·dp + tp, by hand); every rank enumerated the groups of the whole world, the
+    same list on all ranks: [[0..3], [4..7]]."""
+    for rank, results in enumerate(pp_dp_tp["ranks"]):
+        stage = rank // 4
+        assert results["members"] == list(range(4 * stage, 4 * stage + 4)), (rank, results["members"])
+        # once from the root mesh, once more with the root unreadable (the worker empties the table)
+        assert results["created"] == [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2, (rank, results["created"])
+        assert results["gathered_members"] == results["members"], rank
+
+
+def test_world_enumeration_of_sub_meshes(pp_dp_tp):
+    """The groups of the whole world for other sub-meshes, by hand (rank = 4·pp + 2·dp + tp):
+    world["pp", "tp"] (dp fixed on each copy) spans {0, 1, 4, 5} and {2, 3, 6, 7}; its tp axis
+    alone the pairs; world["dp", "tp"] flattened into one axis, the two stages."""
+    for rank, results in enumerate(pp_dp_tp["ranks"]):
+        found = results["enumerations"]
+        assert found["pp_tp"] == [[0, 1, 4, 5], [2, 3, 6, 7]], (rank, found)
+        assert found["pp_tp/tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]], (rank, found)
+        assert found["dp_tp_flat"] == [[0, 1, 2, 3], [4, 5, 6, 7]], (rank, found)

@@ -6,6 +6,7 @@ ProcessGroup (DDP). How each parameter lies on its mesh is read by distributed/l
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -61,17 +62,88 @@ def coordinate_of(mesh: "DeviceMesh", global_rank: int) -> tuple[int, ...]:
 
 def axes_members(mesh: "DeviceMesh", axes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     """The global ranks of every group that the product of `axes` of `mesh` splits the mesh
-    into, each sorted, the groups in mesh order: the same on every rank (read from the rank
-    tensor), and equal for equal meshes however many DeviceMesh objects describe them."""
-    others = [a for a in range(mesh.ndim) if a not in axes]
+    into, each sorted, the groups in mesh order, read from the mesh's rank tensor: equal for equal
+    meshes however many DeviceMesh objects describe them. For a sub-mesh (world["dp", "tp"] of a
+    (pp, dp, tp) mesh) the rank tensor holds only this rank's slice: see world_members."""
+    return _members_of(mesh.mesh, axes)
+
+
+def _members_of(ranks: Tensor, axes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    others = [a for a in range(ranks.ndim) if a not in axes]
     size = 1
     for a in axes:
-        size *= mesh.mesh.shape[a]
-    ranks = mesh.mesh.permute(*others, *axes).reshape(-1, size).tolist()
-    return tuple(tuple(sorted(int(r) for r in members)) for members in ranks)
+        size *= ranks.shape[a]
+    groups = ranks.permute(*others, *axes).reshape(-1, size).tolist()
+    return tuple(tuple(sorted(int(r) for r in members)) for members in groups)
 
 
-# Process groups of mesh axes by (device type, backend, axes_members), for the life of the default
+def _root_mesh(mesh: "DeviceMesh") -> Optional["DeviceMesh"]:
+    """The mesh that `mesh` was sliced or flattened from (itself when it is a root), through
+    torch's private accessors (DeviceMesh._get_root_mesh; _mesh_resources.get_root_mesh on older
+    releases); None when neither exists or it fails."""
+    try:
+        if hasattr(mesh, "_get_root_mesh"):
+            return mesh._get_root_mesh()
+        from torch.distributed.device_mesh import _mesh_resources
+
+        return _mesh_resources.get_root_mesh(mesh)
+    except Exception:  # a private API that changed: the caller falls back to asking every rank
+        return None
+
+
+def _slices(mesh: "DeviceMesh", root: "DeviceMesh") -> Optional[list[Tensor]]:
+    """The rank tensors of every copy of the sub-mesh `mesh` across `root`: `mesh` fills a box of
+    the root axes it varies over (several of them for a flattened axis), at fixed coordinates on
+    the others; its copies are that box at every value of the fixed coordinates, each laid out as
+    `mesh`. None when `mesh` is not such a box of `root`."""
+    whole = root.mesh
+    position = {int(r): i for i, r in enumerate(whole.reshape(-1).tolist())}
+    index = [position.get(int(r), -1) for r in mesh.mesh.reshape(-1).tolist()]
+    if min(index) < 0:
+        return None
+    coords = torch.stack(torch.unravel_index(torch.tensor(index), tuple(whole.shape)), dim=-1)
+    fixed = [a for a in range(whole.ndim) if bool((coords[:, a] == coords[0, a]).all())]
+    copies = 1
+    for a in fixed:
+        copies *= whole.shape[a]
+    if copies * mesh.mesh.numel() != whole.numel():
+        return None
+    out = []
+    for values in itertools.product(*[range(whole.shape[a]) for a in fixed]):
+        moved = coords.clone()
+        for a, v in zip(fixed, values):
+            moved[:, a] = v
+        out.append(whole[tuple(moved.T)].reshape(mesh.mesh.shape))
+    return out
+
+
+def world_members(mesh: "DeviceMesh", axes: tuple[int, ...]) -> Optional[tuple[tuple[int, ...], ...]]:
+    """axes_members over the whole world, identical on every rank: the groups of every copy of a
+    sub-mesh across its root mesh, sorted. Groups are created by a collective that all ranks must
+    call with the same list, and ranks of another pipeline stage hold another slice of the root.
+    Read from the root mesh, this needs no communication, so it can key the group table on every
+    rank alike, whatever each rank built before. None when the root cannot be read (a torch
+    without the private accessor, or a mesh that is no box of its root): axes_group then asks
+    every rank for its own slice."""
+    if mesh.mesh.numel() == dist.get_world_size():  # the mesh holds every rank
+        return tuple(sorted(axes_members(mesh, axes)))
+    root = _root_mesh(mesh)
+    if root is None or root.mesh.numel() != dist.get_world_size():
+        return None
+    copies = _slices(mesh, root)
+    if copies is None:
+        return None
+    return tuple(sorted({members for ranks in copies for members in _members_of(ranks, axes)}))
+
+
+def _gathered_members(local: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """The union of every rank's own groups, sorted (a collective over the default group)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    return tuple(sorted({tuple(m) for groups in everyone for m in groups}))
+
+
+# Process groups of mesh axes by (device type, backend, members), for the life of the default
 # process group they belong to (a destroyed and re-initialized default group starts an empty
 # table). Each parameter of an FSDP2/TP model carries a DeviceMesh object of its own, and meshes
 # made apart (two init_device_mesh calls) hold distinct groups of the same ranks: keyed by
@@ -85,10 +157,12 @@ def axes_group(mesh: "DeviceMesh", axes: tuple[int, ...]) -> Optional[MeshInfo]:
 
     One group per membership: one axis uses the group of the first mesh seen with those
     members (the mesh's own groups exist already); a product of axes gets process groups created
-    on every rank together (dist.new_subgroups_by_enumeration) the first time its members are
-    seen. Creating them is collective, so this is called at construction, in the same order on
-    all ranks, never per step; whether a call creates groups depends only on the meshes and axes
-    seen before, which every rank sees alike."""
+    on every rank together (dist.new_subgroups_by_enumeration, with the groups of the whole world:
+    world_members) the first time its members are seen. Creating them is collective, so this is
+    called at construction, in the same order on all ranks, never per step; whether a call
+    creates groups depends only on the world's memberships seen before, which every rank sees
+    alike. Without a readable root mesh, a sub-mesh's groups are gathered from every rank (one
+    all_gather_object) the first time this rank's own slice is seen, keyed by that slice."""
     if not axes:
         return None
     axes = tuple(axes)
@@ -96,17 +170,29 @@ def axes_group(mesh: "DeviceMesh", axes: tuple[int, ...]) -> Optional[MeshInfo]:
     if _GROUPS_WORLD[0] is not world:  # a new default group: the old groups are gone
         _GROUPS.clear()
         _GROUPS_WORLD[0] = world
-    members = axes_members(mesh, axes)
-    if len(axes) == 1:
+    if len(axes) == 1:  # the mesh's own group: nothing is created, this rank's slice suffices
         own = mesh.get_group(axes[0])
-        group = _GROUPS.setdefault((mesh.device_type, dist.get_backend(own), members), own)
+        group = _GROUPS.setdefault((mesh.device_type, dist.get_backend(own), axes_members(mesh, axes)), own)
     else:
-        key = (mesh.device_type, dist.get_backend(world), members)
-        if key not in _GROUPS:
-            _GROUPS[key], _ = dist.new_subgroups_by_enumeration([list(m) for m in members])
+        backend = dist.get_backend(world)
+        everyone = world_members(mesh, axes)
+        if everyone is None:
+            key = (mesh.device_type, backend, axes_members(mesh, axes))
+            if key not in _GROUPS:
+                _GROUPS[key] = _created((mesh.device_type, backend, _gathered_members(key[2])))
+        else:
+            key = (mesh.device_type, backend, everyone)
+            _GROUPS[key] = _created(key)
         group = _GROUPS[key]
     # the mesh is this call's own: group_coordinates reads member coordinates from it
     return MeshInfo(group, dist.get_world_size(group), dist.get_rank(group), "device_mesh", mesh)
+
+
+def _created(key: tuple) -> "dist.ProcessGroup":
+    """The group of `key` (device type, backend, the world's members), created the first time."""
+    if key not in _GROUPS:
+        _GROUPS[key], _ = dist.new_subgroups_by_enumeration([list(m) for m in key[2]])
+    return _GROUPS[key]
 
 
 def group_coordinates(info: MeshInfo, axes: tuple[int, ...]) -> list[tuple[int, ...]]:
