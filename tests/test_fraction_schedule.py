@@ -268,6 +268,28 @@ def test_captured_step_runs_a_changing_k_eagerly():
     assert kinds[15:] == ["capture"] + ["replay"] * 5 and step.captures == 1
 
 
+def test_release_drops_the_graphs_and_the_next_calls_warm_up_again():
+    """After release() no graph is alive (a distributed script calls it before destroying its
+    process group) and the step goes on: warm-up, capture, replay, equal to a plain eager run."""
+    shapes = [(16, 12)]
+    params, plain = make_params(shapes), make_params(shapes)
+    opt, opt_plain = Dion3(params, lr=0.05), Dion3(plain, lr=0.05)
+    step = CPUCapturedStep(opt, warmup_steps=2, max_graphs=4)
+    for i in range(8):
+        if i == 4:
+            step.release()
+            assert not step.graphs and step.graph is None
+        set_grads(params, grads_at(i, shapes))
+        set_grads(plain, grads_at(i, shapes))
+        step()
+        opt_plain.step()
+    kinds = [kind for kind, _ in step.log]
+    once = ["eager", "eager", "capture", "replay", "replay"]  # a capture call also replays
+    assert kinds == once + once
+    assert step.captures == 2 and len(step.graphs) == 1
+    assert torch.equal(params[0], plain[0])
+
+
 class _PlainSGD(torch.optim.Optimizer):
     """X ← X − lr·G with lr read as a device scalar. torch's own SGD turns a tensor lr into a
     Python number (.item(), a host sync) unless compiled, so its step cannot be captured."""

@@ -171,6 +171,7 @@ def test_captured_per_block_step_on_a_one_by_one_nccl_mesh(tmp_path, option):
 
     device = torch.device("cuda")
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    steps = []  # released before the group is destroyed: NCCL's teardown waits on live graphs
     try:
         mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp", "tp"))
         for name, settings in captured.ALGORITHMS.items():
@@ -181,6 +182,7 @@ def test_captured_per_block_step_on_a_one_by_one_nccl_mesh(tmp_path, option):
             assert all(isinstance(b, LayoutBucket) for buckets in made[0]._buckets for b in buckets), name
             to_device_scalars(made[1], device)
             step = CapturedStep(made[0], warmup_steps=2)
+            steps.append(step)
             params = [[p for ps, _ in groups for p in ps] for groups in (graphed, eager)]
             for number in range(5):
                 grads = [g.to(device) for g in grads_for([tuple(p.shape) for p in params[0]], number)]
@@ -193,4 +195,6 @@ def test_captured_per_block_step_on_a_one_by_one_nccl_mesh(tmp_path, option):
             print(f"{option}/{name}: max relative error {error:.2e}")
             assert error <= 2e-3, (option, name, error)  # tests/test_graph.py's bound for captured vs eager
     finally:
+        for step in steps:
+            step.release()
         dist.destroy_process_group()

@@ -232,6 +232,18 @@ class CapturedStep:
             self.graphs.popitem(last=False)  # the least recently used k
         return graph
 
+    def release(self) -> None:
+        """Drop every captured graph and their memory pool; the next calls warm up and capture
+        again. Call it before dist.destroy_process_group() when the step captured collectives:
+        NCCL's teardown waits while graphs holding its kernels are alive (PyTorch issue
+        #115388), so a script that ends with the graphs still referenced hangs there."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no replay may still be running
+        self.graphs.clear()
+        self.graph = None
+        self._pool = None
+        self.eager_calls.clear()
+
     # ------------------------------------------------------------ device work
     def _eager_step(self) -> None:
         stream = self._stream
