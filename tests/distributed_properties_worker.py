@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 
 import gloo
-from distributed_worker import Matrices, Run, full, make_optimizer, max_relative_error
+from distributed_worker import Matrices, Run, full, make_optimizer, max_relative_error, spread_owners
 from dion3.distributed import local_row_span
 from test_properties import fractions, reference_k
 
@@ -117,21 +117,13 @@ def assert_top(scores: torch.Tensor, selected: torch.Tensor) -> None:
         assert scores[selected].min() >= scores[~selected].max() * (1 - 1e-5), "a lower-scoring row was selected"
 
 
-def owner_blocks(shapes, world: int):
-    """Per bucket (same shape, in order of appearance): shape, member indices, owner of each."""
-    for shape in sorted(set(shapes), key=shapes.index):
-        members = [i for i, s in enumerate(shapes) if s == shape]
-        block = -(-len(members) // world)
-        yield shape, members, [j // block for j in range(len(members))]
-
-
 def expected_bytes(layout, kind, scope, shapes, world, contributed) -> list[int]:
     """Hand count of the bytes each rank sends (float32 rows, fp32 variance and scores, and under
     fsdp one float32 sum of squares per matrix all-reduced per bucket, counted as a ring).
     contributed[s][i]: rows of matrix i that rank s sends for orthogonalization (fsdp), or
     the rows per matrix of the orthogonalized block (ddp, the same on every rank)."""
     sent = [0] * world
-    for (rows, cols), members, owners in owner_blocks(shapes, world):
+    for (rows, cols), members, owners in spread_owners(shapes, world):
         if layout == "ddp":  # all-gather of ⌈N/W⌉ blocks of K×cols to W − 1 ranks
             for r in range(world):
                 sent[r] += -(-len(members) // world) * contributed[r][members[0]] * cols * 4 * (world - 1)

@@ -25,6 +25,12 @@ from dion3.distributed import local_row_span
 MIXED = [(16, 24), (24, 16), (3, 8), (16, 24), (5, 7), (16, 24)]
 # Larger rows so that f·⌈rows/W⌉ is not dominated by rounding: for the byte budgets.
 TRAFFIC = [(64, 48)] * 5 + [(32, 40)] * 3
+# Three buckets of two matrices (fewer than 4 ranks), in the order the buckets are built:
+# (12, 8), (10, 6), (7, 9). See test_small_fsdp_buckets_spread_over_the_ranks.
+SPREAD = [(12, 8), (10, 6), (7, 9), (12, 8), (10, 6), (7, 9)]
+# At W = 4 a bucket of 5 whose owners start at rank 1 (after the one-matrix bucket): without
+# its first matrix on some steps, its 4 remaining matrices need every rank, from rank 0 again.
+SPREAD_SUBSET = [(7, 9)] + [(10, 6)] * 5
 STEPS = 3
 OPTIMIZERS = {"muon": Muon, "normuon": NorMuon, "dion3": Dion3}
 
@@ -75,6 +81,31 @@ class Run:
 
     def weights(self) -> list[torch.Tensor]:
         return [full(p) for p in self.params]
+
+
+def spread_owners(shapes, world: int):
+    """The owner rule, restated by hand for the byte counts: per bucket (same shape, in order
+    of appearance), its member indices and each one's owner. Blocks of ⌈N/W⌉ go to the `used`
+    consecutive ranks from `first`: where the previous bucket's owners stopped, taken modulo
+    the W − used + 1 starts at which they fit before the last rank."""
+    next_rank = 0
+    for shape in sorted(set(shapes), key=shapes.index):
+        members = [i for i, s in enumerate(shapes) if s == shape]
+        block = -(-len(members) // world)
+        used = -(-len(members) // block)
+        first = next_rank % (world - used + 1)
+        next_rank = first + used
+        yield shape, members, [first + j // block for j in range(len(members))]
+
+
+def owned_counts(opt) -> list[list[int]]:
+    """Per rank, the matrices it orthogonalizes in each row-sharded bucket (build order)."""
+    from dion3.distributed import ShardedBucket
+
+    mine = [len(b.owned(b.rank)) for group in opt._buckets for b in group if isinstance(b, ShardedBucket)]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
 
 
 def max_relative_error(got, want) -> float:
@@ -269,6 +300,15 @@ def scenarios(world: int, rank: int) -> dict:
         for name, kind, options in (("normuon", "normuon", {}), ("dion3_global", "dion3", {"selection_scope": "global"})):
             error, _, _, _ = compare_to_single(layout, MIXED, kind, mesh, world, rank, without_grad=partial, **options)
             results["errors"][f"partial/{layout}/{name}"] = error
+    for name, kind, options in (("muon", "muon", {}), ("normuon", "normuon", {}),
+                                ("dion3_global", "dion3", {"selection_scope": "global"})):
+        error, _, _, opt = compare_to_single("fsdp", SPREAD, kind, mesh, world, rank, **options)
+        results["errors"][f"spread/fsdp/{name}"] = error
+    results["owned"] = owned_counts(opt)
+    error, _, _, opt = compare_to_single("fsdp", SPREAD_SUBSET, "normuon", mesh, world, rank,
+                                         without_grad=lambda step: (1,) if step % 2 == 0 else ())
+    results["errors"]["spread_subset/fsdp/normuon"] = error
+    results["owned_subset"] = owned_counts(opt)
     results["errors"]["local_scope/fsdp/dion3"] = local_scope_error(mesh, world, rank)
     results["rejected"] = rejected_layouts(mesh, world)
     results["nonfinite_raised"] = nonfinite_raised(mesh, world, rank)

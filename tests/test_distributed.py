@@ -29,6 +29,7 @@ EXACT_SCENARIOS = [
     "fsdp_backward/dion3_global", "ddp_backward/normuon", "resume/fsdp_dion3_global",
 ] + [f"partial/{layout}/{name}" for layout in ("fsdp", "ddp") for name in ("normuon", "dion3_global")] + [
     "local_scope/fsdp/dion3",  # against a float64 emulation of per-shard selection
+    "spread/fsdp/muon", "spread/fsdp/normuon", "spread/fsdp/dion3_global", "spread_subset/fsdp/normuon",
 ]
 
 
@@ -62,6 +63,28 @@ def test_matches_single_process(results, scenario):
     assert results["errors"][scenario] <= TOLERANCE, (scenario, results["errors"][scenario])
 
 
+def test_small_fsdp_buckets_spread_over_the_ranks(results):
+    """worker.SPREAD: three row-sharded buckets of two matrices, built in the order (12, 8),
+    (10, 6), (7, 9). Per bucket, owners are ⌈2/W⌉ = 1 matrix each on used = 2 consecutive
+    ranks, starting where the previous bucket stopped, modulo the W − 1 starts that fit.
+    W = 4: (12, 8) starts at 0 → ranks 0, 1; (10, 6) at 2 % 3 = 2 → ranks 2, 3; (7, 9) at
+    4 % 3 = 1 → ranks 1, 2. Every rank owns a matrix (starting each bucket at rank 0, as before,
+    gave ranks 0 and 1 all six). W = 2: every bucket is one matrix per rank.
+    The step still matches one process: test_matches_single_process["spread/..."]."""
+    expected = {4: [[1, 0, 0], [1, 0, 1], [0, 1, 1], [0, 1, 0]], 2: [[1, 1, 1], [1, 1, 1]]}
+    assert results["owned"] == expected[results["world"]]
+
+
+def test_a_subset_of_a_shifted_bucket_still_has_an_owner_per_matrix(results):
+    """worker.SPREAD_SUBSET: (7, 9) alone, then five (10, 6). W = 4: the bucket of one takes
+    rank 0; the five (blocks of 2 on 3 ranks) start at 1 % 2 = 1 → 0, 2, 2, 1 matrices. On
+    steps where the first (10, 6) has no gradient, its other four need one rank each, from rank
+    0: the step still matches one process (test_matches_single_process["spread_subset/..."]).
+    W = 2: rank 0 gets the one; the five (blocks of 3 on 2 ranks) start at 1 % 1 = 0."""
+    expected = {4: [[1, 0], [0, 2], [0, 2], [0, 1]], 2: [[1, 3], [0, 2]]}
+    assert results["owned_subset"] == expected[results["world"]]
+
+
 def test_local_equals_global_at_fraction_one(results):
     assert results["errors"]["local_vs_global_f1"] <= TOLERANCE
 
@@ -91,10 +114,8 @@ def _muon_fsdp_bytes(shapes, world: int, rank: int, itemsize: int = 4) -> int:
     """Hand count: rows of matrices owned elsewhere go out, whole matrices' other rows come back;
     per bucket, one float32 sum of squares per matrix is all-reduced (a ring: 2·(W−1)/W of it)."""
     total = 0
-    for shape in sorted(set(shapes), key=shapes.index):
-        count, (rows, cols) = shapes.count(shape), shape
-        block = -(-count // world)
-        owned = len(range(count)[rank * block : (rank + 1) * block])
+    for (rows, cols), members, owners in worker.spread_owners(shapes, world):
+        count, owned = len(members), owners.count(rank)
         held = _rows_on(rows, world, rank)
         total += ((count - owned) * held + owned * (rows - held)) * cols * itemsize
         total += 2 * count * 4 * (world - 1) // world

@@ -27,8 +27,38 @@ from .mesh import MeshInfo, Shard, axes_group, group_coordinates, is_dtensor, lo
 from .state import allocate_block_pieces, allocate_layout_state, allocate_sharded_state
 
 
+class Owners:
+    """The owner mapping of the sharded bucket types (ShardedBucket, LayoutBucket): which
+    matrices each member of the bucket's group orthogonalizes. Senders and receivers both ask
+    it, so they agree; `first_owner` is set once at construction by _spread_owners."""
+
+    first_owner: int
+    count: int
+    world_size: int
+
+    def holder(self) -> Optional[int]:
+        """The one member that orthogonalizes every matrix (its rows never travel), or None."""
+        return None
+
+    def owned(self, member: int) -> range:
+        """Matrices `member` orthogonalizes: all of them for the holder, if any, else blocks of
+        ⌈N/W⌉ for members first_owner, first_owner + 1, ... in member order, so the
+        all-to-all's matrix order stays its member order. A subset of the bucket's matrices
+        (entries without gradients this step) starts early enough to still fit in the members."""
+        holder = self.holder()
+        if holder is not None:
+            return range(0, self.count) if member == holder else range(0, 0)
+        first = min(self.first_owner, self.world_size - owners_used(self.count, self.world_size))
+        if member < first:
+            return range(0, 0)
+        return owned_matrices(self.count, self.world_size, member - first)
+
+    def owners(self) -> list[range]:
+        return [self.owned(member) for member in range(self.world_size)]
+
+
 @dataclass
-class ShardedBucket:
+class ShardedBucket(Owners):
     """Same-shape row-sharded matrices of one group; each rank holds rows [start, stop) of each."""
 
     shape: tuple[int, int]  # global (rows, cols)
@@ -40,6 +70,7 @@ class ShardedBucket:
     variance: Optional[Tensor] = None  # [N, chunk, 1] float32 (NorMuon / Dion3)
     slot_cache: dict = field(default_factory=dict)  # owner slots of plans with static split sizes
     mesh: Optional[MeshInfo] = None  # the row-sharding axis' group (rank = mesh coordinate)
+    first_owner: int = 0  # owners are consecutive members from here (spreads small buckets)
 
     @property
     def chunk(self) -> int:
@@ -64,6 +95,11 @@ def owned_matrices(count: int, world_size: int, rank: int) -> range:
     return range(min(rank * block, count), min((rank + 1) * block, count))
 
 
+def owners_used(count: int, world_size: int) -> int:
+    """How many members get a (non-empty) block of ⌈N/W⌉ of `count` matrices."""
+    return -(-count // -(-count // world_size)) if count else 0
+
+
 class BlockCut(NamedTuple):
     """Where a LayoutBucket entry that is a block of a fused weight lies in its parameter."""
 
@@ -73,7 +109,7 @@ class BlockCut(NamedTuple):
 
 
 @dataclass
-class LayoutBucket:
+class LayoutBucket(Owners):
     """Same-layout matrices of one group in the general case (any mix of row, column, strided
     and expert sharding): each rank holds a block of rows (any index set) and a column range of
     each matrix, described for every member of the matrix axes' group by `members`.
@@ -112,29 +148,15 @@ class LayoutBucket:
             return [local_tensor(p.grad).reshape(v.shape) for p, v in zip(self.params, self.views)]
         return [local_tensor(p.grad).reshape(cut.whole)[:, cut.rows] for p, cut in zip(self.params, self.cuts)]
 
-    def owned(self, member: int) -> range:
-        """Matrices `member` orthogonalizes: all of them when one member holds them whole (a
-        block of a fused weight that lies on one rank: its rows then never travel), else blocks
-        of ⌈N/W⌉ for members first_owner, first_owner + 1, ... in member order, so the
-        all-to-all's matrix order stays its member order."""
-        holder = self.holder()
-        if holder is not None:
-            return range(0, self.count) if member == holder else range(0, 0)
-        if member < self.first_owner:
-            return range(0, 0)
-        return owned_matrices(self.count, self.world_size, member - self.first_owner)
-
     def holder(self) -> Optional[int]:
-        """The member holding every row and column of the matrices, for buckets of blocks
-        (whole parameters are spread over the members as usual), else None."""
+        """The member holding every row and column of the matrices, for buckets of blocks (a
+        block of a fused weight that lies on one rank: its rows then never travel; whole
+        parameters are spread over the members as usual), else None."""
         if self.cuts is None or self.mesh is None:
             return None
         whole = [s for s, m in enumerate(self.members)
                  if len(m.rows) == self.shape[0] and m.cols == (0, self.shape[1])]
         return whole[0] if whole else None
-
-    def owners(self) -> list[range]:
-        return [self.owned(member) for member in range(self.world_size)]
 
     @property
     def rank(self) -> int:
@@ -208,7 +230,7 @@ def build_buckets(optimizer, group: dict, mesh: Optional[MeshInfo]) -> list:
             view = local.reshape(bucket.local.local_shape)
         bucket.params.append(p)
         bucket.views.append(view)
-    _spread_owners([b for b in buckets.values() if isinstance(b, LayoutBucket)])
+    _spread_owners([b for b in buckets.values() if isinstance(b, Owners)])
     owned: dict[int, dict[str, Tensor]] = {}  # per-parameter state of blocked parameters
     for bucket in buckets.values():
         if isinstance(bucket, ShardedBucket):
@@ -263,19 +285,18 @@ def _axis_groups(p: Tensor, axes: Axes, flatten: bool) -> tuple[Optional[MeshInf
     return col_mesh, row_mesh, member_layouts(p, row_mesh, axes.rows, flatten)
 
 
-def _spread_owners(buckets: list[LayoutBucket]) -> None:
-    """Buckets of fewer matrices than members (TP layouts have few same-shape matrices) would
-    all be owned by the first members: start each bucket's owners where the previous bucket over
-    the same members stopped, without wrapping around (the order in which the same buckets are
-    built is the same on every rank, so every member agrees). Buckets are matched by the global
-    ranks of their group, not by group object: each parameter's mesh is an object of its own."""
+def _spread_owners(buckets: list[Owners]) -> None:
+    """Buckets of fewer matrices than members (TP layouts have few same-shape matrices; FSDP2
+    over more ranks than a model has layers) would all be owned by the first members: start
+    each bucket's owners where the previous bucket over the same members stopped, whatever its
+    type, without wrapping around (the order in which the same buckets are built is the same on
+    every rank, so every member agrees). Buckets are matched by the global ranks of their group,
+    not by group object: each parameter's mesh is an object of its own."""
     next_owner: dict[tuple[int, ...], int] = {}
     for bucket in buckets:
         if bucket.mesh is None or bucket.holder() is not None:
             continue
-        world = bucket.world_size
-        block = -(-bucket.count // world)
-        used = -(-bucket.count // block)
+        world, used = bucket.world_size, owners_used(bucket.count, bucket.world_size)
         members = tuple(dist.get_process_group_ranks(bucket.mesh.group))
         bucket.first_owner = next_owner.get(members, 0) % (world - used + 1)
         next_owner[members] = bucket.first_owner + used

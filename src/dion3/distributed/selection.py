@@ -16,28 +16,36 @@ from torch import Tensor
 
 from .. import rules
 from .exchange import owner_slots
-from .plan import ShardedBucket, owned_matrices
+from .plan import ShardedBucket
+
+
+class SplitSizes:
+    """The all-to-all split sizes of a plan from its `counts` (counts[s][i]: rows of matrix i
+    that member s sends) and `owners` (the bucket's owner mapping: the matrices each member
+    owns, consecutive in member order, so a sender's rows are grouped by owner already)."""
+
+    counts: list[list[int]]
+    owners: list[range]
+
+    def send_counts(self, rank: int) -> list[int]:
+        """Rows this rank sends to each owner."""
+        return [sum(self.counts[rank][i] for i in mine) for mine in self.owners]
+
+    def recv_counts(self, rank: int) -> list[int]:
+        """Rows this rank receives from each member, for the matrices it owns."""
+        return [sum(row[i] for i in self.owners[rank]) for row in self.counts]
 
 
 @dataclass
-class RowPlan:
+class RowPlan(SplitSizes):
     counts: list[list[int]]  # counts[s][i]: rows of matrix i that rank s contributes
     rows: Optional[Tensor]  # this rank's contributed rows, flat in [N·chunk]; None = all real rows
     slots: Tensor  # owner side: where each received row goes in [n·K] (exchange.owner_slots)
+    owners: list[range]  # the matrices each rank owns (ShardedBucket.owned)
 
     def per_matrix(self) -> int:
         """K: rows each matrix has on its owner (the same for every matrix of the bucket)."""
         return sum(row[0] for row in self.counts)
-
-    def send_counts(self, rank: int) -> list[int]:
-        """Rows this rank sends to each owner (its matrices are grouped by owner already)."""
-        world, count = len(self.counts), len(self.counts[rank])
-        return [sum(self.counts[rank][i] for i in owned_matrices(count, world, d)) for d in range(world)]
-
-    def recv_counts(self, rank: int) -> list[int]:
-        world, count = len(self.counts), len(self.counts[rank])
-        mine = owned_matrices(count, world, rank)
-        return [sum(self.counts[s][i] for i in mine) for s in range(world)]
 
 
 
@@ -45,7 +53,7 @@ def _static_slots(bucket: ShardedBucket, key, counts: list[list[int]]) -> Tensor
     """Owner slots for split sizes fixed by the bucket's shape: built once, kept on the bucket
     (a host-to-device copy every step would stall the host on GPU)."""
     if key not in bucket.slot_cache:
-        mine = owned_matrices(bucket.count, bucket.world_size, bucket.rank)
+        mine = bucket.owned(bucket.rank)
         owned = torch.tensor([[row[i] for i in mine] for row in counts], dtype=torch.long)
         per_matrix = sum(row[0] for row in counts)
         bucket.slot_cache[key] = owner_slots(owned, per_matrix).to(bucket.momentum.device)
@@ -54,7 +62,7 @@ def _static_slots(bucket: ShardedBucket, key, counts: list[list[int]]) -> Tensor
 
 def all_rows_plan(bucket: ShardedBucket) -> RowPlan:
     counts = [[bucket.rows_of(s)] * bucket.count for s in range(bucket.world_size)]
-    return RowPlan(counts, None, _static_slots(bucket, "all", counts))
+    return RowPlan(counts, None, _static_slots(bucket, "all", counts), bucket.owners())
 
 
 def local_select_count(bucket: ShardedBucket, fraction: float, rank: int) -> int:
@@ -71,9 +79,9 @@ def local_plan(bucket: ShardedBucket, scores: Tensor, fraction: float) -> RowPla
     slots = _static_slots(bucket, ("local", tuple(row[0] for row in counts)), counts)
     k = counts[bucket.rank][0]
     if k == 0:
-        return RowPlan(counts, scores.new_empty((0,), dtype=torch.long), slots)
+        return RowPlan(counts, scores.new_empty((0,), dtype=torch.long), slots, bucket.owners())
     rows = rules.top_rows(scores, k)
-    return RowPlan(counts, _flatten_rows(rows, bucket.chunk), slots)
+    return RowPlan(counts, _flatten_rows(rows, bucket.chunk), slots, bucket.owners())
 
 
 def padded_scores(bucket: ShardedBucket, scores: Tensor) -> Tensor:
@@ -93,11 +101,11 @@ def global_plan(bucket: ShardedBucket, gathered_scores: Tensor, fraction: float)
     owner = torch.div(selected, chunk, rounding_mode="floor")
     counts = torch.zeros((world, bucket.count), dtype=torch.long, device=selected.device)
     counts.scatter_add_(0, owner.mT, torch.ones_like(owner.mT))
-    owned = owned_matrices(bucket.count, world, bucket.rank)
+    owned = bucket.owned(bucket.rank)
     slots = owner_slots(counts[:, owned.start : owned.stop], selected.shape[1])
     mine = owner == bucket.rank
     local = selected - bucket.rank * chunk + torch.arange(bucket.count, device=selected.device)[:, None] * chunk
-    return RowPlan(counts.tolist(), local[mine], slots)
+    return RowPlan(counts.tolist(), local[mine], slots, bucket.owners())
 
 
 def _flatten_rows(rows: Tensor, chunk: int) -> Tensor:
@@ -107,7 +115,7 @@ def _flatten_rows(rows: Tensor, chunk: int) -> Tensor:
 
 # ---------------------------------------------------------------- general layouts (LayoutBucket)
 @dataclass
-class PiecePlan:
+class PiecePlan(SplitSizes):
     """Which rows of a LayoutBucket's matrices each member sends to their owners, and where the
     owner puts them. Members send rows restricted to the columns they hold, so a row split over
     column shards arrives in pieces that land in the same slot, side by side."""
@@ -117,12 +125,6 @@ class PiecePlan:
     slots: list[Tensor]  # per member s: the owner-side row slot in [n_owned·K] of each row s sends it
     per_matrix: int  # K: rows of each matrix on its owner
     owners: list[range]  # the matrices each member owns (LayoutBucket.owned)
-
-    def send_counts(self, rank: int) -> list[int]:
-        return [sum(self.counts[rank][i] for i in mine) for mine in self.owners]
-
-    def recv_counts(self, rank: int) -> list[int]:
-        return [sum(row[i] for i in self.owners[rank]) for row in self.counts]
 
 
 def _member_rows(bucket, device, group: str = "members") -> list[Tensor]:

@@ -171,7 +171,7 @@ def sharded_step(bucket: ShardedBucket, group: dict, cfg: rules.RuleConfig, mesh
     yield
 
     # Owner: whole matrices (or their selected rows), in ascending global row order.
-    owned = len(owned_matrices(count, mesh.world_size, mesh.rank))
+    owned = len(bucket.owned(mesh.rank))
     per_matrix, slots = plan.per_matrix(), plan.slots
     # One rank receives its own rows in matrix order: the placement is the identity.
     slots = None if mesh.world_size == 1 else slots
