@@ -36,6 +36,16 @@ def run_and_report(rank: int, world: int, out_path: str, scenarios) -> None:
         stop()
 
 
+def spawn_and_read(worker, world: int, out_path, *args) -> dict:
+    """Spawn `world` processes of worker(rank, world, out_path, *args) (a run_and_report body)
+    and return the JSON rank 0 wrote to out_path."""
+    import torch.multiprocessing as mp
+    from pathlib import Path
+
+    mp.spawn(worker, args=(world, str(out_path), *args), nprocs=world)
+    return json.loads(Path(out_path).read_text())
+
+
 def train_in_lockstep(pairs, steps: int, seed: int, batch_shape: tuple[int, int]) -> None:
     """Train each (model, optimizer) pair on the same seeded batches, loss = mean square of the
     output: a distributed model and its one-process reference take identical steps."""

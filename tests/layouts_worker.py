@@ -11,9 +11,10 @@ see the same numbers. Rank 0 writes the results to a JSON file. Not a test modul
 """
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import math
+import os
 import sys
 
 import torch
@@ -237,13 +238,10 @@ def traffic(mesh) -> dict:
     return out
 
 
-def owners_and_groups(mesh) -> dict:
-    """On the recipe, before any other optimizer is built on this process group: the process
-    groups that constructing Muon and then Dion3 (each on a fresh model, whose parameters carry
-    DeviceMesh objects of their own) creates, counted at dist.new_subgroups_by_enumeration; and
-    per rank, the matrices each rank orthogonalizes under each optimizer."""
-    from dion3.distributed import LayoutBucket
-
+@contextlib.contextmanager
+def counting_group_creation():
+    """Yield a list that receives the rank lists of every dist.new_subgroups_by_enumeration
+    call made inside the block (the process groups the optimizer's construction creates)."""
     created = []
     enumerate_groups = dist.new_subgroups_by_enumeration
 
@@ -252,8 +250,21 @@ def owners_and_groups(mesh) -> dict:
         return enumerate_groups(ranks, *args, **kwargs)
 
     dist.new_subgroups_by_enumeration = counting
-    owned = {}
     try:
+        yield created
+    finally:
+        dist.new_subgroups_by_enumeration = enumerate_groups
+
+
+def owners_and_groups(mesh) -> dict:
+    """On the recipe, before any other optimizer is built on this process group: the process
+    groups that constructing Muon and then Dion3 (each on a fresh model, whose parameters carry
+    DeviceMesh objects of their own) creates, counted at dist.new_subgroups_by_enumeration; and
+    per rank, the matrices each rank orthogonalizes under each optimizer."""
+    from dion3.distributed import LayoutBucket
+
+    owned = {}
+    with counting_group_creation() as created:
         for name, kind, options in (("muon", "muon", {}), ("dion3_global", "dion3", {"selection_scope": "global"})):
             model, _ = recipe(mesh, dim=128, hidden=192)
             opt = OPTIMIZERS[kind](list(model.parameters()), **SETTINGS, **options)
@@ -261,8 +272,6 @@ def owners_and_groups(mesh) -> dict:
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, mine)
             owned[name] = gathered
-    finally:
-        dist.new_subgroups_by_enumeration = enumerate_groups
     return {"created": created, "owned": owned}
 
 
@@ -415,16 +424,8 @@ def pipeline_scenarios(world) -> dict:
     from dion3.distributed import mesh as mesh_module
 
     stage = world.get_coordinate()[0]
-    created = []
-    enumerate_groups = dist.new_subgroups_by_enumeration
-
-    def counting(ranks, *args, **kwargs):
-        created.append([list(r) for r in ranks])
-        return enumerate_groups(ranks, *args, **kwargs)
-
-    dist.new_subgroups_by_enumeration = counting
     errors = {}
-    try:
+    with counting_group_creation() as created:
         for name, kind, options in (("muon", "muon", {}),
                                     ("dion3_global", "dion3", {"selection_scope": "global", "fraction": 0.25})):
             for given in ("sub_mesh", "none"):
@@ -444,8 +445,6 @@ def pipeline_scenarios(world) -> dict:
             mesh_module._root_mesh = saved_root
             mesh_module._GROUPS.clear()
             mesh_module._GROUPS.update(saved_groups)
-    finally:
-        dist.new_subgroups_by_enumeration = enumerate_groups
     enumerations = {"pp_tp": mesh_module.world_members(world["pp", "tp"], (0, 1)),
                     "pp_tp/tp": mesh_module.world_members(world["pp", "tp"], (1,))}
     if hasattr(world, "_flatten"):  # a flattened axis spans two root axes

@@ -2,12 +2,10 @@
 process stepping separate per-block parameters (tests/blocks_worker.py runs the scenarios)."""
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch.multiprocessing as mp
 
 import blocks_worker as worker
+import gloo
 
 TOLERANCE = 1e-6  # the same float32 math per matrix on every rank (measured on CPU: 0.0 everywhere)
 
@@ -19,9 +17,7 @@ SCENARIOS = (
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("blocks") / "results.json"
-    mp.spawn(worker.worker, args=(2, str(out)), nprocs=2)
-    return json.loads(out.read_text())
+    return gloo.spawn_and_read(worker.worker, 2, tmp_path_factory.mktemp("blocks") / "results.json")
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

@@ -6,14 +6,13 @@ The reference is the same optimizer on one process with the full matrices and gr
 """
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import gloo
 import distributed_worker as worker
 from dion3 import Dion3, Muon
 from dion3.distributed import local_row_span
@@ -43,9 +42,7 @@ def test_hsdp_shard_submesh_matches_single_process(results):
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def results(request, tmp_path_factory):
     world = request.param
-    out = tmp_path_factory.mktemp(f"dist{world}") / "results.json"
-    mp.spawn(worker.worker, args=(world, str(out)), nprocs=world)
-    data = json.loads(out.read_text())
+    data = gloo.spawn_and_read(worker.worker, world, tmp_path_factory.mktemp(f"dist{world}") / "results.json")
     data["world"] = world
     return data
 

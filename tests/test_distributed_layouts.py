@@ -8,12 +8,10 @@ split alone (uneven pieces, both meshes). Each group of ranks is spawned once pe
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+import gloo
 import layouts_worker as worker
 
 TOLERANCE = 1e-5  # float32 Newton–Schulz on both sides; they agree to ~2e-7 in practice
@@ -22,9 +20,7 @@ RECIPE = ["muon", "muon_nesterov", "normuon", "dion3_global", "normuon_mesh_give
 
 
 def _spawn(tmp_path_factory, world: int, which: str) -> dict:
-    out = tmp_path_factory.mktemp(which) / "results.json"
-    mp.spawn(worker.worker, args=(world, str(out), which), nprocs=world)
-    return json.loads(out.read_text())
+    return gloo.spawn_and_read(worker.worker, world, tmp_path_factory.mktemp(which) / "results.json", which)
 
 
 @pytest.fixture(scope="module")

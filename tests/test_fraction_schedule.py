@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import copy
 import io
-import json
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+import gloo
 from dion3 import Dion3, FractionScheduler, FractionWarmup
 from dion3.optim.graph import CapturedStep, to_device_scalars
 from graph_standin import CPUCapturedStep
@@ -324,9 +323,7 @@ def test_captured_step_argument_checks():
 def test_distributed_schedule_matches_one_process(tmp_path):
     import schedule_worker
 
-    out = tmp_path / "results.json"
-    mp.spawn(schedule_worker.worker, args=(2, str(out)), nprocs=2)
-    results = json.loads(out.read_text())
+    results = gloo.spawn_and_read(schedule_worker.worker, 2, tmp_path / "results.json")
     for name, error in results["errors"].items():
         assert error <= 1e-5, (name, error)
     assert set(results["errors"]) == {f"{layout}/{scope}" for layout in ("fsdp", "ddp") for scope in ("global", "local")}

@@ -7,12 +7,10 @@ per-block groups of FSDP2 and (dp=2, tp=2) with the CPU stand-ins for capture
 NCCL (dp=1, tp=1) mesh."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+import gloo
 import captured_scenarios as captured
 import sharded_blocks_worker as worker
 
@@ -25,9 +23,7 @@ PLACEMENTS = {"dp_tp": ["(Shard(dim=0), Shard(dim=1))", "(_StridedShard(dim=0, s
 
 
 def _spawn(tmp_path_factory, world: int, which: str) -> dict:
-    out = tmp_path_factory.mktemp(which) / "results.json"
-    mp.spawn(worker.worker, args=(world, str(out), which), nprocs=world)
-    return json.loads(out.read_text())
+    return gloo.spawn_and_read(worker.worker, world, tmp_path_factory.mktemp(which) / "results.json", which)
 
 
 @pytest.fixture(scope="module")
