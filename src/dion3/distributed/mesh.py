@@ -182,7 +182,7 @@ def axes_group(mesh: "DeviceMesh", axes: tuple[int, ...]) -> Optional[MeshInfo]:
                 _GROUPS[key] = _created((mesh.device_type, backend, _gathered_members(key[2])))
         else:
             key = (mesh.device_type, backend, everyone)
-            _GROUPS[key] = _created(key)
+            _created(key)
         group = _GROUPS[key]
     # the mesh is this call's own: group_coordinates reads member coordinates from it
     return MeshInfo(group, dist.get_world_size(group), dist.get_rank(group), "device_mesh", mesh)

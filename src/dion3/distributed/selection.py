@@ -161,8 +161,11 @@ def piece_local_plan(bucket, scores: Tensor, fraction: float) -> PiecePlan:
     over the column shards, so the members of a row shard pick the same rows); static counts,
     no host sync. On the owner, row shard q's rows fill slots [offset_q, offset_q + k_q)."""
     count, device = bucket.count, bucket.momentum.device
-    ks = [piece_local_count(bucket, fraction, s) for s in range(bucket.world_size)]
-    key = ("local", tuple(ks))  # by the counts, as local_plan: few entries under a fraction schedule
+    counts_key = ("local_counts", fraction)  # a per-member loop: not redone every step
+    if counts_key not in bucket.slot_cache:
+        bucket.slot_cache[counts_key] = [piece_local_count(bucket, fraction, s) for s in range(bucket.world_size)]
+    ks = bucket.slot_cache[counts_key]
+    key = ("local", tuple(ks))  # slots by the counts, as local_plan: few entries under a fraction schedule
     if key not in bucket.slot_cache:
         classes = bucket.row_classes()
         first = {q: s for s, q in reversed(list(enumerate(classes)))}
