@@ -10,6 +10,7 @@ set_kernels_enabled(False), routes everything to the PyTorch reference (cuBLAS) 
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 import torch
 
@@ -69,9 +70,20 @@ def _triton_ready(device) -> bool:
     return _enabled and _symmetric_kernel is not None and torch.device(device).type == "cuda"
 
 
+@lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple:
+    # asked for every product and launch: torch's query costs ~10 µs of host time each
+    return torch.cuda.get_device_capability(device)
+
+
+@lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _half_dot_ready(device) -> bool:
     # bf16 tensor-core dots need sm80+; older GPUs keep cuBLAS.
-    return _triton_ready(device) and torch.cuda.get_device_capability(device)[0] >= 8
+    return _triton_ready(device) and _capability(torch.device(device))[0] >= 8
 
 
 def symmetric_kernels_available(device, n: int | None = None) -> bool:
@@ -112,12 +124,12 @@ def split_worth_it(a, has_c: bool, b=None) -> bool:
     # consistent winner between it and the split (kernels-h200-2026-11-29.md, "Split products").
     if _hopper_kernel is not None and _hopper_kernel.hopper_kernel_fits(a3, b3, None, None, n):
         return False
-    major = torch.cuda.get_device_capability(a.device)[0]
+    major = _capability(a.device)[0]
     if uses_long_reduction_config(n, a.shape[-1], has_c, major):  # the whole 4-stage product wins
         return False
     batch = a.shape[0] if a.dim() == 3 else 1
     tiles = 2 * batch * _symmetric_kernel.lower_tile_count(n // 2, 128, 128)
-    return tiles >= SPLIT_MIN_WAVES * torch.cuda.get_device_properties(a.device).multi_processor_count
+    return tiles >= SPLIT_MIN_WAVES * _multiprocessors(a.device)
 
 
 def symmetric_matmul(a, b, c=None, alpha: float = 1.0, beta: float = 0.0, split: bool | None = None,
