@@ -5,9 +5,7 @@ median by ±40% between separate `dion3 bench` runs on the H200 machine) hits al
     PYTHONPATH=src python3 benchmarks/eager_interleaved.py [--shapes 512x512:32,...] [--rounds 400]
         [--optimizers normuon,dion3-1/4] [--json PATH]
 
-Each optimizer runs twice, with the small Triton kernels launched directly after their first
-launch (kernels/launch.py) and through Triton's JIT every time (the switch is flipped between
-steps). Each step is timed alone: synchronize, perf_counter, step(), synchronize, perf_counter.
+Each step is timed alone: synchronize, perf_counter, step(), synchronize, perf_counter.
 Reported: the median and quartiles per variant, and per pair of variants the median of the
 per-round ratios (the paired comparison). Defaults: the matrices of `dion3 compare --preset
 gpu-small` (48 matrices, 25 M parameters).
@@ -24,8 +22,7 @@ import torch
 
 from dion3.bench.presets import parse_shapes
 from dion3.bench.step import make_optimizer, make_parameters, parse_variant
-from dion3.kernels import launch
-from dion3.kernels import symmetric_matmul_hopper as hopper
+import triton
 
 GPU_SMALL = "512x512:32,2048x512:8,512x2048:8"
 
@@ -38,7 +35,7 @@ def quartiles(values):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=GPU_SMALL)
-    parser.add_argument("--optimizers", default="normuon,dion3-1/4")
+    parser.add_argument("--optimizers", default="muon-gram,normuon,dion3-1/4")
     parser.add_argument("--rounds", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--json", default=None)
@@ -52,13 +49,9 @@ def main(argv=None) -> int:
     for name in args.optimizers.split(","):
         variant = parse_variant(name)
         matrices, scalars = make_parameters(preset, device, with_scalars=False)
-        optimizer = make_optimizer(variant, matrices, scalars, device, graph=False)
-        for direct in (True, False):
-            runs[f"{name} {'direct' if direct else 'jit'}"] = (optimizer, direct)
-    # both launch modes share an optimizer: its state advances either way, the work per step is the same
+        runs[name] = make_optimizer(variant, matrices, scalars, device, graph=False)
 
-    def step(optimizer, direct):
-        launch.DIRECT_LAUNCH = hopper.DIRECT_LAUNCH = direct and launch.direct_launch_tested()
+    def step(optimizer):
         torch.cuda.synchronize()
         start = time.perf_counter()
         optimizer.step()
@@ -66,26 +59,25 @@ def main(argv=None) -> int:
         return (time.perf_counter() - start) * 1e3
 
     for _ in range(args.warmup):
-        for optimizer, direct in runs.values():
-            step(optimizer, direct)
+        for optimizer in runs.values():
+            step(optimizer)
     times = {label: [] for label in runs}
     for round_ in range(args.rounds):
         labels = list(runs)
         labels = labels[round_ % len(labels):] + labels[:round_ % len(labels)]  # rotate who goes first
         for label in labels:
-            times[label].append(step(*runs[label]))
+            times[label].append(step(runs[label]))
         if (round_ + 1) % 100 == 0:
             print(f"[{round_ + 1}/{args.rounds}] rounds", file=sys.stderr, flush=True)
 
     print(f"{args.rounds} interleaved eager steps per variant, shapes {args.shapes}, {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}, Triton {launch.triton.__version__}, direct launches "
-          f"{'tested' if launch.direct_launch_tested() else 'not tested'} on this release")
-    print(f"{'variant':<22} {'q1 ms':>7} {'median':>7} {'q3 ms':>7}")
+          f"torch {torch.__version__}, Triton {triton.__version__}")
+    print(f"{'variant':<12} {'q1 ms':>7} {'median':>7} {'q3 ms':>7}")
     summary = {}
     for label, values in times.items():
         q1, median, q3 = quartiles(values)
         summary[label] = dict(q1_ms=q1, median_ms=median, q3_ms=q3)
-        print(f"{label:<22} {q1:7.3f} {median:7.3f} {q3:7.3f}")
+        print(f"{label:<12} {q1:7.3f} {median:7.3f} {q3:7.3f}")
     labels = list(times)
     ratios = {}
     print("paired: median over rounds of (first / second)")
@@ -98,7 +90,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(command=" ".join(sys.argv), shapes=args.shapes, rounds=args.rounds,
                            gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                           triton=launch.triton.__version__, summary=summary, paired_ratios=ratios,
+                           triton=triton.__version__, summary=summary, paired_ratios=ratios,
                            times_ms=times), f)
     return 0
 

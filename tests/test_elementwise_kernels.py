@@ -116,13 +116,16 @@ ONE_LAUNCH_CASES = ACCUMULATE_ERRORS + textwrap.dedent(
     gen = torch.Generator().manual_seed(1)
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     launches = []  # POINTER_TABLE of each launch of the momentum kernel
-    launcher, capturing = mm._launch_accumulate_kernel, mm._capturing
+    kernel, capturing = mm._accumulate_kernel, mm._capturing
 
-    def counting_launcher(grid, *args, **kwargs):  # count, then launch as the module would
-        launches.append(kwargs["POINTER_TABLE"])
-        return launcher(grid, *args, **kwargs)
+    class CountingKernel:  # the launcher calls kernel[grid](...): count, then launch the real one
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs["POINTER_TABLE"])
+                return kernel[grid](*args, **kwargs)
+            return launch
 
-    mm._launch_accumulate_kernel = counting_launcher
+    mm._accumulate_kernel = CountingKernel()
 
     def pretend_capturing(flag):  # on CPU torch.cuda cannot be asked, so the module's check is replaced
         mm._capturing = (lambda device: True) if flag else capturing

@@ -20,8 +20,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch import Launcher
-
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # One row per program, 8 warps: 4.7–6% faster momentum pass than 4×512/4 warps on H200, the
 # snapshot unchanged (benchmarks/sweep_elementwise.py; results/elementwise-h200-2026-11-29.md).
@@ -81,9 +79,6 @@ def _accumulate_kernel(
         tl.store(squares_ptr + rows, total_sq, mask=row_inside)
 
 
-_launch_accumulate_kernel = Launcher(_accumulate_kernel)
-
-
 def _capturing(device: torch.device) -> bool:
     """Whether the current stream of device is capturing a CUDA graph (never on CPU, where
     torch.cuda cannot be asked: the interpreter tests patch this function)."""
@@ -140,9 +135,9 @@ def _launch_accumulate(
     """One launch over count rows of cols entries from momentum_rows (contiguous; its pointer is
     the first row): from grad itself (table None) or from the pieces listed in table (grad: the
     first piece, giving the element type)."""
-    _launch_accumulate_kernel(
-        (triton.cdiv(count, BLOCK_ROWS),), momentum_rows, grad, grad if table is None else table, scores_rows,
-        squares_rows, float(decay), count, piece_rows, cols,
+    _accumulate_kernel[(triton.cdiv(count, BLOCK_ROWS),)](
+        momentum_rows, grad, grad if table is None else table, scores_rows, squares_rows, float(decay),
+        count, piece_rows, cols,
         HAS_DECAY=decay != 1.0, SCORES=scores, SQUARES=squares, POINTER_TABLE=table is not None,
         BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=NUM_WARPS,
     )
@@ -206,9 +201,6 @@ def _snapshot_kernel(
     tl.store(momentum_ptr + source, (value.to(tl.float32) * mu).to(value.dtype), mask=inside)
 
 
-_launch_snapshot_kernel = Launcher(_snapshot_kernel)
-
-
 def snapshot_rows_triton(
     momentum: Tensor, rows: Tensor, mu: float, scale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None
 ) -> Tensor:
@@ -227,7 +219,7 @@ def snapshot_rows_triton(
     else:
         scale_arg = scale.reshape(-1).to(torch.float32).contiguous()
     grid = (triton.cdiv(k, BLOCK_ROWS), n, triton.cdiv(c, BLOCK_COLS))
-    _launch_snapshot_kernel(grid, momentum, rows.contiguous(), out, scale_arg, float(mu), r, c, k,
-                            SCALED=scale is not None, PER_ROW=per_row, BLOCK_K=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
-                            num_warps=NUM_WARPS)
+    _snapshot_kernel[grid](momentum, rows.contiguous(), out, scale_arg, float(mu), r, c, k,
+                          SCALED=scale is not None, PER_ROW=per_row, BLOCK_K=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
+                          num_warps=NUM_WARPS)
     return out

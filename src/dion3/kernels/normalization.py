@@ -20,8 +20,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch import Launcher
-
 BLOCK_SLOTS = 1024
 
 
@@ -60,9 +58,6 @@ def _row_normalization_kernel(
         tl.store(scale_ptr + matrix * k + slots, inverse_rms * ratio, mask=inside)
 
 
-_launch_row_normalization_kernel = Launcher(_row_normalization_kernel)
-
-
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of O
 
 
@@ -98,8 +93,8 @@ def row_normalization_triton(
     n, k = norms.shape
     scale = torch.empty((n, k), dtype=torch.float32, device=norms.device)
     if n and k:
-        _launch_row_normalization_kernel(
-            (n,), norms, variance, norms if rows is None else rows, scale, float(1.0 - beta2), float(cols),
-            float(epsilon), variance.shape[1], k, HAS_ROWS=rows is not None, BLOCK=BLOCK_SLOTS,
+        _row_normalization_kernel[(n,)](
+            norms, variance, norms if rows is None else rows, scale, float(1.0 - beta2), float(cols), float(epsilon),
+            variance.shape[1], k, HAS_ROWS=rows is not None, BLOCK=BLOCK_SLOTS,
         )
     return scale

@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch import Launcher
 from .reference import row_scale_column
 from .selection import selection_positions
 
@@ -70,9 +69,6 @@ def _post_update_kernel(
     else:
         value = value - step_value * change
     tl.store(param + offsets, value.to(dtype_probe.dtype.element_ty), mask=inside)
-
-
-_launch_post_update_kernel = Launcher(_post_update_kernel)
 
 
 def _pointer_table(params: Sequence[Tensor], device: torch.device) -> Tensor:
@@ -142,8 +138,8 @@ def post_update_triton(
     decay_is_pointer = isinstance(decay, Tensor)
     step_is_pointer = isinstance(step, Tensor)
     grid = (triton.cdiv(R, BLOCK_ROWS), total, triton.cdiv(C, BLOCK_COLS))
-    _launch_post_update_kernel(
-        grid, _pointer_table(params, update.device), params[0], update, position, scale,
+    _post_update_kernel[grid](
+        _pointer_table(params, update.device), params[0], update, position, scale,
         decay if decay_is_pointer else float(decay), step if step_is_pointer else float(step),
         R, C, k,
         HAS_ROWS=rows is not None, HAS_SCALE=row_scale is not None,

@@ -11,8 +11,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch import Launcher
-
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # H200 sweep (benchmarks/sweep_elementwise.py): 1×2048/8 warps 2% over 4×1024/4 warps.
 BLOCK_ROWS = 1
@@ -35,9 +33,6 @@ def _scale_cast_kernel(
     tl.store(out_ptr + offsets, value.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-_launch_scale_cast_kernel = Launcher(_scale_cast_kernel)
-
-
 def scale_cast_supported(x: Tensor, scale: Tensor, out_dtype: torch.dtype) -> bool:
     """Shapes and dtypes the kernel handles (the device is dion3.kernels' dispatch's to check)."""
     return (
@@ -57,8 +52,8 @@ def scale_cast_triton(x: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tenso
         return out
     per_row = scale.shape[1] == rows and rows != 1
     grid = (triton.cdiv(n * rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
-    _launch_scale_cast_kernel(
-        grid, x, scale.float().contiguous(), out, n * rows, rows, cols,
+    _scale_cast_kernel[grid](
+        x, scale.float().contiguous(), out, n * rows, rows, cols,
         PER_ROW=per_row, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=NUM_WARPS,
     )
     return out

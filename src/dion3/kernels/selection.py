@@ -22,8 +22,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch import Launcher
-
 BLOCK_SLOTS = 1024
 _ATTRIBUTE = "_dion3_selection_positions"
 
@@ -55,9 +53,6 @@ def _selection_kernel(
             inside = slots < k
             rows = tl.load(rows_ptr + matrix * k + slots, mask=inside, other=0)
             tl.store(position_ptr + matrix * R + rows, slots.to(tl.int32), mask=inside)
-
-
-_launch_selection_kernel = Launcher(_selection_kernel)
 
 
 def _version(rows: Tensor) -> Optional[int]:
@@ -92,8 +87,8 @@ def selection_norm_triton(
     factor = None if norm_scale is None else torch.empty_like(norm)
     position = torch.empty((n, r), dtype=torch.int32, device=rows.device) if positions else None
     if n:
-        _launch_selection_kernel(
-            (n,), rows, squares, norm, norm if factor is None else factor, norm if position is None else position,
+        _selection_kernel[(n,)](
+            rows, squares, norm, norm if factor is None else factor, norm if position is None else position,
             0.0 if norm_scale is None else float(norm_scale), float(eps), r, k,
             NORM=True, FACTOR=factor is not None, POSITIONS=positions, BLOCK=BLOCK_SLOTS,
         )
@@ -115,8 +110,8 @@ def selection_positions(rows: Tensor, R: int) -> Tensor:
     n, k = rows.shape
     position = torch.empty((n, R), dtype=torch.int32, device=rows.device)
     if n and R:
-        _launch_selection_kernel((n,), rows, position, position, position, position, 0.0, 0.0, R, k,
-                                 NORM=False, FACTOR=False, POSITIONS=True, BLOCK=BLOCK_SLOTS)
+        _selection_kernel[(n,)](rows, position, position, position, position, 0.0, 0.0, R, k,
+                                NORM=False, FACTOR=False, POSITIONS=True, BLOCK=BLOCK_SLOTS)
     return position
 
 

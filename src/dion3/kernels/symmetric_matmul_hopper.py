@@ -37,7 +37,6 @@ import torch
 from torch import Tensor
 
 from .hopper_tiling import BLOCK_M, SYMMETRIC_B_ALONG_K, Tiling, default_tiling, wide_tiling
-from .launch import direct_launch_tested
 from .tile_order import _tile_coordinates, lower_tile_count
 
 # The Gluon API this module is written against: run on GPUs with Triton 3.6, compiled for sm_90a
@@ -86,11 +85,13 @@ ENABLED = os.environ.get("DION3_HOPPER_KERNEL", "1").strip().lower() not in ("0"
 _launched: dict = {}
 
 # After a specialization's first launch through Triton's JIT, later launches call the kernel it
-# compiled directly, as kernels/launch.py does for the small kernels (on the same Triton releases):
-# 32–60 µs of host time per launch on the H200 machine against 77–167 through the JIT
-# (benchmarks/launch_overhead.py; kernels-h200-2026-11-29.md, "Host time per launch"). The key
-# here names everything the JIT would specialize on (the tiling fixes the alignments).
-DIRECT_LAUNCH = GLUON_AVAILABLE and direct_launch_tested()
+# compiled directly (CompiledKernel[grid](every parameter in order)), skipping the JIT's argument
+# binding, specialization and cache lookup: 32–60 µs of host time per launch on the H200 machine
+# against 77–167 through the JIT (benchmarks/launch_overhead.py; kernels-h200-2026-11-29.md,
+# "Host time per launch"). Only on Triton releases where that call was GPU-tested; the key names
+# everything the JIT would specialize on.
+DIRECT_LAUNCH_TRITON = ((3, 6),)
+DIRECT_LAUNCH = GLUON_AVAILABLE and tuple(int(p) for p in triton.__version__.split(".")[:2]) in DIRECT_LAUNCH_TRITON
 
 
 def _stop_direct_launches(error: Exception) -> None:

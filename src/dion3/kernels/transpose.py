@@ -16,8 +16,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch import Launcher
-
 TILE = 64
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -41,9 +39,6 @@ def _transpose_kernel(
     tl.store(dst, tl.trans(tile).to(dst_ptr.dtype.element_ty), mask=(r[:, None] < rows) & (c[None, :] < cols))
 
 
-_launch_transpose_kernel = Launcher(_transpose_kernel)
-
-
 def transpose_supported(dst: Tensor, src: Tensor) -> bool:
     return src.is_cuda and dst.device == src.device and src.dtype in SUPPORTED_DTYPES and dst.dtype in SUPPORTED_DTYPES
 
@@ -62,5 +57,5 @@ def transpose_into_triton(dst: Tensor, src: Tensor, scale: Optional[Tensor] = No
     if dst.numel() == 0:
         return
     grid = (triton.cdiv(rows, TILE), triton.cdiv(cols, TILE), batch)
-    _launch_transpose_kernel(grid, src, dst, dst if scale is None else scale, rows, cols, *src.stride(),
-                             *dst.stride(), HAS_SCALE=scale is not None, TILE_R=TILE, TILE_C=TILE)
+    _transpose_kernel[grid](src, dst, dst if scale is None else scale, rows, cols, *src.stride(), *dst.stride(),
+                            HAS_SCALE=scale is not None, TILE_R=TILE, TILE_C=TILE)
