@@ -28,6 +28,7 @@ from dion3 import Dion3
 from layouts_worker import Block, cut, full, grads_for, max_relative_error, recipe
 
 STEPS = 3
+MOVED = 1e-5  # a change beyond weight decay larger than this: the row was selected (compare)
 SETTINGS = dict(lr=0.02, weight_decay=0.1, orthogonalizer="newton_schulz")
 ALGORITHMS = {
     "muon": {"algorithm": "muon"},
@@ -81,8 +82,10 @@ def compare(fused, groups, settings, steps=STEPS, reload=False) -> dict:
                                   [torch.cat([ref.state[b]["momentum"] for b in separate[id(p)]], dim=-2) for p in fused])
     decay = 1 - hyper["lr"] * hyper["weight_decay"]
     before_joined = [t * decay for t in before]
-    moved = [((full(p) - b).abs() > 1e-7).any(-1).nonzero().tolist() for p, b in zip(fused, before_joined)]
-    ref_moved = [((j - b).abs() > 1e-7).any(-1).nonzero().tolist() for j, b in zip(joined, before_joined)]
+    # A moved row changes by ~lr·|update| (≥ 1e-3 here); an unselected one by the rounding of its
+    # decay, up to an ulp of |x| ≤ 4 (4.8e-7), which differs between CPUs (FMA or not).
+    moved = [((full(p) - b).abs() > MOVED).any(-1).nonzero().tolist() for p, b in zip(fused, before_joined)]
+    ref_moved = [((j - b).abs() > MOVED).any(-1).nonzero().tolist() for j, b in zip(joined, before_joined)]
     placements = sorted({str(tuple(p.placements)) for p in fused})
     rows_sent = [None] * dist.get_world_size()  # bytes of rows (and their variances) each rank sent
     dist.all_gather_object(rows_sent, sum(v for k, v in opt.communication_bytes_by_kind.items() if k in ("rows", "variance")))
@@ -151,7 +154,7 @@ def local_definition(groups) -> bool:
                     score = g[share].abs().sum(-1)
                     want |= {share[i] for i in torch.argsort(score, descending=True)[:take].tolist()}
             start += size
-        moved = set(((full(p) - b * decay).abs() > 1e-7).any(-1).nonzero().squeeze(1).tolist())
+        moved = set(((full(p) - b * decay).abs() > MOVED).any(-1).nonzero().squeeze(1).tolist())
         same = same and moved == want and len(want) > 0
     return same
 

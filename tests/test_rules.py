@@ -5,6 +5,8 @@ Two levels: the pure functions of dion3.rules on stacked tensors, and whole opti
 difference is a rule difference and the tolerance can be tight.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -63,6 +65,26 @@ def test_pre_step_muon_momentum(nesterov):
         assert norm is None
     else:  # the Frobenius norm of each matrix of U, from the pass's row squares
         torch.testing.assert_close(norm, expected_u.square().sum(dim=(1, 2), keepdim=True).sqrt(), rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("scores, k, expected", [
+    ([1.0, 3.0, 3.0, 0.0, 3.0], 2, [1, 2]),  # three rows tie for the top: the two lowest
+    ([1.0, 3.0, 3.0, 0.0, 3.0], 4, [0, 1, 2, 4]),
+    ([0.0] * 6, 3, [0, 1, 2]),  # all-zero rows (no gradient yet): the first k
+    ([2.0, 0.5, 2.0, 2.0, 7.0, 0.5], 3, [0, 2, 4]),
+    ([5.0, 4.0, 3.0], 3, [0, 1, 2]),
+    ([1.0, float("inf"), float("nan"), -0.0, 0.0], 2, [1, 2]),  # NaN counts as +inf
+    ([1.0, float("inf"), float("nan"), -0.0, 0.0], 4, [0, 1, 2, 3]),  # −0 ties with +0
+])
+def test_top_rows_breaks_ties_toward_the_lower_row(scores, k, expected):
+    """Hand-picked ties: the rule every path shares (the CUDA kernel, the stable-sort reference,
+    each distributed layout), so tied rows never make two layouts pick differently."""
+    for dtype in (torch.float32, torch.float64):  # one topk over keys, or a stable sort
+        rows = rules.top_rows(torch.tensor([scores, scores[::-1]], dtype=dtype), k)
+        assert rows.dtype == torch.int64 and rows[0].tolist() == expected
+        # reversed scores: the same rule from the other end (ties again to the lower row)
+        key = [math.inf if math.isnan(v) else abs(v) for v in scores[::-1]]
+        assert rows[1].tolist() == sorted(sorted(range(len(key)), key=lambda i: (-key[i], i))[:k])
 
 
 def test_pre_step_dion3_selection_and_error_feedback():

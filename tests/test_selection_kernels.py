@@ -47,6 +47,32 @@ KERNEL_CASES = textwrap.dedent(
             shapes=[list(norm.shape), list(factor.shape)], dtypes=[str(norm.dtype), str(factor.dtype)],
             positions_exact=all(bool(torch.equal(p.long().cpu(), inverse)) and p.dtype == torch.int32 for p in (alone, position)),
             attached_reused=attached is not None and position is attached and stale is None))
+    # the selection itself: top-k rows ascending, ties to the lower row, from scores with and
+    # without ties (small integers, all zeros) over several blocks of rows; alone and with the norm
+    for n, r, k, kind in [(3, 37, 11, "distinct"), (2, 29, 9, "ties"), (2, 21, 5, "zeros"), (2, 18, 18, "ties"),
+                          (1, 9, 1, "distinct"), (2, 12, 5, "specials")]:
+        if kind == "specials":  # NaN counts as +inf, −0 as +0
+            scores = torch.tensor([[0.5, float("nan"), 0.0, -0.0, float("inf"), 2.0] * 2] * 2)
+            scores[1] = scores[1].flip(0)
+        elif kind == "distinct":
+            scores = torch.rand(n, r, generator=gen) * 4
+        elif kind == "ties":
+            scores = torch.randint(0, 3, (n, r), generator=gen).float()
+        else:
+            scores = torch.zeros(n, r)
+        squares = torch.rand(n, r, generator=gen, dtype=torch.float64)
+        alone, _, _ = sel.top_rows_triton(scores.to(device), k)
+        rows, norm, factor = sel.top_rows_triton(scores.to(device), k, squares.float().to(device), 0.7, 1e-3)
+        key = torch.where(scores.isnan(), float("inf"), scores.abs())
+        expected = torch.tensor([sorted(sorted(range(r), key=lambda j: (-key[i, j].item(), j))[:k]) for i in range(n)])
+        exact = torch.stack([squares.float().double()[i, expected[i]].sum().sqrt() for i in range(n)]).view(n, 1, 1)
+        results.append(dict(
+            case=f"select {n}x{r} k={k} {kind}",
+            rows_exact=bool(torch.equal(alone.cpu(), expected)) and bool(torch.equal(rows.cpu(), expected)),
+            dtype=str(rows.dtype),
+            norm_rel=((norm.cpu().double() - exact).abs() / exact).max().item(),
+            factor_rel=((factor.cpu().double() - 1 / (0.7 * exact + 1e-3)).abs() * (0.7 * exact + 1e-3)).max().item(),
+            inverse_attached=sel.attached_positions(rows, r) is not None))
     # row normalization from O's row norms, at selected rows of V or at all of them
     norm_mod = importlib.import_module("dion3.kernels.normalization")
     norm_mod.BLOCK_SLOTS = 8
@@ -92,6 +118,7 @@ STEP_CASES = textwrap.dedent(
     for module, name in ((kernels._momentum_kernel, "accumulate_momentum_triton"),
                          (kernels._momentum_kernel, "snapshot_rows_triton"),
                          (kernels._selection_kernel, "selection_norm_triton"),
+                         (kernels._selection_kernel, "top_rows_triton"),
                          (kernels._selection_kernel, "attached_positions"),
                          (kernels._normalization_kernel, "row_normalization_triton"),
                          (kernels._post_update_kernel, "post_update_triton")):
@@ -147,8 +174,12 @@ def _run(script: str, device: str = "cpu"):
 
 def _check_kernel_cases(results) -> None:
     normalization = [r for r in results if r["case"].startswith("normalization")]
-    results = [r for r in results if r not in normalization]
-    assert len(results) == 3 and len(normalization) == 2
+    selections = [r for r in results if r["case"].startswith("select")]
+    results = [r for r in results if r not in normalization and r not in selections]
+    assert len(results) == 3 and len(normalization) == 2 and len(selections) == 6
+    for r in selections:  # the same rows as the hand-written rule; the norm as selection_norm's
+        assert r["rows_exact"] and r["dtype"] == "torch.int64" and r["inverse_attached"], r
+        assert r["norm_rel"] <= 1e-6 and r["factor_rel"] <= 1e-6, r
     for r in normalization:  # float32 math against float64 (unselected rows of V: exact)
         assert r["scale_rel"] <= 2e-6 and r["variance_rel"] <= 1e-6, r
         assert r["shape"] == [int(r["case"].split()[1].split("x")[0]), int(r["case"].split("k=")[1].split()[0])], r
@@ -170,10 +201,10 @@ def test_gpu_selection_and_normalization_kernels_match_float64():
 
 def _check_steps(results, tolerance: float) -> None:
     results = {r["algorithm"]: r for r in results}
-    # every fused kernel ran, once per bucket and step (2 buckets, 3 steps); the post-update
-    # found the selection's inverse built with its norm
+    # every fused kernel ran, once per bucket and step (2 buckets, 3 steps); the selection and its
+    # norm in one launch; the post-update found the selection's inverse built with them
     assert results["dion3"]["calls"] == {name: 6 for name in (
-        "accumulate_momentum_triton", "selection_norm_triton", "snapshot_rows_triton", "attached_positions",
+        "accumulate_momentum_triton", "top_rows_triton", "snapshot_rows_triton", "attached_positions",
         "row_normalization_triton", "post_update_triton")}, results["dion3"]
     assert results["dion3"]["reused"] == 6, results["dion3"]
     assert results["normuon"]["calls"] == {name: 6 for name in (

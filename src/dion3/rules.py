@@ -22,9 +22,10 @@ import torch
 from torch import Tensor
 
 from .kernels import (
-    accumulate_momentum, fused_row_normalization, momentum_pass_measures, post_update, scale_cast, selection_norm,
-    snapshot_rows,
+    accumulate_momentum, fused_row_normalization, momentum_pass_measures, post_update, scale_cast, select_rows,
+    selection_norm, snapshot_rows,
 )
+from .kernels import top_rows as _top_rows
 from .ortho import orthogonalize
 from .ortho.newton_schulz import InputScaling, default_compute_dtype, input_scaling, resolve_method
 
@@ -69,8 +70,9 @@ def row_scores(momentum: Tensor) -> Tensor:
 
 
 def top_rows(scores: Tensor, k: int) -> Tensor:
-    """Indices of the k largest scores per matrix, ascending: [N, k] int64."""
-    return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    """Indices of the k largest scores per matrix, ascending: [N, k] int64. Among equal scores
+    the lower rows win, on every device and layout (kernels.top_rows)."""
+    return _top_rows(scores, k)
 
 
 def gather_rows(x: Tensor, rows: Tensor) -> Tensor:
@@ -116,24 +118,29 @@ def pre_step(
     # over all R rows, against one over the k rows of the snapshot: measure U there instead.
     on_the_way = momentum_pass_measures(momentum)
     scores, squares = accumulate_momentum(momentum, grads, 1.0, scores=rows is None, squares=measure and on_the_way)
-    if rows is None:
-        rows = top_rows(scores, selected_row_count(momentum.shape[-2], cfg.fraction))
-    if measure and not on_the_way:
-        update = snapshot_rows(momentum, rows, cfg.mu)  # a fresh copy: scaled in place
-        # the same row-wise sums as the momentum pass would give: no rounding difference
-        norm = _frobenius(torch.linalg.vector_norm(update, dim=-1, dtype=torch.promote_types(update.dtype, torch.float32)).square())
+    k = selected_row_count(momentum.shape[-2], cfg.fraction)
+    if measure and on_the_way:
+        # the selection (unless given), its norm and the snapshot's factor in one launch on CUDA
+        scale_args = (scaling.norm_scale, scaling.eps) if scaling else ()
+        if rows is None:
+            rows, norm, factor = select_rows(scores, squares, k, *scale_args)
+        else:
+            norm, factor = selection_norm(squares, rows, *scale_args)
         if scaling is None:
-            return PreStep(update, rows, norm)
-        factor = scaling.factor(norm)
-        scaled = update.mul_(factor) if update.dtype == scaling.dtype else (update * factor).to(scaling.dtype)
-        return PreStep(scaled, rows, norm, True)
+            return PreStep(snapshot_rows(momentum, rows, cfg.mu), rows, norm)
+        return PreStep(snapshot_rows(momentum, rows, cfg.mu, factor, scaling.dtype), rows, norm, True)
+    if rows is None:
+        rows = top_rows(scores, k)
     if not measure:
         return PreStep(snapshot_rows(momentum, rows, cfg.mu), rows, None)
-    # the norm over the selected rows (and the snapshot's factor) in one launch on CUDA
-    norm, factor = selection_norm(squares, rows, *((scaling.norm_scale, scaling.eps) if scaling else ()))
+    update = snapshot_rows(momentum, rows, cfg.mu)  # a fresh copy: scaled in place
+    # the same row-wise sums as the momentum pass would give: no rounding difference
+    norm = _frobenius(torch.linalg.vector_norm(update, dim=-1, dtype=torch.promote_types(update.dtype, torch.float32)).square())
     if scaling is None:
-        return PreStep(snapshot_rows(momentum, rows, cfg.mu), rows, norm)
-    return PreStep(snapshot_rows(momentum, rows, cfg.mu, factor, scaling.dtype), rows, norm, True)
+        return PreStep(update, rows, norm)
+    factor = scaling.factor(norm)
+    scaled = update.mul_(factor) if update.dtype == scaling.dtype else (update * factor).to(scaling.dtype)
+    return PreStep(scaled, rows, norm, True)
 
 
 def snapshot_scaling(momentum: Tensor, cfg: RuleConfig, group: dict) -> Optional[InputScaling]:

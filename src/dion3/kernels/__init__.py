@@ -21,6 +21,7 @@ from .reference import (
     selection_norm_reference,
     snapshot_rows_reference,
     symmetric_matmul_reference,
+    top_rows_reference,
 )
 from .configs import uses_long_reduction_config
 from .split import split_symmetric_matmul
@@ -216,6 +217,28 @@ def selection_norm(squares, rows, norm_scale=None, eps: float = 0.0):
     return selection_norm_reference(squares, rows, norm_scale, eps)
 
 
+def _selecting_kernel_ready(scores, k, squares=None) -> bool:
+    return (_triton_ready(scores.device) and _selection_kernel is not None
+            and _selection_kernel.top_rows_supported(scores, k, squares))
+
+
+def top_rows(scores, k: int):
+    """The k rows of each matrix with the largest scores [N, R], ascending [N, k] int64, ties to
+    the lower row (one launch on CUDA for float32 scores; reference.top_rows_reference else)."""
+    if _selecting_kernel_ready(scores, k):
+        return _selection_kernel.top_rows_triton(scores, k)[0]
+    return top_rows_reference(scores, k)
+
+
+def select_rows(scores, squares, k: int, norm_scale=None, eps: float = 0.0):
+    """top_rows and selection_norm of the rows it picks: (rows, norm, factor or None). One
+    launch on CUDA, which also attaches the selection's inverse for the post-update."""
+    if _selecting_kernel_ready(scores, k, squares):
+        return _selection_kernel.top_rows_triton(scores, k, squares, norm_scale, eps)
+    rows = top_rows_reference(scores, k)
+    return (rows, *selection_norm(squares, rows, norm_scale, eps))
+
+
 def fused_row_normalization(ortho, variance, rows, beta2: float, epsilon: float):
     """NorMuon's per-row factors [N, k] (float32) for O [N, k, C], updating the variance buffer
     [N, R, 1] in place at rows [N, k] (None: all rows): O's row norms, then one launch for the
@@ -281,11 +304,13 @@ __all__ = [
     "fused_row_normalization",
     "gram_with_copy",
     "scale_cast",
+    "select_rows",
     "selection_norm",
     "snapshot_rows",
     "symmetric_matmul",
     "post_update",
     "symmetric_kernels_available",
+    "top_rows",
     "symmetric_speedup",
     "set_kernels_enabled",
     "kernels_enabled",

@@ -119,6 +119,21 @@ def snapshot_rows_reference(
     return scale_cast_reference(update, scale, out_dtype or update.dtype)
 
 
+def top_rows_reference(scores: Tensor, k: int) -> Tensor:
+    """The k rows of each matrix with the largest scores [N, R] (non-negative), ascending
+    [N, k] int64; among equal scores the lower rows first, NaN as +inf: the rule of the CUDA
+    kernel too, so that every path and layout picks the same rows even from tied (e.g. all-zero)
+    rows. float32: one topk over distinct int64 keys (the score's bit pattern, which orders
+    like the score, above the reversed row index); wider scores: a stable sort (5× slower on CPU)."""
+    r = scores.shape[-1]
+    if scores.dtype == torch.float32:
+        bits = (scores.contiguous().view(torch.int32) & 0x7FFFFFFF).clamp_max_(0x7F800000)  # −0 as +0, NaN as +inf
+        keys = (bits.to(torch.int64) << 32) | (r - 1 - torch.arange(r, device=scores.device))
+        return keys.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    scores = torch.where(scores.isnan(), torch.inf, scores)
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k].sort(dim=-1).values
+
+
 def selection_norm_reference(
     squares: Tensor, rows: Tensor, norm_scale: Optional[float] = None, eps: float = 0.0
 ) -> tuple[Tensor, Optional[Tensor]]:
