@@ -326,3 +326,26 @@ def test_padded_selection_against_a_row_by_row_reference(seed):
     expected = torch.zeros(count, rows_here, 3)
     expected.view(-1, 3)[torch.tensor([m * rows_here + r for m, rs in enumerate(chosen) for r in rs], dtype=torch.long)] = result
     assert torch.equal(applied, expected)
+
+
+def test_owner_mapping_by_hand():
+    """Blocks of ⌈N/W⌉ matrices for consecutive members from first_owner, moved earlier where the
+    blocks would not fit; a holder owns everything; the same mapping object for the same inputs
+    (built once, not per step)."""
+    from dion3.distributed.plan import Owners
+
+    class Mapping(Owners):
+        def __init__(self, first_owner, count, world_size, holder=None):
+            self.first_owner, self.count, self.world_size, self._holder = first_owner, count, world_size, holder
+
+        def holder(self):
+            return self._holder
+
+    empty = range(0, 0)
+    # 5 matrices over 4 members: blocks of 2 for 3 members; first owner 3 would overflow → 1
+    assert Mapping(3, 5, 4).owners() == (empty, range(0, 2), range(2, 4), range(4, 5))
+    assert Mapping(0, 5, 4).owners() == (range(0, 2), range(2, 4), range(4, 5), empty)
+    assert Mapping(1, 2, 4).owners() == (empty, range(0, 1), range(1, 2), empty)
+    assert Mapping(2, 5, 4, holder=2).owners() == (empty, empty, range(0, 5), empty)
+    assert [Mapping(1, 2, 4).owned(m) for m in range(4)] == list(Mapping(1, 2, 4).owners())
+    assert Mapping(3, 5, 4).owners() is Mapping(3, 5, 4).owners()

@@ -14,7 +14,7 @@ placements in the state entry), which such buckets reach through `pieces`, stack
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import NamedTuple, Optional
 
 import torch.distributed as dist
@@ -45,16 +45,21 @@ class Owners:
         ⌈N/W⌉ for members first_owner, first_owner + 1, ... in member order, so the
         all-to-all's matrix order stays its member order. A subset of the bucket's matrices
         (entries without gradients this step) starts early enough to still fit in the members."""
-        holder = self.holder()
-        if holder is not None:
-            return range(0, self.count) if member == holder else range(0, 0)
-        first = min(self.first_owner, self.world_size - owners_used(self.count, self.world_size))
-        if member < first:
-            return range(0, 0)
-        return owned_matrices(self.count, self.world_size, member - first)
+        return self.owners()[member]
 
-    def owners(self) -> list[range]:
-        return [self.owned(member) for member in range(self.world_size)]
+    def owners(self) -> tuple[range, ...]:
+        """owned(member) for every member, built once per distinct mapping (asked for by every
+        bucket's plan each step; W ranges each)."""
+        return _owner_ranges(self.holder(), self.first_owner, self.count, self.world_size)
+
+
+@lru_cache(maxsize=4096)
+def _owner_ranges(holder: Optional[int], first_owner: int, count: int, world_size: int) -> tuple[range, ...]:
+    if holder is not None:
+        return tuple(range(0, count) if member == holder else range(0, 0) for member in range(world_size))
+    first = min(first_owner, world_size - owners_used(count, world_size))
+    return tuple(range(0, 0) if member < first else owned_matrices(count, world_size, member - first)
+                 for member in range(world_size))
 
 
 @dataclass

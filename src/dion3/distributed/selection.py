@@ -25,7 +25,7 @@ class SplitSizes:
     owns, consecutive in member order, so a sender's rows are grouped by owner already)."""
 
     counts: list[list[int]]
-    owners: list[range]
+    owners: tuple[range, ...]
 
     def send_counts(self, rank: int) -> list[int]:
         """Rows this rank sends to each owner."""
@@ -41,7 +41,7 @@ class RowPlan(SplitSizes):
     counts: list[list[int]]  # counts[s][i]: rows of matrix i that rank s contributes
     rows: Optional[Tensor]  # this rank's contributed rows, flat in [N·chunk]; None = all real rows
     slots: Tensor  # owner side: where each received row goes in [n·K] (exchange.owner_slots)
-    owners: list[range]  # the matrices each rank owns (ShardedBucket.owned)
+    owners: tuple[range, ...]  # the matrices each rank owns (ShardedBucket.owned)
 
     def per_matrix(self) -> int:
         """K: rows each matrix has on its owner (the same for every matrix of the bucket)."""
@@ -124,7 +124,7 @@ class PiecePlan(SplitSizes):
     rows: Optional[Tensor]  # this rank's sent rows, flat in [N·rows held]; None = all rows
     slots: list[Tensor]  # per member s: the owner-side row slot in [n_owned·K] of each row s sends it
     per_matrix: int  # K: rows of each matrix on its owner
-    owners: list[range]  # the matrices each member owns (LayoutBucket.owned)
+    owners: tuple[range, ...]  # the matrices each member owns (LayoutBucket.owned)
 
 
 def _member_rows(bucket, device, group: str = "members") -> list[Tensor]:
