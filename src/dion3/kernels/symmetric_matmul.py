@@ -48,6 +48,16 @@ def _masked_store(d_base, out, rows, cols, n, stride_dm, stride_dn):
 
 
 @triton.jit
+def _below_diagonal_store(d_base, out, rows, cols, n, stride_dm, stride_dn):
+    """A tile wholly below the diagonal and its mirror, masked only at D's edge: a mask that
+    does not vary along a row keeps the stores vectorized (the triangular mask of
+    _masked_store makes every element a store of its own)."""
+    inside = (rows[:, None] < n) & (cols[None, :] < n)
+    tl.store(d_base + rows[:, None] * stride_dm + cols[None, :] * stride_dn, out, mask=inside)
+    tl.store(d_base + cols[:, None] * stride_dm + rows[None, :] * stride_dn, tl.trans(out), mask=tl.trans(inside))
+
+
+@triton.jit
 def _symmetric_matmul_kernel(
     a_ptr, b_ptr, c_ptr, d_ptr, a_desc, b_desc, d_desc, dt_desc,
     n, K, panels,
@@ -121,6 +131,8 @@ def _symmetric_matmul_kernel(
                           tl.trans(out).reshape(1, BLOCK_N, BLOCK_M))
         else:
             _masked_store(d_base, out, rows, cols, n, stride_dm, stride_dn)
+    elif col0 + BLOCK_N <= row0:
+        _below_diagonal_store(d_base, out, rows, cols, n, stride_dm, stride_dn)
     else:
         _masked_store(d_base, out, rows, cols, n, stride_dm, stride_dn)
 
