@@ -241,25 +241,27 @@ def test_orthogonalize_rejects_bad_input():
         get_schedule([(1.0, 2.0)])
 
 
-def _modelled_time(n, m, method, speedup):
+def _modelled_time(n, m, method, speedup, standard_speedup=1.0):
     """Time units of one orthogonalization, products listed by hand: symmetric products run
-    `speedup` times faster than dense ones. Gram NS: 5 steps, one restart after step 2."""
+    `speedup` times faster than dense ones, and every product of standard NS `standard_speedup`
+    times faster than Gram NS's (its compute dtype). Gram NS: 5 steps, one restart after step 2."""
     if method == "newton_schulz":  # per step: X·Xᵀ (sym), A·A (sym), B·X (dense)
-        return 5 * (2 * n * n * m / speedup + 2 * n**3 / speedup + 2 * n * n * m)
+        return 5 * (2 * n * n * m / speedup + 2 * n**3 / speedup + 2 * n * n * m) / standard_speedup
     sym_n3 = 3 + 2 + 3 + 4 + 2  # Z,P,R | Z,QZ | Z,P,R | Z,QZ,P,R | Z,QZ
     return 2 * (2 * n * n * m / speedup) + sym_n3 * 2 * n**3 / speedup + 2 * (2 * n * n * m)
 
 
-@pytest.mark.parametrize("speedup", [1.0, 1.25, 1.6, 2.0])
-def test_choose_method_picks_the_faster_method(speedup):
+@pytest.mark.parametrize("speedup,standard_speedup", [(1.0, 1.0), (1.25, 1.0), (1.6, 1.0), (2.0, 1.0),
+                                                      (1.0, 1.3), (1.0, 2.2), (1.6, 1.5)])
+def test_choose_method_picks_the_faster_method(speedup, standard_speedup):
     from dion3.ortho import choose_method
 
     n = 512
-    for m in range(n, 4 * n, 16):
-        times = {method: _modelled_time(n, m, method, speedup) for method in ("newton_schulz", "gram")}
+    for m in range(n, 32 * n, 16):
+        times = {method: _modelled_time(n, m, method, speedup, standard_speedup) for method in ("newton_schulz", "gram")}
         faster = min(times, key=times.get)
         if abs(times["gram"] - times["newton_schulz"]) < 1e-3 * times["gram"]:
             continue  # a tie: either is right
-        assert choose_method(n, m, speedup) == faster, (m / n, speedup, times)
-        assert choose_method(m, n, speedup) == faster  # tall inputs are transposed
+        assert choose_method(n, m, speedup, standard_speedup) == faster, (m / n, speedup, times)
+        assert choose_method(m, n, speedup, standard_speedup) == faster  # tall inputs are transposed
     assert choose_method(n, n, 2.0) == "newton_schulz"

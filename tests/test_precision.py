@@ -9,7 +9,7 @@ import torch
 from dion3 import Muon
 from dion3 import rules
 from dion3.ortho import SCHEDULES, orthogonalize, precision, set_cpu_compute_dtype
-from dion3.ortho.newton_schulz import default_compute_dtype
+from dion3.ortho.newton_schulz import default_compute_dtype, resolve_method
 from dion3.ortho.quality import relative_difference
 from reference import ReferenceOptimizer
 from test_ortho import known_svd, polynomial_image, scalar_image
@@ -109,6 +109,31 @@ def test_only_standard_ns_on_float32_inputs_follows_the_cpu_choice(monkeypatch, 
     assert default_compute_dtype(CPU, "gram", torch.float32) == torch.float32  # bf16 Gram NS drifts
     assert default_compute_dtype(CPU, "newton_schulz", torch.float64) == torch.float64
     assert default_compute_dtype(CPU, "gram", torch.float64) == torch.float64
+
+
+@pytest.mark.parametrize("rows", [64, 96, 256])
+def test_auto_method_weighs_bf16_standard_ns_against_float32_gram_ns(monkeypatch, fresh_choice, rows):
+    """Where standard NS runs in bf16 on a CPU whose bf16 products measured fast, "auto" keeps
+    it for wide inputs up to m/n ≈ 21.6 (BF16_NOMINAL_SPEEDUP; Gram NS is float32 there);
+    below BF16_MIN_ROWS rows, and on float32 CPUs, Gram NS takes over above m/n = 1.5."""
+    fake_cpu(monkeypatch, "AVX512", speedup=3.0)
+    bf16_rows = rows >= precision.BF16_MIN_ROWS
+    assert precision.cpu_standard_speedup(rows) == (precision.BF16_NOMINAL_SPEEDUP if bf16_rows else 1.0)
+    for ratio, bf16_choice in [(1.4, "newton_schulz"), (4, "newton_schulz"), (16, "newton_schulz"), (24, "gram")]:
+        x = torch.zeros(1, rows, int(rows * ratio))
+        expected = bf16_choice if bf16_rows else ("gram" if ratio > 1.5 else "newton_schulz")
+        assert resolve_method(x, "auto") == expected, ratio
+        assert resolve_method(x.mT, "auto") == expected, ratio  # tall: the same wide problem
+    set_cpu_compute_dtype(torch.float32)
+    assert precision.cpu_standard_speedup(rows) == 1.0
+    assert resolve_method(torch.zeros(1, rows, 4 * rows), "auto") == "gram"
+
+
+def test_forced_bf16_on_a_slow_cpu_keeps_the_float32_method_rule(monkeypatch, fresh_choice):
+    fake_cpu(monkeypatch, "AVX512", speedup=0.5)
+    set_cpu_compute_dtype("bfloat16")
+    assert precision.cpu_standard_speedup(256) == 1.0
+    assert resolve_method(torch.zeros(1, 256, 1024), "auto") == "gram"
 
 
 def test_real_measurement_returns_a_ratio():

@@ -13,24 +13,31 @@ from torch import Tensor
 
 from ..kernels import contiguous_cast, gram_with_copy, scale_cast, symmetric_matmul, symmetric_speedup
 from .coefficients import CoefficientSpec, Schedule, get_schedule
-from .precision import cpu_compute_dtype
+from .precision import cpu_compute_dtype, cpu_standard_speedup
 from .restarts import default_restarts
 
 METHODS = ("auto", "newton_schulz", "gram")
 _NORM_EPS = 1e-7
 
 
-def choose_method(rows: int, cols: int, symmetric_speedup: float = 1.0) -> str:
-    """Standard or Gram NS, whichever costs less time for an n×m input (n ≤ m).
+def choose_method(rows: int, cols: int, symmetric_speedup: float = 1.0, standard_speedup: float = 1.0) -> str:
+    """Standard or Gram NS, whichever costs less time for an n×m input (n ≤ m, r = m/n).
 
-    With every symmetric product running `symmetric_speedup` times faster than a dense one,
+    With every symmetric product running `symmetric_speedup` (s) times faster than a dense one,
     5 steps of standard NS cost 5·(2n²m/s + 2n³/s + 2n²m) and Gram NS with one restart
-    4n²m/s + 28n³/s + 4n²m, so Gram wins when m/n > 3/(1 + s): 1.5 on dense GEMMs (DESIGN §3),
-    1 with ideal symmetric kernels (s = 2). Square matrices always use standard NS.
+    4n²m/s + 28n³/s + 4n²m. `standard_speedup` (t) is how much faster standard NS's compute
+    dtype multiplies than Gram NS's (1 on GPUs: bf16 and fp16; a CPU running standard NS in
+    bf16 and Gram NS in float32: see cpu_standard_speedup). Gram wins when
+    r·(10/(st) + 10/t − 4/s − 4) > 28/s − 10/(st): with t = 1, r > 3/(1 + s), that is 1.5 on
+    dense GEMMs (DESIGN §3) and 1 with ideal symmetric kernels (s = 2); with s = 1, t = 2.2,
+    r > 21.6. Square matrices always use standard NS.
     """
     n, m = min(rows, cols), max(rows, cols)
-    threshold = 3.0 / (1.0 + symmetric_speedup)
-    return "gram" if m > threshold * n and m > n else "newton_schulz"
+    s, t = symmetric_speedup, standard_speedup
+    slope = 10 / (s * t) + 10 / t - 4 / s - 4
+    if m <= n or slope <= 0:
+        return "newton_schulz"
+    return "gram" if m * slope > n * (28 / s - 10 / (s * t)) else "newton_schulz"
 
 
 def resolve_method(x: Tensor, method: str) -> str:
@@ -41,7 +48,9 @@ def resolve_method(x: Tensor, method: str) -> str:
 def _resolve(rows: int, cols: int, device: torch.device, method: str) -> str:
     if method != "auto":
         return method
-    return choose_method(rows, cols, symmetric_speedup(device, min(rows, cols)))
+    if device.type == "cuda":
+        return choose_method(rows, cols, symmetric_speedup(device, min(rows, cols)))
+    return choose_method(rows, cols, 1.0, cpu_standard_speedup(min(rows, cols)))
 
 
 def default_compute_dtype(device: torch.device, method: str, input_dtype: torch.dtype = torch.float32) -> torch.dtype:

@@ -8,6 +8,9 @@ product and take bf16 only when it is at least BF16_MIN_SPEEDUP times faster. (A
 alone is not enough: its dot product does as many flops per cycle as float32 FMAs, and on such a
 2-core Xeon with torch 2.13 a bf16 256×256 product runs at half the float32 speed.)
 
+Where standard NS runs in bf16, the "auto" method choice weighs that: cpu_standard_speedup gives
+ortho.choose_method how much faster standard NS multiplies than Gram NS's float32.
+
 Gram NS stays float32 on CPU whatever this says: in bf16 its Gram-matrix recursion loses more
 than restarts recover (relative error 0.08–0.8 against 0.01–0.06 in fp16, on 1e-2…1e-6 spectra),
 and fp16 products on CPU are no faster than float32.
@@ -27,6 +30,13 @@ from typing import Optional, Union
 import torch
 
 ENV_VAR = "DION3_CPU_NS_DTYPE"
+# Standard NS in bf16 against Gram NS in float32 on a 2-core AMD EPYC with AVX-512 BF16, torch
+# 2.13 (benchmarks/results/cpu-step-2026-12-01.md): 1.3–1.7× faster for batches of n ≥ 96 rows at
+# m/n ≤ 16, 0.94× at 256×8192, so products in bf16 count as 2.2 times faster there (with it
+# choose_method keeps Gram NS above m/n ≈ 21.6); below 96 rows bf16 products gain nothing
+# (8×64×512: Gram 0.90× of standard's time; 8×16×256: 0.33×).
+BF16_NOMINAL_SPEEDUP = 2.2
+BF16_MIN_ROWS = 96
 BF16_MIN_SPEEDUP = 1.3  # bf16 costs accuracy: take it only for a clear gain
 _NAMES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 _CHOICES = (None, torch.float32, torch.bfloat16)
@@ -61,6 +71,17 @@ def cpu_compute_dtype() -> torch.dtype:
     if chosen is not None:
         return chosen
     return torch.bfloat16 if native_bf16_matmul() else torch.float32
+
+
+def cpu_standard_speedup(rows: int) -> float:
+    """How much faster standard NS multiplies n×n and n×m blocks (n = rows) than Gram NS on
+    this CPU: BF16_NOMINAL_SPEEDUP where standard NS runs in bf16 on a CPU whose bf16 products
+    measured fast and n ≥ BF16_MIN_ROWS, else 1 (both float32, or bf16 forced where it is not
+    faster). A fixed figure rather than the measured ratio: the method must not flip between
+    runs with the timing noise of a shared machine."""
+    if rows < BF16_MIN_ROWS or cpu_compute_dtype() != torch.bfloat16 or not native_bf16_matmul():
+        return 1.0
+    return BF16_NOMINAL_SPEEDUP
 
 
 def _may_have_bf16_arithmetic(capability: str, machine: str) -> bool:
