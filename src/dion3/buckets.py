@@ -110,17 +110,3 @@ def write_back_subset(bucket, sub, sources: dict) -> None:
     for key, targets in sources.items():
         stepped = torch.split(getattr(sub, key), [t.shape[0] for t in targets])
         torch._foreach_copy_(targets, list(stepped))
-
-
-def bucket_chunk(bucket: Bucket, start: int, stop: int) -> Bucket:
-    """Entries start..stop-1 of a stacked bucket as a bucket of their own whose state buffers
-    are views of the bucket's (no copies: stepping the chunk steps those entries)."""
-    if bucket.momentum is None:
-        raise ValueError("bucket_chunk needs a bucket with stacked state (no `pieces`)")
-    first = sum(v.shape[0] for v in bucket.views[:start])
-    last = first + sum(v.shape[0] for v in bucket.views[start:stop])
-    return Bucket(
-        shape=bucket.shape, params=bucket.params[start:stop], views=bucket.views[start:stop],
-        blocks=bucket.blocks[start:stop], momentum=bucket.momentum[first:last],
-        variance=None if bucket.variance is None else bucket.variance[first:last], mesh=bucket.mesh,
-    )

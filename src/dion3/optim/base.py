@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import distributed, rules
 from ..buckets import Bucket, add_matrix, bucket_subset, matrix_view, write_back_subset
-from . import overlap, scalar
+from . import scalar
 from .validation import (
     ALIASES,
     MATRIX_ALGORITHMS,
@@ -225,16 +225,8 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                 alone += [(group, b) for b in buckets if type(b) is Bucket and b.mesh is None]
         if self._is_distributed():
             self._distributed_matrix_step()
-        whole = [(g, b) for g, b in alone if overlap.whole_step(b)]
         for group, bucket in alone:
-            if not overlap.whole_step(bucket):
-                self._matrix_step(bucket, group)
-        pieces = overlap.schedule(whole)
-        if pieces is not None:
-            overlap.overlapped_steps(pieces, self._begin_matrix_step, self._orthogonalize_step, self._finish_matrix_step)
-        else:
-            for group, bucket in whole:
-                self._matrix_step(bucket, group)
+            self._matrix_step(bucket, group)
         for group in self.param_groups:
             if group["algorithm"] in SCALAR_ALGORITHMS:
                 self._scalar_step(group)
@@ -315,33 +307,18 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             return
         if len(with_grad) < len(bucket.params) or bucket.pieces is not None:
             return self._partial_step(bucket, with_grad, group)
-        begun = self._begin_matrix_step(bucket, group)
-        self._finish_matrix_step(bucket, group, begun, self._orthogonalize_step(begun, group))
-
-    # The three phases of a whole bucket's step: memory-bound passes over momentum and
-    # parameters around the compute-bound orthogonalization (optim/overlap.py runs them on
-    # two CUDA streams, one bucket's passes beside another's Newton–Schulz).
-    def _begin_matrix_step(self, bucket: Bucket, group: dict) -> rules.PreStep:
-        """Momentum, selection and snapshot: U and what the later phases need of it."""
         cfg = self.rule_config(group)
-        return rules.pre_step(bucket.momentum, bucket.grads(group["flatten"]), cfg, want_norm=True,
-                              scaling=rules.snapshot_scaling(bucket.momentum, cfg, group))
-
-    @staticmethod
-    def _orthogonalize_step(begun: rules.PreStep, group: dict) -> Tensor:
-        return rules.orthogonalize_rows(begun.update, group["orthogonalizer"], group["ns_coefficients"],
-                                        begun.norm, begun.normalized)
-
-    def _finish_matrix_step(self, bucket: Bucket, group: dict, begun: rules.PreStep, ortho: Tensor) -> None:
-        """NorMuon/Dion3 normalization and the update of the parameters."""
-        cfg = self.rule_config(group)
+        grads = bucket.grads(group["flatten"])
+        update, rows, norm, normalized = rules.pre_step(
+            bucket.momentum, grads, cfg, want_norm=True, scaling=rules.snapshot_scaling(bucket.momentum, cfg, group))
+        ortho = rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"], norm, normalized)
         # NorMuon/Dion3: per-row factors, applied inside the fused post-update (no normalized
         # copy of O is written); the variance of the rows is updated in the bucket's buffer
         row_scale = None
         if cfg.normalize:
-            row_scale = rules.row_normalization_in_place(ortho, bucket.variance, begun.rows, cfg.beta2, cfg.epsilon)
+            row_scale = rules.row_normalization_in_place(ortho, bucket.variance, rows, cfg.beta2, cfg.epsilon)
         scale = rules.lr_scale(group["adjust_lr"], *bucket.shape)
-        rules.apply_update(bucket.views, ortho, begun.rows, group["lr"], group["weight_decay"], scale, row_scale)
+        rules.apply_update(bucket.views, ortho, rows, group["lr"], group["weight_decay"], scale, row_scale)
 
     def _partial_step(self, bucket: Bucket, keep: list[int], group: dict) -> None:
         """Only some entries of the bucket have gradients, or its state lives in parameter-shaped
