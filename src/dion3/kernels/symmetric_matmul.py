@@ -58,6 +58,16 @@ def _below_diagonal_store(d_base, out, rows, cols, n, stride_dm, stride_dn):
 
 
 @triton.jit
+def _diagonal_store(d_base, out, rows, cols, n, stride_dm, stride_dn):
+    """A square tile on the diagonal, its lower part mirrored onto its upper part in registers,
+    stored once with masks only at D's edge (vectorized, and deterministic: storing the tile and
+    its transpose over each other would leave whichever store landed last)."""
+    symmetric = tl.where(rows[:, None] >= cols[None, :], out, tl.trans(out))
+    inside = (rows[:, None] < n) & (cols[None, :] < n)
+    tl.store(d_base + rows[:, None] * stride_dm + cols[None, :] * stride_dn, symmetric, mask=inside)
+
+
+@triton.jit
 def _symmetric_matmul_kernel(
     a_ptr, b_ptr, c_ptr, d_ptr, a_desc, b_desc, d_desc, dt_desc,
     n, K, panels,
@@ -129,10 +139,14 @@ def _symmetric_matmul_kernel(
             d_desc.store([batch.to(tl.int32), offset + row0, offset + col0], out.reshape(1, BLOCK_M, BLOCK_N))
             dt_desc.store([batch.to(tl.int32), offset + col0, offset + row0],
                           tl.trans(out).reshape(1, BLOCK_N, BLOCK_M))
+        elif RATIO == 1:  # square tiles: this one lies on the diagonal
+            _diagonal_store(d_base, out, rows, cols, n, stride_dm, stride_dn)
         else:
             _masked_store(d_base, out, rows, cols, n, stride_dm, stride_dn)
     elif col0 + BLOCK_N <= row0:
         _below_diagonal_store(d_base, out, rows, cols, n, stride_dm, stride_dn)
+    elif RATIO == 1:
+        _diagonal_store(d_base, out, rows, cols, n, stride_dm, stride_dn)
     else:
         _masked_store(d_base, out, rows, cols, n, stride_dm, stride_dn)
 
