@@ -544,7 +544,10 @@ def test_hopper_tiling_rule_follows_wave_counts():
     # n = 1024: 2048 is the wide tiles' floor; 32 × (1 + … + 8) = 1152 square tiles ≥ 528
     assert default_tiling(32, 1, 1024, 4096, False, sms) == NARROW
     assert default_tiling(14, 1, 1024, 1024, True, sms) is None  # 14 × 36 = 504 < 528
-    assert default_tiling(15, 1, 1024, 1024, True, sms) == NARROW  # 540
+    assert default_tiling(15, 1, 1024, 1024, True, sms) == WIDE  # 540: a short square product takes wide tiles
+    assert default_tiling(15, 1, 1024, 1024, False, sms) == WIDE
+    assert default_tiling(64, 1, 1024, 1025, True, sms) == NARROW  # a reduction longer than the block
+    assert default_tiling(15, 1, 1152, 1152, True, sms) == NARROW  # 1152 is no multiple of 256
     assert default_tiling(64, 1, 512, 2048, False, sms) is None  # below 1024 rows: Triton kernel
     assert default_tiling(8, 1, 1152, 4096, False, sms) is None  # 1152 = 9·128 rows: 8 × 45 = 360 < 528
     assert default_tiling(16, 1, 1152, 4096, False, sms) == NARROW  # 720
