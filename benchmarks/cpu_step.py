@@ -12,6 +12,11 @@ over whenever a neighbour takes a core, and that column shows the step without i
     PYTHONPATH=src python benchmarks/cpu_step.py
     PYTHONPATH=src python benchmarks/cpu_step.py --optimizers dion3-1/4,muon --steps 60 --repeats 5
     DION3_CPU_NS_DTYPE=float32 PYTHONPATH=src python benchmarks/cpu_step.py   # the float32 path
+    PYTHONPATH=src python benchmarks/cpu_step.py --public PATH --steps 10 --repeats 10   # beside the public code
+
+--public PATH names a folder holding the public Dion code's `dion` package (from a checkout of
+its repository; not part of dion3): its Dion3, Muon and NorMuon are then timed in the same
+interleaved repeats (the first repeat's warm-up pays its torch.compile).
 """
 from __future__ import annotations
 
@@ -61,10 +66,30 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+PUBLIC_PREFIX = "public-"
+
+
+def public_optimizer(name: str, params):
+    """The public Dion code's optimizer for a `public-` variant (imported from --public's
+    folder): Dion3 (its NorDion2) with fraction F, lr 0.01 and weight decay 0.01, or Muon /
+    NorMuon with their defaults (also lr 0.01, weight decay 0.01)."""
+    import dion  # the public package, on sys.path from --public
+
+    if not torch.cuda.is_available():  # its step asks this, which a CPU-only torch cannot answer
+        torch.cuda.is_current_stream_capturing = lambda: False
+    variant = name[len(PUBLIC_PREFIX):]
+    if variant.startswith("dion3-"):
+        return dion.Dion3(params, lr=0.01, fraction=parse_variant(variant).fraction, weight_decay=0.01)
+    return {"muon": dion.Muon, "normuon": dion.NorMuon}[variant](params)
+
+
 def timed_steps(name: str, preset, warmup: int, steps: int) -> list[float]:
     torch.manual_seed(0)
     matrices, _ = make_parameters(preset, torch.device("cpu"), with_scalars=False)
-    optimizer = make_optimizer(parse_variant(name), matrices, [], torch.device("cpu"), graph=False)
+    if name.startswith(PUBLIC_PREFIX):
+        optimizer = public_optimizer(name, matrices)
+    else:
+        optimizer = make_optimizer(parse_variant(name), matrices, [], torch.device("cpu"), graph=False)
     for _ in range(warmup):
         optimizer.step()
     times = []
@@ -88,11 +113,17 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed steps per optimizer and repeat")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved passes over the optimizer list")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--public", metavar="PATH",
+                        help="folder holding the public Dion code's `dion` package: adds public-dion3-1/4, "
+                             "public-muon and public-normuon to the list, timed interleaved with ours")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     preset = llama("cpu-step", args.layers, args.dim, args.kv_dim, args.hidden, vocab=1, tied=True)
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    if args.public:
+        sys.path.insert(0, args.public)
+        names += [PUBLIC_PREFIX + n for n in ("dion3-1/4", "muon", "normuon") if PUBLIC_PREFIX + n not in names]
     times: dict[str, list[float]] = {n: [] for n in names}
     repeat_medians: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(args.repeats):
