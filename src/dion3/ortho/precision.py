@@ -31,9 +31,9 @@ import torch
 
 ENV_VAR = "DION3_CPU_NS_DTYPE"
 # Standard NS in bf16 against Gram NS in float32 on a 2-core AMD EPYC with AVX-512 BF16, torch
-# 2.13 (benchmarks/results/cpu-step-2026-12-01.md): 1.3–1.7× faster for batches of n ≥ 96 rows at
-# m/n ≤ 16, 0.94× at 256×8192, so products in bf16 count as 2.2 times faster there (with it
-# choose_method keeps Gram NS above m/n ≈ 21.6); below 96 rows bf16 products gain nothing
+# 2.13 (benchmarks/results/cpu-step-epyc-avx512bf16-2026-12-01.md): 1.1–1.7× faster for batches of
+# n ≥ 96 rows at m/n ≤ 16, 0.94× at 256×8192, so products in bf16 count as 2.2 times faster there
+# (with it choose_method keeps Gram NS above m/n ≈ 21.6); below 96 rows bf16 products gain nothing
 # (8×64×512: Gram 0.90× of standard's time; 8×16×256: 0.33×).
 BF16_NOMINAL_SPEEDUP = 2.2
 BF16_MIN_ROWS = 96
