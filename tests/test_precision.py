@@ -124,6 +124,8 @@ def test_auto_method_weighs_bf16_standard_ns_against_float32_gram_ns(monkeypatch
         expected = bf16_choice if bf16_rows else ("gram" if ratio > 1.5 else "newton_schulz")
         assert resolve_method(x, "auto") == expected, ratio
         assert resolve_method(x.mT, "auto") == expected, ratio  # tall: the same wide problem
+    # float64 inputs run both methods in float64: the plain rule
+    assert resolve_method(torch.zeros(1, rows, 4 * rows, dtype=torch.float64), "auto") == "gram"
     set_cpu_compute_dtype(torch.float32)
     assert precision.cpu_standard_speedup(rows) == 1.0
     assert resolve_method(torch.zeros(1, rows, 4 * rows), "auto") == "gram"

@@ -42,14 +42,16 @@ def choose_method(rows: int, cols: int, symmetric_speedup: float = 1.0, standard
 
 def resolve_method(x: Tensor, method: str) -> str:
     """The concrete method "auto" stands for on this input (see choose_method)."""
-    return _resolve(x.shape[-2], x.shape[-1], x.device, method)
+    return _resolve(x.shape[-2], x.shape[-1], x.device, method, x.dtype)
 
 
-def _resolve(rows: int, cols: int, device: torch.device, method: str) -> str:
+def _resolve(rows: int, cols: int, device: torch.device, method: str, input_dtype: torch.dtype = torch.float32) -> str:
     if method != "auto":
         return method
     if device.type == "cuda":
         return choose_method(rows, cols, symmetric_speedup(device, min(rows, cols)))
+    if input_dtype == torch.float64:  # both methods compute in float64 (default_compute_dtype)
+        return choose_method(rows, cols)
     return choose_method(rows, cols, 1.0, cpu_standard_speedup(min(rows, cols)))
 
 
@@ -86,7 +88,7 @@ def input_scaling(
 ) -> InputScaling:
     """The scaling orthogonalize(x, method, coefficients) applies to a rows×cols input on this
     device (tall inputs are scaled the same way, then transposed)."""
-    method = _resolve(rows, cols, torch.device(device), method)
+    method = _resolve(rows, cols, torch.device(device), method, input_dtype)
     return InputScaling(default_compute_dtype(torch.device(device), method, input_dtype),
                         get_schedule(coefficients).norm_scale)
 
