@@ -323,4 +323,4 @@ def worker(rank: int, world: int, out_path: str, counts: dict) -> None:
         with open(f"{out_path}.rank{rank}.json", "w") as f:
             json.dump(report, f, indent=1)
     finally:
-        gloo.stop()
+        gloo.stop(f"{out_path}.store")

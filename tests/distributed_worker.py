@@ -326,7 +326,5 @@ def worker(rank: int, world: int, out_path: str) -> None:
 
 
 if __name__ == "__main__":  # manual run: python tests/distributed_worker.py WORLD OUT.json
-    import torch.multiprocessing as mp
-
-    mp.spawn(worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=int(sys.argv[1]))
+    gloo.spawn(worker, (int(sys.argv[1]), sys.argv[2]), int(sys.argv[1]), f"{sys.argv[2]}.store")
     print(open(sys.argv[2]).read())

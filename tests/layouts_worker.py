@@ -481,11 +481,9 @@ def worker(rank: int, world: int, out_path: str, which: str) -> None:
             with open(out_path, "w") as f:
                 json.dump(results, f, indent=1)
     finally:
-        gloo.stop()
+        gloo.stop(f"{out_path}.store")
 
 
 if __name__ == "__main__":  # manual run: python tests/layouts_worker.py WORLD dp_tp|hsdp_tp|pp_dp_tp OUT.json
-    import torch.multiprocessing as mp
-
-    mp.spawn(worker, args=(int(sys.argv[1]), sys.argv[3], sys.argv[2]), nprocs=int(sys.argv[1]))
+    gloo.spawn(worker, (int(sys.argv[1]), sys.argv[3], sys.argv[2]), int(sys.argv[1]), f"{sys.argv[3]}.store")
     print(open(sys.argv[3]).read())

@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch.multiprocessing as mp
 
 import distributed_properties_worker as worker
+import gloo
 
 PER_PAIR = 2  # examples per layout × algorithm pair (sharded Dion3 pairs get a multiple)
 EXAMPLES = {  # per world size; each example runs a few optimizer steps on several ranks
@@ -37,7 +37,7 @@ def reports(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"props{world}") / "report"
     counts = dict(EXAMPLES, steps_follow_the_rules=PER_PAIR)
-    mp.spawn(worker.worker, args=(world, str(out), counts), nprocs=world)
+    gloo.spawn(worker.worker, (world, str(out), counts), world, f"{out}.store")
     return [json.loads(out.with_name(f"report.rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -12,7 +12,6 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -103,7 +102,7 @@ def phase(rank: int, world: int, store: str, load_from: str, save_to: str, out: 
             with open(out, "w") as f:
                 json.dump(errors, f)
     finally:
-        gloo.stop()
+        gloo.stop(store)
 
 
 def resumed_error(kind: str, mesh, world: int, rank: int, checkpoint: str) -> float:
@@ -127,7 +126,7 @@ def resumed_error(kind: str, mesh, world: int, rank: int, checkpoint: str) -> fl
 
 
 def spawn(world: int, store, load_from="", save_to="", out="") -> None:
-    mp.spawn(phase, args=(world, str(store), str(load_from), str(save_to), str(out)), nprocs=world)
+    gloo.spawn(phase, (world, str(store), str(load_from), str(save_to), str(out)), world, str(store))
 
 
 @pytest.fixture(scope="module")
