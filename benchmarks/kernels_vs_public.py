@@ -9,6 +9,9 @@ median (it clears L2 between calls), all in one process on one GPU.
 not part of dion3). Its kernels autotune on first use of each shape; the configuration they
 pick is reported. --configs also times dion3's Triton kernel with each config of CONFIGS
 (where a tile shape, warp count or pipeline depth of the table might be the difference).
+--rounds N times every column N times, round-robin (each round in a rotated order), and reports
+the median of the N medians with their range: for rows whose columns differ by about the
+run-to-run spread.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import argparse
 import datetime
 import importlib.util
 import json
+import statistics
 import sys
 
 import torch
@@ -121,7 +125,7 @@ def max_rel_error(out, exact) -> float:
     return float((out.double() - exact).abs().max() / exact.abs().max())
 
 
-def bench_shape(public, label, batch, n, k, product, with_configs: bool) -> dict:
+def bench_shape(public, label, batch, n, k, product, with_configs: bool, rounds: int = 1) -> dict:
     a, b, c, alpha, beta = inputs(batch, n, k, product)
     exact = symmetric_matmul_reference(a.double(), b.double(), None if c is None else c.double(), alpha, beta)
     flops = 2.0 * batch * n * n * k
@@ -150,10 +154,17 @@ def bench_shape(public, label, batch, n, k, product, with_configs: bool) -> dict
         try:
             result = fn()
             row["error"][name] = max_rel_error(result, exact)
-            row["ms"][name] = median_ms(fn)
         except Exception as error:  # one failing variant must not end the run
-            row["ms"][name] = None
             row["error"][name] = f"{type(error).__name__}: {error}"[:200]
+    timed = [name for name in runs if not isinstance(row["error"][name], str)]
+    samples = {name: [] for name in timed}
+    for round_number in range(rounds):
+        shift = round_number % len(timed)
+        for name in timed[shift:] + timed[:shift]:
+            samples[name].append(median_ms(runs[name]))
+    row["ms"] = {name: (statistics.median(samples[name]) if name in samples else None) for name in runs}
+    if rounds > 1:
+        row["rounds"] = samples
     if public is not None:
         kernel = public.ns_line_1_kernel if product == "gram" else public.ns_line_2_kernel
         best = getattr(kernel, "best_config", None)
@@ -161,7 +172,9 @@ def bench_shape(public, label, batch, n, k, product, with_configs: bool) -> dict
     base = row["ms"]["cublas"]
     row["speedup"] = {name: (base / ms if ms else None) for name, ms in row["ms"].items()}
     row["effective_tflops"] = {name: (flops / ms / 1e9 if ms else None) for name, ms in row["ms"].items()}
-    cells = "  ".join(f"{name} {ms:.3f} ms (x{base / ms:.2f})" for name, ms in row["ms"].items() if ms)
+    spread = {name: f" [{min(times):.3f}–{max(times):.3f}]" for name, times in row.get("rounds", {}).items()}
+    cells = "  ".join(f"{name} {ms:.3f} ms{spread.get(name, '')} (x{base / ms:.2f})"
+                      for name, ms in row["ms"].items() if ms)
     print(f"{label} [dion3: {row['path']}]: {cells}  public config: {row.get('public_config')}", flush=True)
     del a, b, c, exact, out
     torch.cuda.empty_cache()
@@ -174,8 +187,11 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="compare,llama", help="comma list of shape sets: " + ",".join(SHAPES))
     parser.add_argument("--match", default="", help="only the shapes whose label contains this text")
     parser.add_argument("--configs", action="store_true", help="also time dion3's Triton kernel with CONFIGS")
+    parser.add_argument("--rounds", type=int, default=1, help="time every column this many times, round-robin")
     parser.add_argument("--json", help="write the rows as JSON here")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -188,7 +204,7 @@ def main(argv=None) -> int:
     rows = []
     for name in args.shapes.split(","):
         for shape in (s for s in SHAPES[name] if args.match in s[0]):
-            rows.append(bench_shape(public, *shape, with_configs=args.configs))
+            rows.append(bench_shape(public, *shape, with_configs=args.configs, rounds=args.rounds))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(dict(environment=env, rows=rows), handle, indent=1)
