@@ -158,7 +158,7 @@ def bench_shape(public, label, batch, n, k, product, with_configs: bool, rounds:
             row["error"][name] = f"{type(error).__name__}: {error}"[:200]
     timed = [name for name in runs if not isinstance(row["error"][name], str)]
     samples = {name: [] for name in timed}
-    for round_number in range(rounds):
+    for round_number in range(rounds if timed else 0):
         shift = round_number % len(timed)
         for name in timed[shift:] + timed[:shift]:
             samples[name].append(median_ms(runs[name]))

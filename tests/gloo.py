@@ -29,15 +29,14 @@ def start(rank: int, world: int, store: str) -> None:
                             timeout=datetime.timedelta(seconds=120))
 
 
-def stop(store: str | None = None) -> None:
+def stop(store: str) -> None:
     """Leave the group together: tearing gloo down while a peer still talks to it can abort
-    the process ("terminate called without an active exception"). With `store`, mark this rank
-    finished once every rank reached the barrier (all its work done), so that `spawn` can tell
-    a crash in gloo's teardown from one in the work."""
+    the process ("terminate called without an active exception"). Once every rank reached the
+    barrier (all its work done) this rank is marked finished beside `store`, so that `spawn`
+    can tell a crash in gloo's teardown from one in the work."""
     try:
         dist.barrier()
-        if store is not None:
-            Path(_finished_path(store, dist.get_rank())).touch()
+        Path(_finished_path(store, dist.get_rank())).touch()
     finally:
         dist.destroy_process_group()
 
