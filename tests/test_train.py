@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from dion3 import Dion3, param_groups
+from dion3 import Dion3, Muon, NorMuon, param_groups
 from dion3.train import compare, data
 from dion3.train.model import GPT, GPTConfig, padded_vocab
 from dion3.optim.graph import to_device_scalars
@@ -197,6 +197,51 @@ def test_param_groups_never_guess_the_head():
         param_groups(model, lm_head=nn.Linear(2, 2))
     with pytest.raises(ValueError, match="algorithm must be one of"):
         param_groups(model, lm_head="lm_head", algorithm="sgd")
+
+
+@pytest.mark.parametrize("named", [None, "dion3"])
+def test_param_groups_leave_the_algorithm_to_the_optimizer_class(exact_orthogonalizer, named):
+    """The same param_groups(...) under Muon, NorMuon and Dion3 run three algorithms: each class's
+    matrices follow the float64 reference of its own rule, the AdamW groups follow torch's AdamW,
+    and the three trajectories differ. An algorithm named in param_groups runs under every class."""
+    from reference import ReferenceOptimizer
+
+    hyper = dict(lr=0.05, mu=0.9, fraction=0.5)
+    finals = {}
+    for cls in (Muon, NorMuon, Dion3):
+        torch.manual_seed(1)
+        model = GPT(TINY).double()
+        groups = param_groups(model, lm_head="lm_head", algorithm=named, **hyper)
+        assert ("algorithm" in groups[0]) == (named is not None)
+        optimizer = cls(groups)
+        runs = {"muon": Muon, "normuon": NorMuon, "dion3": Dion3}
+        algorithm = named or {value: key for key, value in runs.items()}[cls]
+        assert optimizer.param_groups[0]["algorithm"] == algorithm
+        matrices = optimizer.param_groups[0]["params"]
+        reference = ReferenceOptimizer(matrices, algorithm, weight_decay=0.01, **hyper)
+        scalar_groups = optimizer.param_groups[1:]
+        others = [p for g in scalar_groups for p in g["params"]]
+        twin_groups = [dict(params=[p.detach().clone().requires_grad_() for p in g["params"]], lr=g["lr"],
+                            weight_decay=g["weight_decay"]) for g in scalar_groups]
+        twins = [p for g in twin_groups for p in g["params"]]
+        adamw = torch.optim.AdamW(twin_groups, betas=(0.9, 0.95), eps=1e-8)
+        for _ in range(3):
+            grads = [torch.randn_like(p) for p in matrices + others]
+            for p, g in zip(matrices + others + twins, grads + grads[len(matrices):]):
+                p.grad = g.clone()
+            optimizer.step()
+            reference.step(grads[: len(matrices)])
+            adamw.step()
+        for p, expected in zip(matrices, reference.params):
+            torch.testing.assert_close(p.detach(), expected, rtol=2e-6, atol=2e-7)
+        for p, twin in zip(others, twins):  # dion3's AdamW keeps its step count (bias correction) in float32
+            torch.testing.assert_close(p.detach(), twin.detach(), rtol=1e-6, atol=1e-8)
+        finals[cls] = torch.cat([p.detach().flatten() for p in matrices])
+    gaps = [(finals[a] - finals[b]).abs().max().item() for a, b in ((Muon, NorMuon), (Muon, Dion3), (NorMuon, Dion3))]
+    if named is None:
+        assert min(gaps) > 1e-3  # three algorithms, three trajectories
+    else:
+        assert max(gaps) == 0.0  # the named algorithm, whatever the class
 
 
 # ----------------------------------------------------------------------------- training

@@ -3,7 +3,8 @@
 The optimizer cannot tell an embedding table or an LM head from a hidden weight matrix, and
 orthogonalizing those hurts, so the split is done here from the model's structure:
 
-* hidden weight matrices (≥ 2-D, outside embeddings and the LM head) → the orthogonal algorithm;
+* hidden weight matrices (≥ 2-D, outside embeddings and the LM head) → the orthogonal algorithm of
+  the optimizer the groups are given to (Muon, NorMuon or Dion3), unless `algorithm` names one;
 * embeddings (`nn.Embedding` weights) → AdamW with `embed_lr`;
 * the LM head, which the caller must name → AdamW with `head_lr`;
 * everything else (norm gains, biases, other 0-/1-D parameters) → AdamW with `scalar_lr` and no
@@ -30,7 +31,7 @@ SCALAR_LR = 0.02
 def param_groups(
     model: nn.Module,
     lm_head: Optional[Union[str, nn.Module]] = None,
-    algorithm: str = "dion3",
+    algorithm: Optional[str] = None,
     lr: Optional[float] = None,
     head_lr: float = HEAD_LR,
     embed_lr: float = EMBED_LR,
@@ -38,20 +39,26 @@ def param_groups(
     scalar_algorithm: str = "adamw",
     **options: Any,
 ) -> list[dict[str, Any]]:
-    """Parameter groups for `Dion3`, `Muon` or `NorMuon` (any of them accepts any algorithm).
+    """Parameter groups for `Dion3`, `Muon` or `NorMuon`.
 
     lm_head: the output layer, as a module or the name of a module or parameter of `model`
         (e.g. "lm_head"). Required. For a head tied to the embedding, name it all the same.
-    algorithm: for the hidden matrices — "dion3", "dion2", "muon", "normuon", or "adamw"/"lion" to train
-        them with a scalar optimizer (the baseline).
+    algorithm: for the hidden matrices. None (the default) writes no algorithm into their group,
+        so the optimizer class decides: `Muon(param_groups(...))` runs Muon, `NorMuon(...)`
+        NorMuon, `Dion3(...)` Dion3. A name — "dion3", "dion2", "muon", "normuon", or
+        "adamw"/"lion" to train them with a scalar optimizer (the baseline) — is written into the
+        group and overrides the class, as any group's algorithm does. No warning is given when it
+        differs from the class: a group's algorithm is only there when the caller wrote it, and
+        mixing algorithms across groups is a supported use (docs/training.md).
     lr: learning rate of the matrix group; None keeps the optimizer's default.
     head_lr, embed_lr, scalar_lr: learning rates of the AdamW (or Lion) groups.
     options: further settings of the matrix group (fraction, mu, weight_decay, ...).
 
     Every trainable parameter lands in exactly one group; empty groups are left out.
     """
-    algorithm = ALIASES.get(algorithm, algorithm)
-    if algorithm not in MATRIX_ALGORITHMS + SCALAR_ALGORITHMS:
+    if algorithm is not None:
+        algorithm = ALIASES.get(algorithm, algorithm)
+    if algorithm is not None and algorithm not in MATRIX_ALGORITHMS + SCALAR_ALGORITHMS:
         raise ValueError(
             f"algorithm must be one of {MATRIX_ALGORITHMS + SCALAR_ALGORITHMS}, got {algorithm!r}"
         )
@@ -76,7 +83,9 @@ def param_groups(
             kind = "scalar"
         buckets[kind].append(param)
 
-    matrix_group = dict(options, params=buckets["matrix"], algorithm=algorithm)
+    matrix_group = dict(options, params=buckets["matrix"])
+    if algorithm is not None:
+        matrix_group["algorithm"] = algorithm
     if lr is not None:
         matrix_group["lr"] = lr
     groups = [
