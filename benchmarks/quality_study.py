@@ -1,23 +1,32 @@
-"""Quality study: NorMuon against Dion3 (fixed fraction, and with a fraction warm-up) at several
-horizons, seeds and small lr/μ grids, on a model users can rebuild (docs/training.md).
+"""Quality study: AdamW, Muon and NorMuon against Dion3 (fixed fraction, and with a fraction
+warm-up) at several horizons, seeds and small lr/μ grids, on models users can rebuild
+(docs/training.md).
 
-    python benchmarks/quality_study.py --model gpt-25m --horizons 400,1500 --seeds 0,1,2 --jobs 4
+    python benchmarks/quality_study.py --model llama-384 --horizons 1500 --seeds 0,1,2 --jobs 12
     python benchmarks/quality_study.py --smoke            # CPU, seconds: what CI runs
 
+Data is read at most once per run: by default the installed Python source (dion3.train.corpus,
+300+ MB on a machine with torch), cut into disjoint windows taken in an order drawn from the
+seed; a run that would need more windows than the corpus holds is refused. `--data` trains on
+your files or shards instead, `--data stdlib` on the standard library alone (11 MB), and
+`--allow-repeat` draws random windows that may overlap (a repeated corpus measures
+memorization: such a study says so in its summary).
+
 Every run is a separate process (several at once with --jobs: small models leave most of an
-H200 idle), trains from its seed on the same batches as every other run of that seed (the
-Python standard library's source as bytes, unless --data), and when it finishes appends one
-JSON line to OUT/results.jsonl: its settings, seed, horizon, final validation loss, average
-fraction and step times. A study that is stopped keeps what finished, and running it again
-skips those runs. OUT/summary.md gets the table: mean ± standard deviation over seeds per
-setting and horizon. Step times are measured with --jobs runs sharing the device: compare
-them within one study, or rerun with --jobs 1 for clean times.
+H200 idle), trains from its seed on the same batches as every other run of that seed, and when
+it finishes appends one JSON line to OUT/results.jsonl: its settings, seed, horizon, final
+validation loss, average fraction and step times. A study that is stopped keeps what finished,
+and running it again skips those runs. OUT/summary.md gets the table: mean ± standard
+deviation over seeds per setting and horizon; a run whose loss is not finite is never averaged:
+the table counts it in its own column. Step times are measured with --jobs runs sharing the
+device: compare them within one study, or rerun with --jobs 1 for clean times.
 
 Models: gpt-25m (`dion3 compare --preset gpu-small`'s GPT, 8 × 512, context 1024), gpt-120m
 (16 × 768, 113 M parameters in the blocks), llama-hf (Hugging Face LlamaForCausalLM, 8 × 512, GQA
-8/4 heads, SwiGLU 1536, context 512; needs `pip install 'dion3[study]'`), gpt-tiny (--smoke).
-All train with bf16 autocast on CUDA, a 20-step lr warm-up and a linear decay to zero over the
-last 40% of the steps.
+8/4 heads, SwiGLU 1536, context 512; needs `pip install 'dion3[study]'`), llama-384 (the same
+class, 12 × 384, GQA 6/2 heads, SwiGLU 1024, batch 32 × 512), gpt-tiny (--smoke). All train
+with bf16 autocast on CUDA, an lr warm-up (--lr-warmup) and a linear decay to zero over the last
+share of the steps (--cooldown).
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -59,17 +69,21 @@ MODELS = {
     "gpt-25m": ModelSpec("gpt", seq_len=1024, n_layer=8, n_head=8, d_model=512, batch_size=16),
     "gpt-120m": ModelSpec("gpt", seq_len=1024, n_layer=16, n_head=12, d_model=768, batch_size=16),
     "llama-hf": ModelSpec("llama-hf", seq_len=512, n_layer=8, n_head=8, d_model=512, batch_size=16, kv_heads=4, mlp_width=1536),
+    "llama-384": ModelSpec("llama-hf", seq_len=512, n_layer=12, n_head=6, d_model=384, batch_size=32, kv_heads=2, mlp_width=1024),
 }
-FAMILIES = ("normuon", "dion3")
-SMOKE = dict(model="gpt-tiny", horizons="8", seeds="0,1", normuon_lr="0.02", normuon_mu="0.6", dion3_lr="0.04",
-             dion3_mu="0.3", fraction_warmup="0,4", lr_warmup=2, eval_batches=2, device="cpu", jobs=2)
+# family → (lr flag default, μ flag default or None where the family has no μ)
+FAMILIES = {"adamw": ("0.003", None), "muon": ("0.02", "0.95"), "normuon": ("0.02", "0.6,0.8"), "dion3": ("0.04,0.08", "0.3,0.6")}
+SMOKE = dict(model="gpt-tiny", horizons="8", seeds="0,1", optimizers="normuon,dion3", normuon_lr="0.02", normuon_mu="0.6",
+             dion3_lr="0.04", dion3_mu="0.3", fraction_warmup="0,4", lr_warmup=2, eval_batches=2, device="cpu", jobs=2,
+             data=["stdlib"])
+TRACE_ENV = "DION3_TRACE_ORTHOGONALIZE"  # a run writes what nonfinite_trace.py records there
 
 
 # ----------------------------------------------------------------------------- the runs
 @dataclass(frozen=True)
 class Run:
     model: str
-    optimizer: str  # "normuon" or "dion3"
+    optimizer: str  # "adamw", "muon", "normuon" or "dion3"
     lr: float
     mu: float
     fraction: Optional[float]  # dion3 only
@@ -81,6 +95,7 @@ class Run:
     cooldown: float
     eval_batches: int
     data: Optional[tuple[str, ...]]
+    read_once: bool = True  # disjoint windows (data.read_once_batches); False: random, may repeat
 
     @property
     def setting(self) -> tuple:
@@ -93,8 +108,8 @@ class Run:
 
     @property
     def label(self) -> str:
-        if self.optimizer == "normuon":
-            name = "normuon"
+        if self.optimizer != "dion3":
+            name = self.optimizer
         else:
             name = f"dion3-f{self.fraction:g}" + (f"-warm{self.fraction_warmup}" if self.fraction_warmup else "")
         return f"{name} lr={self.lr:g} mu={self.mu:g} h={self.horizon} seed={self.seed}"
@@ -136,17 +151,20 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     families = [f.strip() for f in args.optimizers.split(",") if f.strip()]
     for family in families:
         if family not in FAMILIES:
-            raise SystemExit(f"quality_study: --optimizers: unknown {family!r}; expected some of {FAMILIES}")
+            raise SystemExit(f"quality_study: --optimizers: unknown {family!r}; expected some of {tuple(FAMILIES)}")
     if not 0.0 < args.fraction <= 1.0:
         raise SystemExit(f"quality_study: --fraction must lie in (0, 1], got {args.fraction}")
     model = MODELS[args.model]
     common = dict(model=args.model, batch_size=args.batch_size or model.batch_size, lr_warmup=args.lr_warmup,
-                  cooldown=args.cooldown, eval_batches=args.eval_batches, data=tuple(args.data) if args.data else None)
+                  cooldown=args.cooldown, eval_batches=args.eval_batches, data=tuple(args.data) if args.data else None,
+                  read_once=not args.allow_repeat)
     runs = []
     for horizon, seed in itertools.product(horizons, seeds):
-        if "normuon" in families:
-            for lr, mu in itertools.product(_floats(args.normuon_lr, "--normuon-lr"), _floats(args.normuon_mu, "--normuon-mu")):
-                runs.append(Run(optimizer="normuon", lr=lr, mu=mu, fraction=None, fraction_warmup=0, horizon=horizon, seed=seed, **common))
+        for family in (f for f in FAMILIES if f != "dion3" and f in families):
+            lrs = _floats(getattr(args, f"{family}_lr"), f"--{family}-lr")
+            mus = _floats(getattr(args, f"{family}_mu"), f"--{family}-mu") if FAMILIES[family][1] else [0.0]
+            for lr, mu in itertools.product(lrs, mus):
+                runs.append(Run(optimizer=family, lr=lr, mu=mu, fraction=None, fraction_warmup=0, horizon=horizon, seed=seed, **common))
         if "dion3" in families:
             warmups = [warmup_steps(w, horizon) for w in args.fraction_warmup.split(",") if w.strip()]
             for lr, mu, warm in itertools.product(_floats(args.dion3_lr, "--dion3-lr"), _floats(args.dion3_mu, "--dion3-mu"),
@@ -187,6 +205,7 @@ def build_llama(spec: ModelSpec):
 def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
     import torch
 
+    from dion3.train.corpus import python_source_corpus
     from dion3.train.data import load_data
     from dion3.train.model import GPT, GPTConfig
     from dion3.train.trainer import RunSpec, Schedule, resolve_device, train
@@ -195,12 +214,21 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
         torch.set_num_threads(threads)
     spec = MODELS[run.model]
     device = resolve_device(device_name)
-    data = load_data(list(run.data) if run.data else None)
+    if os.environ.get(TRACE_ENV):
+        import nonfinite_trace  # beside this file
+
+        nonfinite_trace.install(Path(os.environ[TRACE_ENV]), run.key)
+    if run.data is None:
+        data = python_source_corpus(progress=lambda line: print(line, flush=True))
+    else:
+        data = load_data(None if run.data == ("stdlib",) else list(run.data))
     config = GPTConfig(seq_len=spec.seq_len, n_layer=spec.n_layer, n_head=spec.n_head, d_model=spec.d_model)
     factory = GPT if spec.kind == "gpt" else build_llama(spec)
     schedule = Schedule(steps=run.horizon, batch_size=run.batch_size, eval_every=run.horizon, eval_batches=run.eval_batches,
-                        warmup_steps=run.lr_warmup, cooldown_fraction=run.cooldown)
-    run_spec = RunSpec(run.label, run.optimizer, run.lr, run.fraction, run.mu, run.fraction_warmup)
+                        warmup_steps=run.lr_warmup, cooldown_fraction=run.cooldown, read_once=run.read_once)
+    # AdamW has no μ (its betas stay the defaults)
+    run_spec = RunSpec(run.label, run.optimizer, run.lr, run.fraction, run.mu if run.optimizer != "adamw" else None,
+                       run.fraction_warmup)
     started = time.perf_counter()
     result = train(run_spec, config, schedule, data, device, run.seed, bf16=True, model_factory=factory)
     return {
@@ -211,7 +239,9 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
         "average_fraction": result.average_fraction if run.optimizer == "dion3" else 1.0,
         "optimizer_ms_median": result.optimizer_ms_median, "optimizer_ms_mean": result.optimizer_ms,
         "total_ms_mean": result.total_ms, "minutes": (time.perf_counter() - started) / 60,
-        "device": str(device), "torch": torch.__version__,
+        "device": str(device), "torch": torch.__version__, "data": data.description,
+        # the first step whose training loss was not finite (None: every step finite)
+        "first_nonfinite_step": next((i for i, v in enumerate(result.train_losses) if not math.isfinite(v)), None),
     }
 
 
@@ -298,8 +328,8 @@ def run_study(runs: Sequence[Run], out: Path, jobs: int, devices: Sequence[str],
 
 def _setting_label(setting: tuple) -> tuple[str, str]:
     _, _, optimizer, fraction, warmup, _, _ = setting
-    if optimizer == "normuon":
-        return "NorMuon", "—"
+    if optimizer != "dion3":
+        return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[optimizer], "—"
     return f"Dion3 f={fraction:g}", (f"1 → {fraction:g} over {warmup} steps" if warmup else "fixed")
 
 
@@ -310,24 +340,26 @@ def summary_table(records: Sequence[dict]) -> str:
     for record in records:
         groups.setdefault(Run(**{**record["config"], "data": None}).setting, []).append(record)
     lines = [
-        "| model | horizon | optimizer | fraction schedule | lr | μ | seeds | final val loss | train loss, last 50 steps "
-        "| average fraction | optimizer ms (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | horizon | optimizer | fraction schedule | lr | μ | seeds | non-finite | final val loss "
+        "| train loss, last 50 steps | average fraction | optimizer ms (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
     for setting, members in groups.items():
-        losses = [m["final_val_loss"] for m in members]
-        mean = statistics.fmean(losses)
-        spread = statistics.stdev(losses) if len(losses) > 1 else 0.0
-        train = [m["final_train_loss"] for m in members if "final_train_loss" in m]  # absent in older records
-        train_text = f"{statistics.fmean(train):.4f}" if len(train) == len(members) else "—"
-        rows.append((setting[0], setting[1], mean, setting, len(losses), spread, train_text,
+        # a non-finite run is a bug to explain, never a sample to average: counted apart
+        finite = [m for m in members if math.isfinite(m["final_val_loss"])]
+        losses = [m["final_val_loss"] for m in finite]
+        mean = statistics.fmean(losses) if losses else math.inf
+        loss_text = f"{mean:.4f} ± {statistics.stdev(losses) if len(losses) > 1 else 0.0:.4f}" if losses else "—"
+        train = [m["final_train_loss"] for m in finite if "final_train_loss" in m]  # absent in older records
+        train_text = f"{statistics.fmean(train):.4f}" if train and len(train) == len(finite) else "—"
+        rows.append((setting[0], setting[1], mean, setting, len(members), len(members) - len(finite), loss_text, train_text,
                      statistics.fmean(m["average_fraction"] for m in members),
                      statistics.median(m["optimizer_ms_median"] for m in members)))
-    for model, horizon, mean, setting, count, spread, train_text, fraction, step_ms in sorted(rows, key=lambda r: r[:3]):
+    for model, horizon, _, setting, count, bad, loss_text, train_text, fraction, step_ms in sorted(rows, key=lambda r: r[:3]):
         name, schedule = _setting_label(setting)
-        lines.append(f"| {model} | {horizon} | {name} | {schedule} | {setting[5]:g} | {setting[6]:g} | {count} | "
-                     f"{mean:.4f} ± {spread:.4f} | {train_text} | {fraction:.3f} | {step_ms:.2f} |")
+        lines.append(f"| {model} | {horizon} | {name} | {schedule} | {setting[5]:g} | {setting[6]:g} | {count} | {bad} | "
+                     f"{loss_text} | {train_text} | {fraction:.3f} | {step_ms:.2f} |")
     return "\n".join(lines)
 
 
@@ -337,6 +369,10 @@ def write_summary(out: Path, jobs: int) -> str:
     note = (f"Final validation loss (nats per byte), mean ± standard deviation over seeds; optimizer step "
             f"time: median over each run's steps after the first 5, median over seeds, measured with up to "
             f"{jobs} runs sharing the device. {len(records)} runs in results.jsonl.")
+    repeated = sum(1 for r in records if not r["config"].get("read_once", False))
+    if repeated:
+        note += (f"\n\n**{repeated} runs drew random windows that may read data more than once** (--allow-repeat, or "
+                 "records from before read-once data): their losses include memorization.")
     (out / "summary.md").write_text(f"# Quality study\n\n{note}\n\n{table}\n")
     return table
 
@@ -347,11 +383,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--model", default="gpt-25m", choices=sorted(MODELS))
     parser.add_argument("--horizons", default="400,1500,4000", help="training steps per run, comma-separated")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--optimizers", default="normuon,dion3", help="families to run (default: %(default)s)")
-    parser.add_argument("--normuon-lr", default="0.02")
-    parser.add_argument("--normuon-mu", default="0.6,0.8")
-    parser.add_argument("--dion3-lr", default="0.04,0.08")
-    parser.add_argument("--dion3-mu", default="0.3,0.6")
+    parser.add_argument("--optimizers", default=",".join(FAMILIES), help="families to run (default: %(default)s)")
+    for family, (lr, mu) in FAMILIES.items():
+        parser.add_argument(f"--{family}-lr", default=lr, help=f"{family} matrix learning rates (default {lr})")
+        if mu:
+            parser.add_argument(f"--{family}-mu", default=mu, help=f"{family} momenta (default {mu})")
     parser.add_argument("--fraction", type=float, default=0.25, help="Dion3's (final) fraction")
     parser.add_argument("--fraction-warmup", default="0,200",
                         help="Dion3 fraction warm-ups from 1, comma-separated: steps, or P%% of the horizon; 0 = fixed fraction")
@@ -359,7 +395,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--lr-warmup", type=int, default=20, help="lr warm-up steps (default 20)")
     parser.add_argument("--cooldown", type=float, default=0.4, help="share of the steps with linear lr decay to 0")
     parser.add_argument("--eval-batches", type=int, default=16, help="validation batches at the end of each run")
-    parser.add_argument("--data", nargs="+", metavar="PATH", help="text files/directories (default: the Python standard library)")
+    parser.add_argument("--data", nargs="+", metavar="PATH",
+                        help="text files/directories or .bin shards; 'stdlib' for the standard library "
+                             "(default: all installed Python source, dion3.train.corpus)")
+    parser.add_argument("--allow-repeat", action="store_true",
+                        help="random windows that may read bytes more than once (default: each byte at most once)")
+    parser.add_argument("--trace", type=Path, metavar="DIR",
+                        help="record each orthogonalization's output norm and keep the inputs of bad ones (nonfinite_trace.py)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, each its own process (default 1)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]; comma-separated to spread runs over devices")
     parser.add_argument("--threads", type=int, help="CPU threads per run (default: CPU cores ÷ jobs)")
@@ -394,6 +436,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise SystemExit("quality_study: --model llama-hf needs transformers: pip install 'dion3[study]'")
         devices = [d.strip() for d in args.device.split(",") if d.strip()]
         threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
+        if args.trace:
+            args.trace.mkdir(parents=True, exist_ok=True)
+            os.environ[TRACE_ENV] = str(args.trace.resolve())
         failures = run_study(plan_runs(args), out, args.jobs, devices, threads, args.stop_after)
     else:
         failures = 0

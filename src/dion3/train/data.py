@@ -173,7 +173,7 @@ def _shard_data(shards: list[Path], val_fraction: float) -> TokenData:
 
 def _windows(tokens: Tensor, starts: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
     offsets = starts[:, None] + torch.arange(seq_len + 1)
-    chunk = tokens[offsets]
+    chunk = tokens[offsets].long()  # a uint8 corpus (corpus.py) is widened batch by batch
     return chunk[:, :-1], chunk[:, 1:]
 
 
@@ -190,6 +190,23 @@ def train_batches(tokens: Tensor, batch_size: int, seq_len: int, seed: int) -> I
     generator = torch.Generator().manual_seed(seed)
     while True:
         yield _windows(tokens, torch.randint(count, (batch_size,), generator=generator), seq_len)
+
+
+def read_once_batches(tokens: Tensor, batch_size: int, seq_len: int, seed: int, steps: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """`steps` batches of windows that never share a byte: the train split cut into disjoint
+    windows of seq_len + 1 tokens, taken in an order drawn from the seed. Refuses (ValueError)
+    when the split holds fewer windows than the run needs, rather than read data twice."""
+    stride = seq_len + 1
+    available = tokens.numel() // stride
+    needed = steps * batch_size
+    if needed > available:
+        raise ValueError(
+            f"reading the data once needs {needed} windows of {stride} tokens ({steps} steps × {batch_size}), "
+            f"but the train split ({tokens.numel()} tokens) holds {available}: use a larger corpus or fewer steps"
+        )
+    order = torch.randperm(available, generator=torch.Generator().manual_seed(seed))[:needed] * stride
+    for chunk in order.split(batch_size):
+        yield _windows(tokens, chunk, seq_len)
 
 
 def val_batches(tokens: Tensor, batch_size: int, seq_len: int, num_batches: int) -> list[tuple[Tensor, Tensor]]:

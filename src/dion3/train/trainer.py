@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ..optim import Dion3, FractionScheduler, FractionWarmup
 from ..optim.graph import CapturedStep
-from .data import TokenData, train_batches, val_batches
+from .data import TokenData, read_once_batches, train_batches, val_batches
 from .groups import param_groups
 from .model import GPT, GPTConfig, padded_vocab
 
@@ -48,6 +48,7 @@ class Schedule:
     eval_batches: int
     warmup_steps: int = 0
     cooldown_fraction: float = 0.4  # linear decay to 0 over this last share of the steps
+    read_once: bool = False  # disjoint windows, no byte read twice (data.read_once_batches)
 
     def lr_multiplier(self, step: int) -> float:
         if step < self.warmup_steps:
@@ -195,7 +196,10 @@ def train(
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    batches = train_batches(data.train, schedule.batch_size, config.seq_len, seed)
+    if schedule.read_once:
+        batches = read_once_batches(data.train, schedule.batch_size, config.seq_len, seed, schedule.steps)
+    else:
+        batches = train_batches(data.train, schedule.batch_size, config.seq_len, seed)
     validation = val_batches(data.val, schedule.batch_size, config.seq_len, schedule.eval_batches)
     result = RunResult(spec.label, spec.algorithm, spec.lr, spec.fraction, spec.mu, spec.fraction_warmup,
                        tokens_per_step=schedule.batch_size * config.seq_len)
