@@ -1,5 +1,6 @@
 """The `dion3` command: `dion3 compare` (training comparison), `dion3 bench` (optimizer step
-time), `dion3 bench kernels` (kernel micro-benchmarks)."""
+time), `dion3 bench kernels` (kernel micro-benchmarks), `dion3 plan` (the distributed step at W GPUs, planned
+on this CPU)."""
 from __future__ import annotations
 
 import importlib
@@ -9,6 +10,7 @@ COMMANDS = {
     "compare": ("dion3.train.compare", "train the same model with AdamW, Muon, NorMuon and Dion3; compare"),
     "bench": ("dion3.bench.step", "time optimizer steps on model-shaped parameters"),
     "bench kernels": ("dion3.bench.kernels", "time symmetric-matmul kernels and NS variants against cuBLAS"),
+    "plan": ("dion3.plan.cli", "predict step time, traffic and memory per rank on W GPUs (real planner, on CPU)"),
 }
 
 

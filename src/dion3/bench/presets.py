@@ -88,6 +88,21 @@ PRESETS = {
                        of_layers=80),
 }
 
+# Whole models for `dion3 plan` (planned on meta tensors, never allocated): every layer.
+MODELS = {
+    "llama-1b": PRESETS["llama-1b"],
+    "llama-8b": PRESETS["llama-8b"],
+    "llama-70b": llama("llama-70b", layers=80, dim=8192, kv_dim=1024, hidden=28672, vocab=128256, tied=False),
+    # Llama 3.1 405B: 126 layers, d=16384, 128 heads / 8 kv heads (k, v 1024×16384), ffn 53248.
+    "llama-405b": llama("llama-405b", layers=126, dim=16384, kv_dim=1024, hidden=53248, vocab=128256, tied=False),
+    "llama-70b-slice": PRESETS["llama-70b"],  # the 8 layers of the one-GPU benchmark
+    # The published anchors' model sizes, as common shapes of those sizes (an assumption: the
+    # exact shapes are not published with the step times): Llama-2-7B (MHA, ffn 11008) and
+    # Qwen2.5-14B (48 layers, d=5120, 8 kv heads of 128, ffn 13824).
+    "7b": llama("7b", layers=32, dim=4096, kv_dim=4096, hidden=11008, vocab=32000, tied=False),
+    "14b": llama("14b", layers=48, dim=5120, kv_dim=1024, hidden=13824, vocab=152064, tied=False),
+}
+
 _SHAPE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*(?::\s*(\d+))?\s*$")
 
 

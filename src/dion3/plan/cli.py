@@ -1,0 +1,186 @@
+"""`dion3 plan`: predicted step time, traffic and memory per rank of Muon, NorMuon and Dion3 on a
+layout of W GPUs, from the real planner run on this CPU (see dion3.plan.run and .cost)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from typing import Optional
+
+from ..bench.presets import MODELS, parse_shapes
+from .cost import Hardware, Network
+from .run import build_plans, price, stderr_progress, variant
+from .total import StepPlan
+from .world import model_weights, parse_layout
+
+TB, GB, MB = 1e12, 1e9, 1e6
+# Sustained rates of dion3's step on one H200 fitted to the single-device step of 2026-12-01
+# (benchmarks/results/plan-validation-2026-12-02.md says which measurement fixed each);
+# the other GPUs scale them by datasheet ratios of dense bf16 peak and HBM bandwidth.
+GPUS = {
+    "h200": dict(symmetric=570.0, dense=600.0, memory=4.3, capacity=141.0),
+    "gh200": dict(symmetric=570.0, dense=600.0, memory=4.3, capacity=96.0),  # H100 compute, as H200
+    "b200": dict(symmetric=570.0 * 2.27, dense=600.0 * 2.27, memory=4.3 * 1.67, capacity=180.0),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dion3 plan", description=__doc__)
+    what = p.add_argument_group("model and layout")
+    what.add_argument("--preset", default="llama-8b", help=f"one of {sorted(MODELS)} (default llama-8b)")
+    what.add_argument("--shapes", help="custom matrices ROWSxCOLS[:COUNT],... instead of a preset")
+    what.add_argument("--layout", default="fsdp=8", help="mesh axes, outermost first: fsdp=64,tp=8 · "
+                      "replicate=2,fsdp=32 (HSDP) · ep=8,fsdp=8 · a bare W (fsdp=W) · single (default fsdp=8)")
+    what.add_argument("--world", type=int, help="check that the layout has this many ranks")
+    what.add_argument("--optimizers", default="muon,normuon,dion3",
+                      help="some of muon-baseline,muon,normuon,dion3 (default muon,normuon,dion3)")
+    what.add_argument("--fraction", type=float, default=0.25, help="Dion3's fraction f (default 0.25)")
+    what.add_argument("--scope", default="local", help="Dion3's selection scope: local or global (default local)")
+    hw = p.add_argument_group("hardware (rates are sustained, not peak)")
+    hw.add_argument("--gpu", default="h200", help=f"one of {sorted(GPUS)}: the defaults below (default h200)")
+    hw.add_argument("--tflops", type=float, help="orthogonalization on dion3's kernels, TFLOP/s of executed FLOPs")
+    hw.add_argument("--tflops-dense", type=float, help="standard NS on cuBLAS (muon-baseline), TFLOP/s")
+    hw.add_argument("--memory-tbs", type=float, help="elementwise passes, TB/s")
+    hw.add_argument("--capacity-gb", type=float, help="device memory, GB")
+    net = p.add_argument_group("network")
+    net.add_argument("--node-size", type=int, default=8, help="GPUs per NVLink node (default 8)")
+    net.add_argument("--nvlink-gbs", type=float, default=360.0, help="within a node, GB/s per GPU per direction (360)")
+    net.add_argument("--fabric-gbs", type=float, default=40.0, help="between nodes, GB/s per GPU per direction (40)")
+    net.add_argument("--latency-us", type=float, default=15.0, help="per collective within a node, µs (15)")
+    net.add_argument("--fabric-latency-us", type=float, default=40.0, help="per collective across nodes, µs (40)")
+    net.add_argument("--no-overlap", action="store_true", help="collectives do not overlap compute")
+    out = p.add_argument_group("output")
+    out.add_argument("--ranks", default="8", help="per-rank rows to print: a number (the slowest first) or 'all'")
+    out.add_argument("--verify", type=int, default=0, help="also plan on this many other ranks and check they agree")
+    out.add_argument("--json", help="write the full plan as JSON to this path ('-': stdout, no table)")
+    out.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    return p
+
+
+def _positive(name: str, value, integer: bool = False):
+    if value is not None and (value <= 0 or (integer and int(value) != value)):
+        raise ValueError(f"{name} must be {'a positive integer' if integer else 'positive'}, got {value}")
+    return value
+
+
+def settings(args) -> tuple[Hardware, Network]:
+    if args.gpu not in GPUS:
+        raise ValueError(f"--gpu: unknown GPU {args.gpu!r}; expected one of {sorted(GPUS)}")
+    base = GPUS[args.gpu]
+    for flag in ("tflops", "tflops_dense", "memory_tbs", "capacity_gb", "nvlink_gbs", "fabric_gbs"):
+        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    for flag in ("latency_us", "fabric_latency_us"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be ≥ 0, got {getattr(args, flag)}")
+    _positive("--node-size", args.node_size, integer=True)
+    if not 0 < args.fraction <= 1:
+        raise ValueError(f"--fraction must be in (0, 1], got {args.fraction}")
+    if args.scope not in ("local", "global"):
+        raise ValueError(f"--scope must be 'local' or 'global', got {args.scope!r}")
+    pick = lambda given, default: given if given is not None else default  # noqa: E731
+    hw = Hardware(args.gpu, pick(args.tflops, base["symmetric"]) * TB, pick(args.tflops_dense, base["dense"]) * TB,
+                  pick(args.memory_tbs, base["memory"]) * TB, pick(args.capacity_gb, base["capacity"]) * GB)
+    net = Network(args.node_size, args.nvlink_gbs * GB, args.fabric_gbs * GB, args.latency_us * 1e-6,
+                  args.fabric_latency_us * 1e-6, not args.no_overlap)
+    return hw, net
+
+
+def model(args):
+    if args.shapes:
+        return parse_shapes(args.shapes)
+    if args.preset not in MODELS:
+        raise ValueError(f"--preset: unknown preset {args.preset!r}; expected one of {sorted(MODELS)}")
+    return MODELS[args.preset]
+
+
+def summary(step: StepPlan, overlap: bool) -> dict:
+    r = step.ranks.values()
+    return dict(
+        optimizer=step.variant.label, step_ms=step.critical_path_s(overlap) * 1e3,
+        compute_ms_max=step.worst(lambda c: c.compute_s) * 1e3, memory_pass_ms_max=step.worst(lambda c: c.memory_s) * 1e3,
+        communication_ms=step.communication_s * 1e3, collectives_ms={k: v * 1e3 for k, v in step.collectives.items()},
+        imbalance=step.imbalance(), matrices=sum(c.owned for c in r), tflop_executed=sum(c.executed_flops for c in r) / TB,
+        sent_mb_max=step.worst(lambda c: c.total_sent) / MB, memory_gb_max=step.worst(step.memory_per_rank) / GB,
+    )
+
+
+def rank_rows(step: StepPlan) -> list[dict]:
+    rows = []
+    for rank, c in sorted(step.ranks.items()):
+        rows.append(dict(rank=rank, owned=c.owned, tflop=c.executed_flops / TB, compute_ms=c.compute_s * 1e3,
+                         memory_pass_ms=c.memory_s * 1e3, sent_mb={k: v / MB for k, v in c.sent.items()},
+                         received_mb={k: v / MB for k, v in c.received.items()},
+                         memory_gb=dict(params=c.params / GB, grads=c.grads / GB, state=c.state / GB,
+                                        transient=c.transient / GB, adamw=step.scalar_bytes / GB,
+                                        total=step.memory_per_rank(c) / GB)))
+    return rows
+
+
+def table(steps: dict[str, StepPlan], overlap: bool, ranks: str) -> str:
+    lines = ["| optimizer | step ms | compute ms (max) | memory passes ms (max) | comm ms | imbalance | "
+             "MB sent/rank (max) | GB/rank (max) |", "|---|---|---|---|---|---|---|---|"]
+    for step in steps.values():
+        s = summary(step, overlap)
+        lines.append(f"| {s['optimizer']} | {s['step_ms']:.1f} | {s['compute_ms_max']:.1f} | "
+                     f"{s['memory_pass_ms_max']:.1f} | {s['communication_ms']:.2f} | {s['imbalance']:.3f} | "
+                     f"{s['sent_mb_max']:.1f} | {s['memory_gb_max']:.1f} |")
+    for step in steps.values():
+        rows = sorted(rank_rows(step), key=lambda r: (-r["compute_ms"], r["rank"]))
+        shown = rows if ranks == "all" else rows[: int(ranks)]
+        lines += ["", f"{step.variant.label}: {len(shown)} of {len(rows)} ranks, slowest owner first",
+                  "| rank | matrices | TFLOP | compute ms | memory passes ms | MB sent (by kind) | GB params/grads/state/transient/AdamW |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in shown:
+            sent = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["sent_mb"].items())) or "0"
+            m = r["memory_gb"]
+            lines.append(f"| {r['rank']} | {r['owned']} | {r['tflop']:.2f} | {r['compute_ms']:.1f} | "
+                         f"{r['memory_pass_ms']:.1f} | {sent} | {m['params']:.1f}/{m['grads']:.1f}/{m['state']:.1f}/"
+                         f"{m['transient']:.1f}/{m['adamw']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.ranks != "all" and not (args.ranks.isdigit() and int(args.ranks) >= 0):
+            raise ValueError(f"--ranks must be a number ≥ 0 or 'all', got {args.ranks!r}")
+        if args.verify < 0:
+            raise ValueError(f"--verify must be ≥ 0, got {args.verify}")
+        hw, net = settings(args)
+        layout = parse_layout(args.layout, args.world)
+        preset = model(args)
+        names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+        variants = [variant(n, args.fraction, args.scope) for n in names]
+    except ValueError as error:
+        print(f"dion3 plan: {error}", file=sys.stderr)
+        return 2
+    progress = None if args.quiet else stderr_progress
+    planned = build_plans(model_weights(preset.matrices), layout, variants, verify=args.verify, progress=progress)
+    steps = price(planned, variants, hw, net, preset.scalar_numel)
+    overlap = not args.no_overlap
+    head = (f"{preset.name} ({preset.description}; {preset.matrix_numel / 1e9:.2f} B matrix parameters) on "
+            f"{layout.describe()} = {layout.world_size} ranks, {hw.name}: {hw.symmetric_flops / TB:.0f}/"
+            f"{hw.dense_flops / TB:.0f} TFLOP/s (kernels/cuBLAS NS), {hw.memory_bytes / TB:.2f} TB/s; nodes of "
+            f"{net.node_size}, {net.nvlink / GB:.0f} GB/s within, {net.fabric / GB:.0f} GB/s across, "
+            f"{net.latency * 1e6:.0f}/{net.fabric_latency * 1e6:.0f} µs per collective; planned in "
+            f"{planned.seconds:.1f} s on rank 0" + (f" and ranks {list(planned.verified_ranks)} (same owners)"
+                                                    if planned.verified_ranks else ""))
+    if args.json:
+        data = dict(header=head, model=preset.name, layout=layout.describe(), world_size=layout.world_size,
+                    hardware=asdict(hw), network=asdict(net), planning_seconds=planned.seconds,
+                    verified_ranks=list(planned.verified_ranks),
+                    optimizers=[dict(summary(s, overlap), ranks=rank_rows(s)) for s in steps.values()])
+        text = json.dumps(data, indent=1)
+        if args.json == "-":
+            print(text)
+            return 0
+        with open(args.json, "w") as handle:
+            handle.write(text + "\n")
+    print(head + "\n")
+    print(table(steps, overlap, args.ranks))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
