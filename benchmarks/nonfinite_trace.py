@@ -6,8 +6,13 @@ DION3_TRACE_ORTHOGONALIZE). Per call it measures ‖O‖_F / √min(rows, cols):
 output has singular values in about [0.7, 1.2], so the ratio stays near or below 1; above
 RATIO_LIMIT, or not finite, the call's input, output and arguments go to
 DIR/<run>-<n>.pt (at most KEEP per run). DIR/<run>.jsonl gets one line per 1000 calls and per
-bad call: the largest ratio seen so far; a last line when the run ends. It syncs with the host on every call: a debugging
-tool, not for timing.
+bad call: the largest ratio seen so far; a last line when the run ends.
+
+It also wraps the optimizer's step: it keeps a copy of every parameter, gradient and state
+tensor (and the groups' lr and fraction) from before each step, and after the first step that
+leaves a parameter not finite it writes that copy to DIR/<run>-step<N>.pt, with the names of the
+parameters whose gradients or values were not finite: the failing step, ready to replay. It
+syncs with the host on every call and step: a debugging tool, not for timing.
 """
 from __future__ import annotations
 
@@ -54,4 +59,53 @@ def install(folder: Path, run: str) -> None:
         return out
 
     rules.orthogonalize = traced
+    _wrap_step(folder, run, write)
     atexit.register(lambda: write({"calls": state["calls"], "worst": state["worst"], "kept": state["kept"], "end": True}))
+
+
+def _wrap_step(folder: Path, run: str, write) -> None:
+    from dion3.optim.base import OrthogonalOptimizer
+
+    original = OrthogonalOptimizer.step
+    state = {"step": 0, "dumped": False}
+
+    def names(optimizer) -> dict:
+        return {id(p): f"group{g}.param{i}{tuple(p.shape)}" for g, group in enumerate(optimizer.param_groups)
+                for i, p in enumerate(group["params"])}
+
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"]]
+        before = None
+        if not state["dumped"]:
+            before = {
+                "params": [p.detach().clone() for p in params],
+                "grads": [None if p.grad is None else p.grad.detach().clone() for p in params],
+                "state": [{k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in self.state[p].items()} for p in params],
+                "groups": [{k: (float(v) if torch.is_tensor(v) and v.numel() == 1 else v) for k, v in g.items() if k != "params"}
+                           for g in self.param_groups],
+                "step": state["step"],
+            }
+        result = original(self, closure)
+        state["step"] += 1
+        if before is not None:
+            label = names(self)
+            bad_values = [label[id(p)] for p in params if not bool(torch.isfinite(p).all())]
+            if bad_values:
+                bad_grads = [label[id(p)] for p, g in zip(params, before["grads"]) if g is not None and not bool(torch.isfinite(g).all())]
+                before.update(bad_params=bad_values, bad_grads=bad_grads)
+                torch.save({k: _to_cpu(v) for k, v in before.items()}, folder / f"{run}-step{before['step']}.pt")
+                write({"nonfinite_step": before["step"], "bad_params": bad_values, "bad_grads": bad_grads})
+                state["dumped"] = True
+        return result
+
+    OrthogonalOptimizer.step = step
+
+
+def _to_cpu(value):
+    if torch.is_tensor(value):
+        return value.cpu()
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value

@@ -96,6 +96,7 @@ class Run:
     eval_batches: int
     data: Optional[tuple[str, ...]]
     read_once: bool = True  # disjoint windows (data.read_once_batches); False: random, may repeat
+    repeat: int = 0  # the same run again (--repeats: GPU runs are not bit-reproducible; stress tests)
 
     @property
     def setting(self) -> tuple:
@@ -112,7 +113,7 @@ class Run:
             name = self.optimizer
         else:
             name = f"dion3-f{self.fraction:g}" + (f"-warm{self.fraction_warmup}" if self.fraction_warmup else "")
-        return f"{name} lr={self.lr:g} mu={self.mu:g} h={self.horizon} seed={self.seed}"
+        return f"{name} lr={self.lr:g} mu={self.mu:g} h={self.horizon} seed={self.seed}" + (f" #{self.repeat}" if self.repeat else "")
 
 
 def _floats(text: str, flag: str) -> list[float]:
@@ -158,6 +159,8 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     common = dict(model=args.model, batch_size=args.batch_size or model.batch_size, lr_warmup=args.lr_warmup,
                   cooldown=args.cooldown, eval_batches=args.eval_batches, data=tuple(args.data) if args.data else None,
                   read_once=not args.allow_repeat)
+    if args.repeats < 1:
+        raise SystemExit(f"quality_study: --repeats must be ≥ 1, got {args.repeats}")
     runs = []
     for horizon, seed in itertools.product(horizons, seeds):
         for family in (f for f in FAMILIES if f != "dion3" and f in families):
@@ -171,7 +174,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
                                                   dict.fromkeys(warmups)):
                 runs.append(Run(optimizer="dion3", lr=lr, mu=mu, fraction=args.fraction, fraction_warmup=warm,
                                 horizon=horizon, seed=seed, **common))
-    return runs
+    return [dataclasses.replace(run, repeat=r) for run in runs for r in range(args.repeats)]
 
 
 # ----------------------------------------------------------------------------- one run (child process)
@@ -391,6 +394,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--fraction", type=float, default=0.25, help="Dion3's (final) fraction")
     parser.add_argument("--fraction-warmup", default="0,200",
                         help="Dion3 fraction warm-ups from 1, comma-separated: steps, or P%% of the horizon; 0 = fixed fraction")
+    parser.add_argument("--repeats", type=int, default=1, help="run each setting and seed this many times (default 1)")
     parser.add_argument("--batch-size", type=int, help="sequences per step (default: the model's, 16)")
     parser.add_argument("--lr-warmup", type=int, default=20, help="lr warm-up steps (default 20)")
     parser.add_argument("--cooldown", type=float, default=0.4, help="share of the steps with linear lr decay to 0")
