@@ -132,6 +132,8 @@ class FakeWorld:
     """Rank `rank` of a fake process group of layout.world_size ranks, with the layout's mesh.
     One at a time per process (it is the default process group); close() ends it."""
 
+    created = 0
+
     def __init__(self, layout: Layout, rank: int = 0):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -143,7 +145,10 @@ class FakeWorld:
             raise RuntimeError("a process group is already initialized; dion3 plan needs its own fake one")
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
         self.layout, self.rank = layout, rank
-        names = tuple(n for n, _ in layout.axes)
+        # torch interns DTensor specs by mesh equality: a mesh of a later world equal to an earlier
+        # one would bring back the earlier world's (destroyed) process groups; names make it new
+        FakeWorld.created += 1
+        names = tuple(f"{n}.{FakeWorld.created}" for n, _ in layout.axes)
         self.mesh = init_device_mesh("cpu", tuple(s for _, s in layout.axes), mesh_dim_names=names)
         _keep_rank_tensor(self.mesh)
         self._local_shapes: dict = {}
