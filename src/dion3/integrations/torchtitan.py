@@ -1,0 +1,199 @@
+"""dion3 in torchtitan (0.3): Dion3, NorMuon and Muon by name in a torchtitan job config.
+
+torchtitan builds its optimizers in `OptimizersContainer` from a list of `ParamGroupConfig`s —
+an FQN regex (first match wins), an optimizer name and that group's keyword arguments — and
+creates one optimizer per name. `Dion3OptimizersContainer` is that container with three more
+names, "Dion3", "NorMuon" and "Muon", and an optional fraction schedule. A job config selects it
+through its `optimizer` field, which the trainer builds after parallelizing the model:
+
+    from dion3.integrations.torchtitan import dion3_optimizer
+
+    def llama3_debugmodel_dion3() -> Trainer.Config:      # a config_registry function
+        config = llama3_debugmodel()
+        config.optimizer = dion3_optimizer(config.model_spec.model, lr=0.02, adamw_lr=8e-4)
+        return config
+
+`param_group_configs` writes the groups by torchtitan's FQNs: norms and biases (AdamW without
+weight decay), token embeddings, the output head and MoE router gates (AdamW), the row blocks
+of a fused `wqkv` (its heads, `num_heads`), and everything else — attention and MLP matrices,
+expert stacks [E, out, in] — in the orthogonal group. A 1-D parameter that reaches the
+orthogonal group is refused by name when the optimizer is built, never trained by accident.
+
+The parameters are torchtitan's DTensors (FSDP2, TP, HSDP, EP): dion3 reads each one's own mesh
+and placements (`distributed_mesh=None`). The container's flat, FQN-keyed state dict is what
+torchtitan's checkpointer saves through DCP; dion3's state entries are DTensors with the
+parameters' placements, so a checkpoint resumes on another layout. The fraction schedule's
+position is saved beside them (`FRACTION_STEP_KEY`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+try:
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "dion3.integrations.torchtitan needs torchtitan 0.3: pip install 'dion3[torchtitan]'"
+    ) from error
+
+from torch.optim import Optimizer
+
+from ..algorithms import SELECTING_ALGORITHMS
+from ..optim import Dion3, FractionScheduler, FractionWarmup, Muon, NorMuon
+
+__all__ = [
+    "Dion3OptimizersContainer", "FRACTION_STEP_KEY", "OPTIMIZERS", "dion3_optimizer",
+    "fused_qkv_heads", "param_group_configs",
+]
+
+OPTIMIZERS = {"Dion3": Dion3, "NorMuon": NorMuon, "Muon": Muon}
+
+# Keys torchtitan writes into every group it builds (its `implementation` setting): they name
+# torch kernels that dion3 does not have, so its groups leave them out.
+CONTAINER_KEYS = ("fused", "foreach")
+
+# Where the fraction schedule's position sits in the container's flat state dict.
+FRACTION_STEP_KEY = "dion3.fraction_schedule.last_step"
+
+# FQN patterns of torchtitan's models (Llama 3, Qwen 3, DeepSeek V3, ...); searched with re.search.
+NO_DECAY_PATTERN = r"(norm\.weight|\.bias)$"
+ADAMW_PATTERN = r"(^|\.)(tok_embeddings|output|lm_head)\.|\.router\.gate\."
+FUSED_QKV_PATTERN = r"\.wqkv\.weight$"
+
+
+def _builder(cls: type[Optimizer]) -> Callable[..., Optimizer]:
+    def build(param_groups, **kwargs) -> Optimizer:
+        groups = [{k: v for k, v in group.items() if k not in CONTAINER_KEYS} for group in param_groups]
+        return cls(groups, **kwargs)
+
+    build.__name__ = build.__qualname__ = f"build_{cls.__name__}"
+    return build
+
+
+class Dion3OptimizersContainer(OptimizersContainer):
+    """torchtitan's OptimizersContainer that also knows "Dion3", "NorMuon" and "Muon".
+
+    Config.fraction_schedule: a `dion3.FractionWarmup` (or None) applied to every Dion3 group;
+    stepped after the optimizers in `step()` — the trainer calls `optimizers.step()` and then
+    `lr_schedulers.step()`, so the fraction and the learning rate advance together — and saved
+    in the state dict under FRACTION_STEP_KEY.
+    `optimizer_factory_kwargs_by_name={"Dion3": {...}}` passes constructor arguments that are
+    not group settings (orthogonalizer, check_finite, distributed_mesh).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        fraction_schedule: Optional[FractionWarmup] = None
+        """Dion3's row fraction as a function of the step (None: each group's `fraction`)."""
+
+    def __init__(self, config: Config, *, model_parts) -> None:
+        super().__init__(config, model_parts=model_parts)
+        self.fraction_schedulers: list[FractionScheduler] = []
+        if config.fraction_schedule is not None:
+            selecting = [o for o in self.optimizers
+                         if any(g.get("algorithm") in SELECTING_ALGORITHMS for g in o.param_groups)]
+            if not selecting:
+                raise ValueError("Dion3OptimizersContainer: fraction_schedule is set but no parameter group "
+                                 "runs Dion3 (optimizer_name 'Dion3')")
+            self.fraction_schedulers = [FractionScheduler(o, config.fraction_schedule) for o in selecting]
+
+    @staticmethod
+    def _resolve_optimizer_factory(name: str) -> Callable[..., Optimizer]:
+        if name in OPTIMIZERS:
+            return _builder(OPTIMIZERS[name])
+        return OptimizersContainer._resolve_optimizer_factory(name)
+
+    def step(self, closure: Optional[Callable[[], float]] = None) -> None:
+        super().step(closure)
+        for scheduler in self.fraction_schedulers:
+            scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.fraction_schedulers:
+            state[FRACTION_STEP_KEY] = self.fraction_schedulers[0].last_step
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != FRACTION_STEP_KEY})
+        if not self.fraction_schedulers:
+            return
+        if FRACTION_STEP_KEY not in state_dict:
+            raise ValueError(f"Dion3OptimizersContainer: the checkpoint has no {FRACTION_STEP_KEY!r} "
+                             "(it was saved without a fraction schedule); the schedule cannot resume")
+        for scheduler in self.fraction_schedulers:
+            scheduler.load_state_dict({"last_step": int(state_dict[FRACTION_STEP_KEY]), "groups": scheduler.groups})
+
+
+def fused_qkv_heads(model_config: Any) -> Optional[int]:
+    """The number of head_dim-row blocks of a fused `wqkv` weight (n_heads + 2·n_kv_heads), read
+    from a torchtitan decoder config; None when its attention has no fused QKV projection.
+
+    torchtitan's FusedQKVLinear stacks, for each KV group, its query heads, then its key head,
+    then its value head, head_dim rows each: every block is one head, so `num_heads` set to this
+    count gives each head its own selection and orthogonalization — what separate per-head
+    weights would get, and never a mix of query, key and value rows."""
+    attention = getattr(model_config, "first_attention", None)
+    qkv = getattr(attention, "qkv_linear", None)
+    if qkv is None or not hasattr(qkv, "wqkv"):
+        return None
+    return qkv.n_heads + 2 * qkv.n_kv_heads
+
+
+def param_group_configs(
+    algorithm: str = "Dion3",
+    lr: float = 0.02,
+    adamw_lr: float = 8e-4,
+    weight_decay: float = 0.1,
+    adamw_betas: tuple[float, float] = (0.9, 0.95),
+    qkv_heads: Optional[int] = None,
+    **options: Any,
+) -> list[ParamGroupConfig]:
+    """torchtitan ParamGroupConfigs for `Dion3OptimizersContainer`, in match order:
+
+    1. norm gains and biases → AdamW (adamw_lr, no weight decay);
+    2. `tok_embeddings`, the output head (`output` / `lm_head`), MoE router gates → AdamW;
+    3. with `qkv_heads`: fused `wqkv` weights → `algorithm` with num_heads=qkv_heads;
+    4. everything else (attention and MLP matrices, expert stacks) → `algorithm`.
+
+    algorithm: "Dion3", "NorMuon" or "Muon". options: further settings of the orthogonal groups
+    (fraction, selection_scope, mu, nesterov, adjust_lr, ...). Every pattern must match some
+    parameter (torchtitan refuses one that matches none), so give `qkv_heads` only for a model
+    with a fused `wqkv` (see `fused_qkv_heads`)."""
+    if algorithm not in OPTIMIZERS:
+        raise ValueError(f"algorithm must be one of {sorted(OPTIMIZERS)}, got {algorithm!r}")
+    adamw = {"lr": adamw_lr, "betas": tuple(adamw_betas), "eps": 1e-8}
+    matrix = {"lr": lr, "weight_decay": weight_decay, **options}
+    groups = [
+        ParamGroupConfig(pattern=NO_DECAY_PATTERN, optimizer_name="AdamW",
+                         optimizer_kwargs={**adamw, "weight_decay": 0.0}),
+        ParamGroupConfig(pattern=ADAMW_PATTERN, optimizer_name="AdamW",
+                         optimizer_kwargs={**adamw, "weight_decay": weight_decay}),
+    ]
+    if qkv_heads is not None:
+        groups.append(ParamGroupConfig(pattern=FUSED_QKV_PATTERN, optimizer_name=algorithm,
+                                       optimizer_kwargs={**matrix, "num_heads": qkv_heads}))
+    groups.append(ParamGroupConfig(pattern=r".*", optimizer_name=algorithm, optimizer_kwargs=matrix))
+    return groups
+
+
+def dion3_optimizer(
+    model_config: Any = None,
+    algorithm: str = "Dion3",
+    fraction_schedule: Optional[FractionWarmup] = None,
+    implementation: str = "foreach",
+    **settings: Any,
+) -> Dion3OptimizersContainer.Config:
+    """The `optimizer` field of a torchtitan Trainer.Config that trains with dion3.
+
+    model_config: the model's config (`config.model_spec.model`), read for a fused QKV weight
+    (`fused_qkv_heads`); None: no per-head blocks. implementation: torchtitan's setting for its
+    AdamW groups ("foreach" runs on CPU and GPU; "fused" is CUDA-only). settings: as
+    `param_group_configs` (lr, adamw_lr, weight_decay, fraction, selection_scope, ...)."""
+    heads = fused_qkv_heads(model_config) if model_config is not None else None
+    return Dion3OptimizersContainer.Config(
+        param_groups=param_group_configs(algorithm, qkv_heads=heads, **settings),
+        implementation=implementation,
+        fraction_schedule=fraction_schedule,
+    )
