@@ -22,7 +22,9 @@ bytes across nodes / fabric rate), each link class counting the larger of what a
 and receives; a ring over more than one node runs at the fabric's rate.
 Critical path: the slowest rank's memory passes + max(the slowest owner's compute, the sum of
 all collectives) — the pipeline keeps buckets in flight, so collectives of one bucket overlap
-another's compute (overlap=False adds them instead).
+another's compute (overlap=False adds them instead) — + a fixed time per distributed bucket
+(the eager step's launches, host syncs and small copies; 0 on one device, where the step is
+captured or launch-bound only on small models).
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ class Hardware:
     capacity: float  # device memory, bytes (pipeline budget)
     wire_bytes: int = 2  # compute dtype of orthogonalization (rows travel in it): bf16 / fp16
     param_bytes: int = 4  # parameters, gradients and momentum (fp32)
+    bucket_overhead: float = 0.0  # s per distributed bucket per step: launches, syncs, small copies
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ class StepPlan:
     ranks: dict[int, RankCost]  # global rank → its costs (the ranks of the planned groups)
     collectives: dict[str, float] = field(default_factory=dict)  # kind → seconds, summed over buckets
     scalar_bytes: float = 0.0  # AdamW parameters, gradients and state per rank
+    overhead_s: float = 0.0  # fixed time of the distributed buckets (Hardware.bucket_overhead each)
 
     @property
     def communication_s(self) -> float:
@@ -34,7 +35,7 @@ class StepPlan:
         memory = self.worst(lambda c: c.memory_s)
         compute = self.worst(lambda c: c.compute_s)
         comm = self.communication_s
-        return memory + (max(compute, comm) if overlap else compute + comm)
+        return memory + (max(compute, comm) if overlap else compute + comm) + self.overhead_s
 
     def memory_per_rank(self, c: RankCost) -> float:
         return c.params + c.grads + c.state + c.transient + self.scalar_bytes
@@ -55,7 +56,8 @@ def plan_step(plans: list[BucketPlan], variant: Variant, hw: Hardware, net: Netw
             transients.setdefault(plan.ranks[member], []).append((cost.state, cost.transient))
     for rank, entries in transients.items():
         ranks[rank].transient = peak_in_flight(entries, hw.capacity)
-    return StepPlan(variant, ranks, collectives, scalar_bytes)
+    distributed = sum(1 for plan in plans if plan.kind != "local")
+    return StepPlan(variant, ranks, collectives, scalar_bytes, distributed * hw.bucket_overhead)
 
 
 def _add(total: RankCost, part: RankCost) -> None:
