@@ -1,9 +1,14 @@
 """Distributed step for DDP (ProcessGroup), FSDP2 and every DTensor layout of large-model
-training (TP columns, strided rows, HSDP, expert stacks), each bucket over its own mesh axes."""
+training (TP columns, strided rows, HSDP, expert stacks), each bucket over its own mesh axes.
+
+Modules import downwards only: mesh → layout → owners → bucket → state → plan (the planner);
+exchange → selection → update → pipeline → step (the step)."""
+from .bucket import LayoutBucket, ShardedBucket
 from .exchange import Traffic
 from .layout import MatrixLayout, classify, matrix_layout
 from .mesh import MeshInfo, all_ranks_true, axes_group, is_dtensor, local_row_span, local_tensor, resolve_mesh
-from .plan import LayoutBucket, ShardedBucket, build_buckets, owned_matrices
+from .owners import owned_matrices
+from .plan import build_buckets
 from .step import run_step
 
 __all__ = [

@@ -93,20 +93,3 @@ def sum_across(values: Tensor, mesh: Optional[MeshInfo], traffic: Traffic, kind:
     work = dist.all_reduce(values, op=dist.ReduceOp.SUM, group=mesh.group, async_op=True)
     return Pending(work, values)
 
-
-def owner_slots(counts_mine: Tensor, per_matrix: int) -> Tensor:
-    """Where each received row belongs in the owner's [n, K, ...] matrices.
-
-    counts_mine[s, j] rows of owned matrix j arrive from rank s; all_to_all delivers them
-    source-major (s, then j, then row order). Matrix j's K = Σ_s counts[s, j] rows are laid out
-    source-major too, which is ascending global row order under contiguous row sharding.
-    Returns slot[p] for received row p, as an index into the flattened [n·K] rows.
-    """
-    world, owned = counts_mine.shape
-    lengths = counts_mine.reshape(-1)
-    total = owned * per_matrix
-    first_in_matrix = counts_mine.cumsum(0) - counts_mine  # [W, n] offset of source s inside matrix j
-    slot_start = first_in_matrix + torch.arange(owned, device=counts_mine.device) * per_matrix
-    first_received = lengths.cumsum(0) - lengths  # where each (s, j) block starts in the receive buffer
-    shift = torch.repeat_interleave(slot_start.reshape(-1) - first_received, lengths, output_size=total)
-    return shift + torch.arange(total, device=counts_mine.device)

@@ -1,59 +1,17 @@
-"""Optimizer state of sharded buckets: local stacked buffers (or per-parameter pieces for
+"""Optimizer state of sharded buckets (bucket.py): local stacked buffers (or per-parameter pieces for
 per-block groups) whose per-parameter state entries are DTensors with the parameter's
 placements, so distributed checkpoints see ordinary sharded state while the step runs batched
 and reshard it between layouts."""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ..algorithms import NORMALIZING_ALGORITHMS
 from ..buckets import variance_shape
+from .bucket import LayoutBucket
 from .layout import MatrixLayout, classify, matrix_shape, member_layouts
-from .mesh import DTensor, Replicate, axes_group, local_row_span, local_tensor
-
-if TYPE_CHECKING:  # the bucket types (plan.py builds the buckets and calls in here)
-    from .plan import LayoutBucket, ShardedBucket
-
-
-def allocate_sharded_state(bucket: ShardedBucket, group: dict, state: dict) -> None:
-    rows, cols = bucket.shape
-    like = bucket.views[0]
-    bucket.momentum = torch.zeros((bucket.count, bucket.chunk, cols), dtype=like.dtype, device=like.device)
-    wants_variance = group["algorithm"] in NORMALIZING_ALGORITHMS
-    if wants_variance:
-        bucket.variance = torch.zeros((bucket.count, bucket.chunk, 1), dtype=torch.float32, device=like.device)
-    start, stop = local_row_span(rows, bucket.world_size, bucket.rank)
-    for i, p in enumerate(bucket.params):
-        targets = {"momentum": (bucket.momentum[i, : stop - start], p.shape)}
-        if wants_variance:
-            targets["variance"] = (bucket.variance[i, : stop - start], (rows, 1))
-        entry = state[p]
-        for key, (target, global_shape) in targets.items():
-            if key in entry:
-                _load_rows(target, entry[key], start, stop, key, p)
-            local_shape = (stop - start, *global_shape[1:])
-            entry[key] = DTensor.from_local(
-                target.view(local_shape), p.device_mesh, p.placements, run_check=False,
-                shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape),
-            )
-        for key in list(entry):
-            if key not in targets:
-                del entry[key]
-
-
-def _load_rows(target: Tensor, loaded: Tensor, start: int, stop: int, key: str, param: Tensor) -> None:
-    """Copy saved state into this rank's rows: a DTensor contributes its local shard, a plain
-    tensor of the global shape contributes rows [start, stop)."""
-    rows = local_tensor(loaded) if isinstance(loaded, DTensor) else loaded.reshape(loaded.shape[0], -1)[start:stop]
-    if rows.numel() != target.numel():
-        raise ValueError(
-            f"state {key!r} of parameter with shape {tuple(param.shape)} has shape {tuple(loaded.shape)}; "
-            "the state dict does not match these parameters"
-        )
-    target.copy_(rows.reshape(target.shape))
+from .mesh import DTensor, Replicate, axes_group, local_tensor
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:
