@@ -122,12 +122,40 @@ def main(argv=None) -> int:
         fitted = (r["preset"], r["layout"], r["variant"]) in [*fits["symmetric"], fits["dense"]]
         out.append(dict(r, predicted_ms=predicted, error=predicted / r["ms"] - 1, fitted=fitted,
                         predicted_bytes=p["sent"]))
-    report = markdown(out, rates)
+    report = markdown(out, rates) + "\n\n" + memory_table(memory_rows(vs))
     print(report)
     if args.out:
         Path(args.out + ".md").write_text(report + "\n")
         Path(args.out + ".json").write_text(json.dumps(dict(rates=rates, rows=out), indent=1) + "\n")
     return 0
+
+
+def memory_rows(vs: dict) -> list[dict]:
+    """Peak memory of the single-device step (matrices only: parameters, gradients, state and
+    the step's buffers) against the planner's params + grads + state + transient."""
+    single = json.loads((RESULTS / "step-h200-2026-12-01-6b0e2bf.json").read_text())["runs"]
+    names = {"muon": "muon-baseline", "muon-gram": "muon", "normuon": "normuon", "dion3-1/2": "dion3-1/2 local",
+             "dion3-1/4": "dion3-1/4 local", "dion3-1/8": "dion3-1/8 local"}
+    out = []
+    for key, preset in (("8b", "llama-8b"), ("1b", "llama-1b"), ("70b", "llama-70b-slice")):
+        peaks = {names[r["name"]]: r["peak_gb"] for r in single[key]["results"]
+                 if r["name"] in names and r.get("peak_gb") and r["mode"] == "eager"}
+        chosen = [vs[k] for k in peaks]
+        planned = build_plans(model_weights(MODELS[preset].matrices), parse_layout("single"), chosen)
+        steps = price(planned, chosen, Hardware("h200", 1.0, 1.0, MEMORY, 141e9), Network())
+        for k, peak in peaks.items():
+            c = steps[vs[k].label].ranks[0]
+            predicted = (c.params + c.grads + c.state + c.transient) / 1e9
+            out.append(dict(preset=preset, variant=k, measured_gb=peak, predicted_gb=predicted,
+                            error=predicted / peak - 1))
+    return out
+
+
+def memory_table(rows: list[dict]) -> str:
+    lines = ["| preset | variant | measured peak GB | predicted GB | error |", "|---|---|---|---|---|"]
+    lines += [f"| {r['preset']} | {r['variant']} | {r['measured_gb']:.1f} | {r['predicted_gb']:.1f} | "
+              f"{r['error'] * 100:+.1f}% |" for r in rows]
+    return "\n".join(lines)
 
 
 def _args(argv):

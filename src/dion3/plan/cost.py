@@ -216,17 +216,19 @@ def _traffic(plan: BucketPlan, variant: Variant, ks: list[float], K: int, e: int
 
 
 def _transient(plan: BucketPlan, s: int, ks: list[float], K: int, e: int) -> float:
-    """Buffers a member holds while the bucket is in flight: its rows to send and their results
-    (e bytes each), and as an owner the received matrices, Newton–Schulz's workspace (≈ three
-    K×C batches and two n×n ones, n = min(K, C)) and the results to send back."""
+    """Buffers a member holds while the bucket is in flight (e bytes per element): as an owner,
+    its n_s matrices four times over (received or snapshot input, Newton–Schulz's iterate and its
+    successor, the result in the order it goes back) and two n×n matrices each (n = min(K, C));
+    in a distributed bucket also its rows to send and their results. On one H200 this matches the
+    measured peaks of the single-device step to 10% (plan-validation-2026-12-02.md)."""
     count, cols = plan.count, plan.shape[1]
-    width = plan.held[s][1]
     n = plan.owned[s]
-    mine = 2 * count * ks[s] * width * e
-    owner = n * (5 * K * cols + 2 * min(K, cols) ** 2) * e
+    owner = n * (4 * K * cols + 2 * min(K, cols) ** 2) * e
+    if plan.kind == "local":
+        return owner
     if plan.kind == "replicated":
-        mine = math.ceil(count / plan.members) * plan.members * K * cols * e
-    return mine + owner
+        return math.ceil(count / plan.members) * plan.members * K * cols * e + owner
+    return 2 * count * ks[s] * plan.held[s][1] * e + owner
 
 
 def collective_seconds(plan: BucketPlan, links: dict, net: Network) -> dict:

@@ -54,8 +54,10 @@ def plan_step(plans: list[BucketPlan], variant: Variant, hw: Hardware, net: Netw
             total = ranks.setdefault(plan.ranks[member], RankCost())
             _add(total, cost)
             transients.setdefault(plan.ranks[member], []).append((cost.state, cost.transient))
+    pipelined = any(plan.kind != "local" for plan in plans)  # one device steps bucket after bucket
     for rank, entries in transients.items():
-        ranks[rank].transient = peak_in_flight(entries, hw.capacity)
+        ranks[rank].transient = (peak_in_flight(entries, hw.capacity) if pipelined
+                                 else max(t for _, t in entries))
     distributed = sum(1 for plan in plans if plan.kind != "local")
     return StepPlan(variant, ranks, collectives, scalar_bytes, distributed * hw.bucket_overhead)
 
