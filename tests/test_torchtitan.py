@@ -1,6 +1,6 @@
 """dion3 in torchtitan 0.3 (dion3.integrations.torchtitan).
 
-The job config of the docs (docs/integrations-torchtitan.md, "## torchtitan") is parsed by torchtitan's own
+The job config of the docs (docs/integrations.md, "## torchtitan") is parsed by torchtitan's own
 ConfigManager, and its optimizer and LR-scheduler configs train torchtitan's Llama-3 debug model
 on 4 gloo ranks (tests/torchtitan_worker.py): FSDP2 + TP (dp=2, tp=2) against the one-process
 model, then DCP save → resume on the same layout and on FSDP2 over 4 ranks against the
@@ -27,7 +27,7 @@ import gloo
 import torchtitan_worker as worker
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs" / "integrations-torchtitan.md"
+DOCS = ROOT / "docs" / "integrations.md"
 HAVE_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
 needs_torchtitan = pytest.mark.skipif(not HAVE_TORCHTITAN, reason="torchtitan is not installed (extra 'torchtitan')")
 
