@@ -11,6 +11,11 @@ The step is split where the distributed layer exchanges data:
 On a single device row_normalization_in_place replaces normalize_rows (row_normalization, or
 one kernel on CUDA that also reads and writes the rows' variance): apply_update takes its per-row
 factors, so the normalized copy of O is never written.
+
+Non-finite updates are skipped per matrix, on the device and without a host sync: a matrix whose
+O (or per-row factors) is not finite keeps its variance, is not moved by apply_update (its weight
+decay still applies) and adds one to the `skipped` counter that apply_update is given. Gradients
+are not checked here (check_finite=True in the optimizer raises on them).
 """
 from __future__ import annotations
 
@@ -191,30 +196,61 @@ def row_normalization(ortho: Tensor, variance: Tensor, beta2: float, epsilon: fl
     return row_scale, new_variance.to(variance.dtype)
 
 
+def finite_matrices(row_scale: Tensor) -> Tensor:
+    """[N] bool: every per-row factor of matrix i is finite. A non-finite entry of O makes every
+    factor of its matrix NaN (‖O‖_F is not finite), so this is O's finiteness too."""
+    return torch.isfinite(row_scale.flatten(1)).all(dim=1)
+
+
 def row_normalization_in_place(
     ortho: Tensor, variance: Tensor, rows: Optional[Tensor], beta2: float, epsilon: float
 ) -> Tensor:
     """row_normalization of O [N, k, C] against the rows `rows` [N, k] (None: every row) of a
     bucket's second moments V [N, R, 1], writing their new values into V; returns the factors
     s ([N, k] float32 from the fused kernel on CUDA, which takes O's row norms and does the
-    rest in one launch; else [N, k, 1] as row_normalization gives them)."""
+    rest in one launch; else [N, k, 1] as row_normalization gives them). A matrix whose
+    factors are not finite keeps its old V (apply_update then skips it)."""
+    old = variance.clone() if rows is None else gather_rows(variance, rows)  # [N, R or k, 1]: small
     row_scale = fused_row_normalization(ortho, variance, rows, beta2, epsilon)
-    if row_scale is not None:
-        return row_scale
-    row_scale, new = row_normalization(ortho, variance if rows is None else gather_rows(variance, rows), beta2, epsilon)
-    if rows is None:
-        variance.copy_(new)
+    if row_scale is None:
+        row_scale, new = row_normalization(ortho, old, beta2, epsilon)
     else:
-        scatter_rows(variance, rows, new)
+        new = variance if rows is None else gather_rows(variance, rows)
+    kept = torch.where(finite_matrices(row_scale).view(-1, 1, 1), new, old)
+    if rows is None:
+        variance.copy_(kept)
+    else:
+        scatter_rows(variance, rows, kept)
     return row_scale
 
 
 def normalize_rows(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float) -> tuple[Tensor, Tensor]:
     """row_normalization applied: (Ô in O's dtype, new V in V's dtype), for callers that need
-    the scaled rows themselves (the distributed step sends them between ranks)."""
+    the scaled rows themselves (the distributed step sends them between ranks). A matrix whose
+    O is not finite keeps its old V and gets Ô entirely NaN, so that every rank holding some of
+    its rows skips them (apply_update), not only the ranks that hold the bad rows."""
     row_scale, new_variance = row_normalization(ortho, variance, beta2, epsilon)
+    new_variance = torch.where(finite_matrices(row_scale).view(-1, 1, 1), new_variance, variance)
     # fp32 math, written straight into O's dtype (no float32 temporary for half O)
     return scale_cast(ortho, row_scale, ortho.dtype), new_variance
+
+
+def poison_nonfinite(ortho: Tensor) -> Tensor:
+    """O [N, k, C] with every entry of a matrix that has a non-finite one set to NaN (in place):
+    Muon's owner does this before it sends O's rows out, for the reason normalize_rows gives."""
+    total = ortho.sum(dim=(-2, -1), dtype=torch.float32)  # NaN or ±inf iff some entry is
+    return ortho.mul_(torch.where(torch.isfinite(total), 1.0, math.nan).to(ortho.dtype).view(-1, 1, 1))
+
+
+def guard_rows(update: Tensor, row_scale: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(per-row factors for apply_update, [N] bool: matrix finite). A matrix whose update or
+    factors are not finite gets factors 0, which the post-update reads as "leave the row"
+    (never 0·NaN). Without factors (Muon), 1 for the finite matrices: the same arithmetic."""
+    if row_scale is None:
+        ok = torch.isfinite(update.sum(dim=(-2, -1), dtype=torch.float32))
+        return ok.to(torch.float32).view(-1, 1).expand(update.shape[:2]), ok
+    ok = finite_matrices(row_scale)
+    return torch.where(ok.view(-1, *[1] * (row_scale.dim() - 1)), row_scale, 0.0), ok
 
 
 def apply_update(
@@ -225,11 +261,14 @@ def apply_update(
     weight_decay: float,
     scale: float,
     row_scale: Optional[Tensor] = None,
+    skipped: Optional[Tensor] = None,
 ) -> None:
     """X ← (1 − lr·λ)·X everywhere, then X[rows] ← X[rows] − lr·scale·update, rounded once.
 
     params: [B_i, R, C] views whose batches concatenate to update's N. row_scale [N, k, 1]
     (from row_normalization) multiplies each row of update inside the same pass.
+    A matrix whose update (or row_scale) is not finite is only decayed (guard_rows), and
+    counted in `skipped` (a 0-d integer tensor on update's device, added to in place).
     """
     if isinstance(lr, Tensor) and lr.device != update.device:  # e.g. a CPU lr tensor, CUDA params
         lr = lr.to(update.device)
@@ -237,4 +276,7 @@ def apply_update(
         weight_decay = weight_decay.to(update.device)
     decay = 1.0 - lr * weight_decay
     step = lr * scale
+    row_scale, ok = guard_rows(update, row_scale)
+    if skipped is not None:
+        skipped.add_(ok.logical_not().sum())
     post_update(params, update, rows, decay, step, row_scale)

@@ -9,15 +9,20 @@ import torch
 from torch import Tensor
 
 from .. import rules
+from ..algorithms import NORMALIZING_ALGORITHMS
 
 
 def orthogonalize(update: Tensor, group: dict, norm: Optional[Tensor] = None, normalized: bool = False) -> Tensor:
-    return rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"], norm, normalized)
+    ortho = rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"], norm, normalized)
+    # NorMuon/Dion3 spread a non-finite matrix over all its rows when they normalize them; Muon's
+    # owner does it here, so that every rank holding rows of that matrix skips them
+    return ortho if group["algorithm"] in NORMALIZING_ALGORITHMS else rules.poison_nonfinite(ortho)
 
 
 def apply(bucket, update: Tensor, rows, group: dict, row_scale=None) -> None:
     scale = rules.lr_scale(group["adjust_lr"], *bucket.shape)
-    rules.apply_update(bucket.views, update, rows, group["lr"], group["weight_decay"], scale, row_scale)
+    rules.apply_update(bucket.views, update, rows, group["lr"], group["weight_decay"], scale, row_scale,
+                       getattr(bucket, "skipped", None))
 
 
 

@@ -65,7 +65,8 @@ def _post_update_kernel(
     step_value = _scalar(step, STEP_IS_POINTER)
     if HAS_SCALE:  # one factor per row, loaded once per row and folded into the step
         factor = tl.load(scale_ptr + update_row, mask=row_selected, other=0.0).to(tl.float32)
-        value = value - (step_value * factor)[:, None] * change
+        # a factor of 0 leaves the row as it is, also where the update is not finite (rules.guard_rows)
+        value = value - tl.where(factor[:, None] != 0.0, (step_value * factor)[:, None] * change, 0.0)
     else:
         value = value - step_value * change
     tl.store(param + offsets, value.to(dtype_probe.dtype.element_ty), mask=inside)

@@ -46,6 +46,8 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         self.communication_bytes = 0  # bytes this rank sent in the last step (distributed only)
         self.communication_bytes_by_kind: dict[str, int] = {}
         self.check_finite = bool(check_finite)
+        # matrices whose update was not finite and was skipped, per device (nonfinite_updates)
+        self._skipped: dict[torch.device, Tensor] = {}
         self._buckets: list[list[Bucket]] = []
         self._has_dtensors = False
         self._ready = False
@@ -86,6 +88,27 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         if self._ready:
             self._build_buckets()
 
+    @property
+    def nonfinite_updates(self) -> Tensor:
+        """How many matrix updates this rank skipped because they were not finite (a 0-d int64
+        tensor on the parameters' device, counted without host syncs; read it when you log).
+        A skipped matrix keeps its value apart from weight decay, and its per-row variance;
+        its momentum has absorbed that step's gradient (docs/training.md, "Non-finite updates")."""
+        counters = list(self._skipped.values())
+        if not counters:
+            return torch.zeros((), dtype=torch.int64)
+        total = counters[0]
+        for other in counters[1:]:  # parameters on several devices of one process: rare
+            total = total + other.to(total.device)
+        return total
+
+    def _skip_counter(self, bucket) -> None:
+        """Give a bucket the skip counter of its device (shared by every bucket there)."""
+        device = distributed.local_tensor(bucket.params[0]).device
+        if device not in self._skipped:
+            self._skipped[device] = torch.zeros((), dtype=torch.int64, device=device)
+        bucket.skipped = self._skipped[device]
+
     def _param_label(self, group: dict, index: int) -> str:
         # by identity: list.index would compare group dicts, and with them their tensors
         group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
@@ -113,6 +136,8 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                     for key, value in fresh.items():
                         state[key] = state[key].to(value.device) if key in state else value
             self._buckets.append(list(buckets.values()))
+        for bucket in (b for group_buckets in self._buckets for b in group_buckets):
+            self._skip_counter(bucket)
 
     def _allocate_buckets(self, buckets: list[Bucket], group: dict) -> None:
         """State of one group's (replicated) buckets. A bucket whose parameters each have one
@@ -318,7 +343,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         if cfg.normalize:
             row_scale = rules.row_normalization_in_place(ortho, bucket.variance, rows, cfg.beta2, cfg.epsilon)
         scale = rules.lr_scale(group["adjust_lr"], *bucket.shape)
-        rules.apply_update(bucket.views, ortho, rows, group["lr"], group["weight_decay"], scale, row_scale)
+        rules.apply_update(bucket.views, ortho, rows, group["lr"], group["weight_decay"], scale, row_scale, bucket.skipped)
 
     def _partial_step(self, bucket: Bucket, keep: list[int], group: dict) -> None:
         """Only some entries of the bucket have gradients, or its state lives in parameter-shaped
