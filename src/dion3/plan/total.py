@@ -63,9 +63,15 @@ def plan_step(plans: list[BucketPlan], variant: Variant, hw: Hardware, net: Netw
 
 
 def _add(total: RankCost, part: RankCost) -> None:
-    for name in ("owned", "dense_flops", "executed_flops", "compute_s", "memory_bytes", "memory_s",
-                 "params", "grads", "state"):
-        setattr(total, name, getattr(total, name) + getattr(part, name))
+    total.owned += part.owned
+    total.dense_flops += part.dense_flops
+    total.executed_flops += part.executed_flops
+    total.compute_s += part.compute_s
+    total.memory_bytes += part.memory_bytes
+    total.memory_s += part.memory_s
+    total.params += part.params
+    total.grads += part.grads
+    total.state += part.state
     for mine, theirs in ((total.sent, part.sent), (total.received, part.received)):
         for kind, nbytes in theirs.items():
             mine[kind] = mine.get(kind, 0.0) + nbytes
