@@ -97,6 +97,7 @@ class Run:
     data: Optional[tuple[str, ...]]
     read_once: bool = True  # disjoint windows (data.read_once_batches); False: random, may repeat
     repeat: int = 0  # the same run again (--repeats: GPU runs are not bit-reproducible; stress tests)
+    captured: bool = False  # optimizer steps through CapturedStep (CUDA only)
 
     @property
     def setting(self) -> tuple:
@@ -158,7 +159,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     model = MODELS[args.model]
     common = dict(model=args.model, batch_size=args.batch_size or model.batch_size, lr_warmup=args.lr_warmup,
                   cooldown=args.cooldown, eval_batches=args.eval_batches, data=tuple(args.data) if args.data else None,
-                  read_once=not args.allow_repeat)
+                  read_once=not args.allow_repeat, captured=args.captured)
     if args.repeats < 1:
         raise SystemExit(f"quality_study: --repeats must be ≥ 1, got {args.repeats}")
     runs = []
@@ -233,7 +234,7 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
     run_spec = RunSpec(run.label, run.optimizer, run.lr, run.fraction, run.mu if run.optimizer != "adamw" else None,
                        run.fraction_warmup)
     started = time.perf_counter()
-    result = train(run_spec, config, schedule, data, device, run.seed, bf16=True, model_factory=factory)
+    result = train(run_spec, config, schedule, data, device, run.seed, bf16=True, model_factory=factory, captured=run.captured)
     return {
         "key": run.key, "config": dataclasses.asdict(run), "seed": run.seed, "horizon": run.horizon,
         "final_val_loss": result.final_val_loss,
@@ -245,6 +246,8 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
         "device": str(device), "torch": torch.__version__, "data": data.description,
         # the first step whose training loss was not finite (None: every step finite)
         "first_nonfinite_step": next((i for i, v in enumerate(result.train_losses) if not math.isfinite(v)), None),
+        "nonfinite_updates": result.nonfinite_updates,
+        "nonfinite_parameters": result.nonfinite_parameters,
     }
 
 
@@ -343,25 +346,26 @@ def summary_table(records: Sequence[dict]) -> str:
     for record in records:
         groups.setdefault(Run(**{**record["config"], "data": None}).setting, []).append(record)
     lines = [
-        "| model | horizon | optimizer | fraction schedule | lr | μ | seeds | non-finite | final val loss "
+        "| model | horizon | optimizer | fraction schedule | lr | μ | seeds | non-finite | skipped updates | final val loss "
         "| train loss, last 50 steps | average fraction | optimizer ms (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
     for setting, members in groups.items():
         # a non-finite run is a bug to explain, never a sample to average: counted apart
-        finite = [m for m in members if math.isfinite(m["final_val_loss"])]
+        finite = [m for m in members if math.isfinite(m["final_val_loss"]) and not m.get("nonfinite_parameters")]
+        skipped = sum(m.get("nonfinite_updates", 0) for m in members)  # the optimizer's guard (rules.guard_rows)
         losses = [m["final_val_loss"] for m in finite]
         mean = statistics.fmean(losses) if losses else math.inf
         loss_text = f"{mean:.4f} ± {statistics.stdev(losses) if len(losses) > 1 else 0.0:.4f}" if losses else "—"
         train = [m["final_train_loss"] for m in finite if "final_train_loss" in m]  # absent in older records
         train_text = f"{statistics.fmean(train):.4f}" if train and len(train) == len(finite) else "—"
-        rows.append((setting[0], setting[1], mean, setting, len(members), len(members) - len(finite), loss_text, train_text,
+        rows.append((setting[0], setting[1], mean, setting, len(members), len(members) - len(finite), skipped, loss_text, train_text,
                      statistics.fmean(m["average_fraction"] for m in members),
                      statistics.median(m["optimizer_ms_median"] for m in members)))
-    for model, horizon, _, setting, count, bad, loss_text, train_text, fraction, step_ms in sorted(rows, key=lambda r: r[:3]):
+    for model, horizon, _, setting, count, bad, skipped, loss_text, train_text, fraction, step_ms in sorted(rows, key=lambda r: r[:3]):
         name, schedule = _setting_label(setting)
-        lines.append(f"| {model} | {horizon} | {name} | {schedule} | {setting[5]:g} | {setting[6]:g} | {count} | {bad} | "
+        lines.append(f"| {model} | {horizon} | {name} | {schedule} | {setting[5]:g} | {setting[6]:g} | {count} | {bad} | {skipped} | "
                      f"{loss_text} | {train_text} | {fraction:.3f} | {step_ms:.2f} |")
     return "\n".join(lines)
 
@@ -394,6 +398,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--fraction", type=float, default=0.25, help="Dion3's (final) fraction")
     parser.add_argument("--fraction-warmup", default="0,200",
                         help="Dion3 fraction warm-ups from 1, comma-separated: steps, or P%% of the horizon; 0 = fixed fraction")
+    parser.add_argument("--captured", action="store_true", help="optimizer steps through CapturedStep (CUDA graphs)")
     parser.add_argument("--repeats", type=int, default=1, help="run each setting and seed this many times (default 1)")
     parser.add_argument("--batch-size", type=int, help="sequences per step (default: the model's, 16)")
     parser.add_argument("--lr-warmup", type=int, default=20, help="lr warm-up steps (default 20)")

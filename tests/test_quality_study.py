@@ -25,8 +25,8 @@ def study():
 
 
 def test_plan_covers_the_grid_short_horizons_first(study):
-    args = study.parse_args(["--horizons", "400,100", "--seeds", "0,1", "--normuon-mu", "0.6,0.8", "--dion3-lr", "0.04",
-                             "--dion3-mu", "0.3", "--fraction-warmup", "0,50,25%"])
+    args = study.parse_args(["--horizons", "400,100", "--seeds", "0,1", "--optimizers", "normuon,dion3", "--normuon-mu", "0.6,0.8",
+                             "--dion3-lr", "0.04", "--dion3-mu", "0.3", "--fraction-warmup", "0,50,25%"])
     runs = study.plan_runs(args)
     # per horizon and seed: 2 NorMuon (μ) + 1 Dion3 lr/μ × 3 warm-ups (0, 50, 25% of the horizon)
     assert len(runs) == 2 * 2 * (2 + 3)
@@ -37,8 +37,13 @@ def test_plan_covers_the_grid_short_horizons_first(study):
     assert all(r.fraction is None and r.fraction_warmup == 0 for r in runs if r.optimizer == "normuon")
     with pytest.raises(SystemExit, match="--fraction-warmup"):
         study.plan_runs(study.parse_args(["--fraction-warmup", "ten"]))
-    with pytest.raises(SystemExit, match="unknown 'adamw'"):
-        study.plan_runs(study.parse_args(["--optimizers", "adamw"]))
+    with pytest.raises(SystemExit, match="unknown 'sgd'"):
+        study.plan_runs(study.parse_args(["--optimizers", "sgd"]))
+    # the baselines: AdamW has no μ grid; Muon's lr × μ; --repeats runs each again
+    every = study.plan_runs(study.parse_args(["--horizons", "100", "--seeds", "0", "--adamw-lr", "0.001,0.003",
+                                              "--muon-lr", "0.02", "--muon-mu", "0.9,0.95", "--repeats", "2"]))
+    assert sum(r.optimizer == "adamw" for r in every) == 2 * 2 and sum(r.optimizer == "muon" for r in every) == 2 * 2
+    assert all(r.read_once for r in every) and len({r.key for r in every}) == len(every)
 
 
 def _record(study, optimizer, loss, seed, fraction=None, warmup=0, average=1.0, ms=2.0, train=None):
@@ -60,9 +65,16 @@ def test_summary_is_mean_and_standard_deviation_over_seeds(study):
     table = study.summary_table(records).splitlines()
     assert len(table) == 2 + 2
     dion3, normuon = table[2], table[3]  # best mean loss first
-    assert "| Dion3 f=0.25 | 1 → 0.25 over 100 steps |" in dion3 and "| 2 | 1.4200 ± 0.0283 | 1.2500 | 0.438 | 2.00 |" in dion3
+    assert "| Dion3 f=0.25 | 1 → 0.25 over 100 steps |" in dion3 and "| 2 | 0 | 0 | 1.4200 ± 0.0283 | 1.2500 | 0.438 | 2.00 |" in dion3
     assert f"{statistics.stdev([1.5, 1.6, 1.7]):.4f}" == "0.1000"
-    assert "| NorMuon | — |" in normuon and "| 3 | 1.6000 ± 0.1000 | — | 1.000 | 4.00 |" in normuon  # records without a train loss
+    assert "| NorMuon | — |" in normuon and "| 3 | 0 | 0 | 1.6000 ± 0.1000 | — | 1.000 | 4.00 |" in normuon  # records without a train loss
+
+
+def test_a_non_finite_run_is_counted_apart_never_averaged(study):
+    records = [_record(study, "normuon", 1.50, 0), _record(study, "normuon", math.nan, 1), _record(study, "normuon", 1.70, 2)]
+    records[2]["nonfinite_updates"] = 3
+    row = study.summary_table(records).splitlines()[2]
+    assert "| 3 | 1 | 3 | 1.6000 ± 0.1414 |" in row  # mean and sd of 1.5 and 1.7 only
 
 
 @pytest.mark.slow

@@ -74,6 +74,8 @@ class RunResult:
     average_fraction: Optional[float] = None  # Dion3: the fraction averaged over the steps
     total_ms: float = math.nan  # mean forward + backward + optimizer time after warm-up
     tokens_per_step: int = 0
+    nonfinite_updates: int = 0  # matrix updates the optimizer skipped as not finite (optimizer.nonfinite_updates)
+    nonfinite_parameters: int = 0  # parameters with a non-finite entry at the end of the run
 
     @property
     def final_val_loss(self) -> float:
@@ -244,6 +246,8 @@ def train(
             segment_start = time.perf_counter()
 
     result.train_losses = [float(v) for v in result.train_losses]
+    result.nonfinite_updates = int(optimizer.nonfinite_updates)
+    result.nonfinite_parameters = sum(1 for p in model.parameters() if not bool(torch.isfinite(p).all()))
     if fractions:
         result.average_fraction = sum(fractions) / len(fractions)
     for kind, attribute in (("optimizer", "optimizer_ms"), ("total", "total_ms")):
