@@ -144,6 +144,21 @@ def test_fraction_schedule_needs_a_dion3_group():
         config.build(model_parts=[_meta_model(spec)])
 
 
+@needs_torchtitan
+def test_a_vector_in_the_orthogonal_group_is_refused_by_name():
+    from torch import nn
+
+    from dion3.integrations.torchtitan import dion3_optimizer
+
+    model = nn.Module()
+    model.tok_embeddings = nn.Embedding(16, 8)
+    model.norm = nn.LayerNorm(8, bias=False)
+    model.proj = nn.Linear(8, 8, bias=False)
+    model.gate_scale = nn.Parameter(torch.ones(8))  # 1-D, matched by no AdamW pattern
+    with pytest.raises(ValueError, match="gate_scale"):
+        dion3_optimizer().build(model_parts=[model])
+
+
 @pytest.fixture(scope="module")
 def runs(job_config, tmp_path_factory):
     assert job_config.training.steps == worker.STEPS
