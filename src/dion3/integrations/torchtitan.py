@@ -79,7 +79,7 @@ class Dion3OptimizersContainer(OptimizersContainer):
     `lr_schedulers.step()`, so the fraction and the learning rate advance together — and saved
     in the state dict under FRACTION_STEP_KEY.
     `optimizer_factory_kwargs_by_name={"Dion3": {...}}` passes constructor arguments that are
-    not group settings (orthogonalizer, check_finite, distributed_mesh).
+    not group settings (orthogonalizer, check_finite).
     """
 
     @dataclass(kw_only=True, slots=True)
