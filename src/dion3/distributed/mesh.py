@@ -1,8 +1,9 @@
 """Normalize the user's `distributed_mesh` and the process groups of mesh axes.
 
 Accepted meshes: None (single device, or DTensor parameters, each on its own mesh), a DeviceMesh
-of 1-3 axes (the parameters' mesh or a sub-mesh of it, e.g. HSDP's shard sub-mesh), or a
-ProcessGroup (DDP). How each parameter lies on its mesh is read by distributed/layout.py.
+of 1-3 axes (the parameters' mesh, a sub-mesh of it such as HSDP's shard sub-mesh, or a mesh that
+parameters' meshes are sub-meshes of, such as the world mesh of FSDP2 + TP), or a ProcessGroup
+(DDP). How each parameter lies on its mesh is read by distributed/layout.py.
 """
 from __future__ import annotations
 
@@ -134,6 +135,22 @@ def world_members(mesh: "DeviceMesh", axes: tuple[int, ...]) -> Optional[tuple[t
     if copies is None:
         return None
     return tuple(sorted({members for ranks in copies for members in _members_of(ranks, axes)}))
+
+
+def within_mesh(mesh: "DeviceMesh", given: "DeviceMesh") -> bool:
+    """Whether `mesh` is `given` or a sub-mesh of it: both cut from one root mesh (equal roots),
+    `mesh` over a subset of `given`'s axes. Both rank tensors hold the slice around this rank, a
+    box of the root over the axes each varies (several root axes for a flattened one); the box of
+    `mesh` lies in that of `given` exactly when its axes are among `given`'s, so comparing the
+    ranks decides. An FSDP-only layer of an FSDP2 + TP model (world["dp"]) is within the world
+    mesh; a mesh from another root (another rank layout) is not, even on the same ranks. False
+    when a root cannot be read (torch's private accessor changed): the caller refuses."""
+    if mesh == given:
+        return True
+    root, given_root = _root_mesh(mesh), _root_mesh(given)
+    if root is None or given_root is None or root != given_root or mesh.device_type != given.device_type:
+        return False
+    return set(mesh.mesh.reshape(-1).tolist()) <= set(given.mesh.reshape(-1).tolist())
 
 
 def _gathered_members(local: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
