@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 
 import gloo
-from distributed_worker import Matrices, Run, full, make_optimizer, max_relative_error, spread_owners
+from distributed_worker import Matrices, Run, full, make_optimizer, max_relative_error
 from dion3.distributed import local_row_span
 from test_properties import fractions, reference_k
 
@@ -117,13 +117,22 @@ def assert_top(scores: torch.Tensor, selected: torch.Tensor) -> None:
         assert scores[selected].min() >= scores[~selected].max() * (1 - 1e-5), "a lower-scoring row was selected"
 
 
-def expected_bytes(layout, kind, scope, shapes, world, contributed) -> list[int]:
+def planned_owners(opt) -> dict:
+    """{matrix shape: the owner of each matrix of its bucket} as the optimizer's planner set
+    them (owners by cost: tests/test_owners.py checks the rule), for the byte count."""
+    return {tuple(b.shape): list(b.owner_of) for b in opt._buckets[0] if hasattr(b, "owner_of")}
+
+
+def expected_bytes(layout, kind, scope, shapes, world, contributed, owners_of) -> list[int]:
     """Hand count of the bytes each rank sends (float32 rows, fp32 variance and scores, and under
     fsdp one float32 sum of squares per matrix all-reduced per bucket, counted as a ring).
     contributed[s][i]: rows of matrix i that rank s sends for orthogonalization (fsdp), or
-    the rows per matrix of the orthogonalized block (ddp, the same on every rank)."""
+    the rows per matrix of the orthogonalized block (ddp, the same on every rank).
+    owners_of: the owners of each fsdp bucket's matrices (planned_owners)."""
     sent = [0] * world
-    for (rows, cols), members, owners in spread_owners(shapes, world):
+    for rows, cols in sorted(set(shapes), key=shapes.index):
+        members = [i for i, s in enumerate(shapes) if s == (rows, cols)]
+        owners = owners_of.get((rows, cols))
         if layout == "ddp":  # all-gather of ⌈N/W⌉ blocks of K×cols to W − 1 ranks
             for r in range(world):
                 sent[r] += -(-len(members) // world) * contributed[r][members[0]] * cols * 4 * (world - 1)
@@ -201,7 +210,7 @@ def run_example(layout, name, shapes, fraction, weight_decay, seed, stats):
         sent = gather_ints(opt.communication_bytes)
         assert min(sent) >= 0, sent
         scope = options.get("selection_scope")
-        assert sent == expected_bytes(layout, kind, scope, shapes, world, contributed), (sent, step)
+        assert sent == expected_bytes(layout, kind, scope, shapes, world, contributed, planned_owners(opt)), (sent, step)
         if exact:
             error = max_relative_error(after, [p.detach() for p in single.parameters()])
             assert error <= TOLERANCE, f"{name}/{layout} differs from one process by {error:.2e} at step {step}"

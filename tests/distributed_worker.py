@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 import gloo
 from dion3 import Dion3, Muon, NorMuon
 from dion3.distributed import local_row_span
+from dion3.ortho import cpu_compute_dtype
 
 # Mixed shapes in one group: repeated shapes (bucket of 3, not a multiple of W), tall and
 # wide matrices, 3 rows (a zero-row shard at W=4) and 5 rows (uneven 2/2/1/0 at W=4).
@@ -26,10 +27,10 @@ MIXED = [(16, 24), (24, 16), (3, 8), (16, 24), (5, 7), (16, 24)]
 # Larger rows so that f·⌈rows/W⌉ is not dominated by rounding: for the byte budgets.
 TRAFFIC = [(64, 48)] * 5 + [(32, 40)] * 3
 # Three buckets of two matrices (fewer than 4 ranks), in the order the buckets are built:
-# (12, 8), (10, 6), (7, 9). See test_small_fsdp_buckets_spread_over_the_ranks.
+# (12, 8), (10, 6), (7, 9), of three different costs. See test_small_fsdp_buckets_spread_over_the_ranks.
 SPREAD = [(12, 8), (10, 6), (7, 9), (12, 8), (10, 6), (7, 9)]
-# At W = 4 a bucket of 5 whose owners start at rank 1 (after the one-matrix bucket): without
-# its first matrix on some steps, its 4 remaining matrices need every rank, from rank 0 again.
+# A bucket of 5 beside a bucket of one: without its first matrix on some steps, its 4
+# remaining matrices keep their owners.
 SPREAD_SUBSET = [(7, 9)] + [(10, 6)] * 5
 STEPS = 3
 OPTIMIZERS = {"muon": Muon, "normuon": NorMuon, "dion3": Dion3}
@@ -84,18 +85,24 @@ class Run:
 
 
 def spread_owners(shapes, world: int):
-    """The owner rule, restated by hand for the byte counts: per bucket (same shape, in order
-    of appearance), its member indices and each one's owner. Blocks of ⌈N/W⌉ go to the `used`
-    consecutive ranks from `first`: where the previous bucket's owners stopped, taken modulo
-    the W − used + 1 starts at which they fit before the last rank."""
-    next_rank = 0
+    """The owner rule, restated by hand for the Muon byte counts: per bucket (same shape, in
+    order of appearance), its member indices and each one's owner. Longest processing time
+    first over every matrix: the heaviest (ties: the earlier) to the least loaded rank (ties:
+    the lower), each bucket's owners then in rank order. A Muon matrix costs its owner the
+    bytes of its rows in and out (∝ rows·cols at one wire dtype) plus its Newton–Schulz FLOPs;
+    here the cost is rows·cols alone, which splits TRAFFIC as the planner does: its (64, 48)
+    matrices outweigh its (32, 40) ones 2.4× in bytes and 3.5× in FLOPs, and the one close
+    call (W = 2: a third (32, 40) onto rank 1, 2·64·48 + 3·32·40 against 3·64·48) holds in
+    both."""
+    order = sorted(range(len(shapes)), key=lambda i: (-shapes[i][0] * shapes[i][1], i))
+    loads, owner = [0] * world, {}
+    for i in order:
+        rank = min(range(world), key=lambda r: (loads[r], r))
+        owner[i] = rank
+        loads[rank] += shapes[i][0] * shapes[i][1]
     for shape in sorted(set(shapes), key=shapes.index):
         members = [i for i, s in enumerate(shapes) if s == shape]
-        block = -(-len(members) // world)
-        used = -(-len(members) // block)
-        first = next_rank % (world - used + 1)
-        next_rank = first + used
-        yield shape, members, [first + j // block for j in range(len(members))]
+        yield shape, members, sorted(owner[i] for i in members)
 
 
 def owned_counts(opt) -> list[list[int]]:
@@ -106,6 +113,12 @@ def owned_counts(opt) -> list[list[int]]:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return gathered
+
+
+def gathered_strings(value: str) -> list[str]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def max_relative_error(got, want) -> float:
@@ -309,6 +322,7 @@ def scenarios(world: int, rank: int) -> dict:
                                          without_grad=lambda step: (1,) if step % 2 == 0 else ())
     results["errors"]["spread_subset/fsdp/normuon"] = error
     results["owned_subset"] = owned_counts(opt)
+    results["ns_dtype"] = gathered_strings(str(cpu_compute_dtype()))
     results["errors"]["local_scope/fsdp/dion3"] = local_scope_error(mesh, world, rank)
     results["rejected"] = rejected_layouts(mesh, world)
     results["nonfinite_raised"] = nonfinite_raised(mesh, world, rank)

@@ -62,24 +62,37 @@ def test_matches_single_process(results, scenario):
 
 def test_small_fsdp_buckets_spread_over_the_ranks(results):
     """worker.SPREAD: three row-sharded buckets of two matrices, built in the order (12, 8),
-    (10, 6), (7, 9). Per bucket, owners are ⌈2/W⌉ = 1 matrix each on used = 2 consecutive
-    ranks, starting where the previous bucket stopped, modulo the W − 1 starts that fit.
-    W = 4: (12, 8) starts at 0 → ranks 0, 1; (10, 6) at 2 % 3 = 2 → ranks 2, 3; (7, 9) at
-    4 % 3 = 1 → ranks 1, 2. Every rank owns a matrix (starting each bucket at rank 0, as before,
-    gave ranks 0 and 1 all six). W = 2: every bucket is one matrix per rank.
+    (10, 6), (7, 9); owners by cost (longest processing time first), read after the Dion3
+    global run (f = ¼). On the owner a matrix is its K = ⌈f·rows⌉ selected rows: 3×8, 3×6, 2×9,
+    all Gram NS (m/n > 1.5) in float32 on a CPU, so the bytes its owner moves, 2·K·cols·4·(W−1)/W,
+    are 144 : 108 : 108 at W = 4, and the FLOPs (under 1% of that time) order the tie: Gram NS
+    on 3×6 multiplies more than on 2×9. W = 4: (12, 8) → ranks 0, 1; (10, 6) → ranks 2, 3;
+    (7, 9) → the least loaded, ranks 2 and 3. W = 2: each bucket one matrix per rank.
+    (By count, blocks of ⌈N/W⌉ from where the previous bucket stopped, W = 4 gave ranks 0–3
+    [1, 0, 0], [1, 0, 1], [0, 1, 1], [0, 1, 0]: rank 1 a (12, 8) and a (7, 9).)
     The step still matches one process: test_matches_single_process["spread/..."]."""
-    expected = {4: [[1, 0, 0], [1, 0, 1], [0, 1, 1], [0, 1, 0]], 2: [[1, 1, 1], [1, 1, 1]]}
+    expected = {4: [[1, 0, 0], [1, 0, 0], [0, 1, 1], [0, 1, 1]], 2: [[1, 1, 1], [1, 1, 1]]}
     assert results["owned"] == expected[results["world"]]
 
 
-def test_a_subset_of_a_shifted_bucket_still_has_an_owner_per_matrix(results):
-    """worker.SPREAD_SUBSET: (7, 9) alone, then five (10, 6). W = 4: the bucket of one takes
-    rank 0; the five (blocks of 2 on 3 ranks) start at 1 % 2 = 1 → 0, 2, 2, 1 matrices. On
-    steps where the first (10, 6) has no gradient, its other four need one rank each, from rank
-    0: the step still matches one process (test_matches_single_process["spread_subset/..."]).
-    W = 2: rank 0 gets the one; the five (blocks of 3 on 2 ranks) start at 1 % 1 = 0."""
-    expected = {4: [[1, 0], [0, 2], [0, 2], [0, 1]], 2: [[1, 3], [0, 2]]}
-    assert results["owned_subset"] == expected[results["world"]]
+def test_a_subset_of_a_bucket_still_has_an_owner_per_matrix(results):
+    """worker.SPREAD_SUBSET under NorMuon: one (7, 9), then five (10, 6), whole on their owners.
+    (10, 6) is Gram NS (m/n = 1.67) in float32: its owner moves 2·10·6·4·(W−1)/W bytes (360 at
+    W = 4, 240 at W = 2); (7, 9) is standard NS in this CPU's NS dtype (bf16 where its bf16
+    products are fast, else float32): 2·7·9·w·(W−1)/W, 189 or 378 at W = 4 (126 or 252 at 2).
+    Bytes set the order (the FLOPs are under 2% of a matrix's time). Longest first, to the least
+    loaded rank:
+    float32, W = 4: (7, 9) → 0; (10, 6) → 1, 2, 3, then 1, 2 (360 < 378): [1, 0], [0, 2], [0, 2], [0, 1].
+    float32, W = 2: (7, 9) → 0; (10, 6) → 1, 1 (360 < 378), 0, 1, 0: [1, 2], [0, 3].
+    bf16, W = 4: (10, 6) → 0, 1, 2, 3, 0; (7, 9) → 1: [0, 2], [1, 1], [0, 1], [0, 1].
+    bf16, W = 2: (10, 6) → 0, 1, 0, 1, 0; (7, 9) → 1: [0, 3], [1, 2].
+    On steps where the first (10, 6) has no gradient, the other four keep their owners: the step
+    still matches one process (test_matches_single_process["spread_subset/..."])."""
+    dtypes = set(results["ns_dtype"])
+    assert len(dtypes) == 1, dtypes  # every rank chose the same dtype (the owners depend on it)
+    expected = {("torch.float32", 4): [[1, 0], [0, 2], [0, 2], [0, 1]], ("torch.float32", 2): [[1, 2], [0, 3]],
+                ("torch.bfloat16", 4): [[0, 2], [1, 1], [0, 1], [0, 1]], ("torch.bfloat16", 2): [[0, 3], [1, 2]]}
+    assert results["owned_subset"] == expected[(dtypes.pop(), results["world"])]
 
 
 def test_local_equals_global_at_fraction_one(results):
@@ -329,23 +342,19 @@ def test_padded_selection_against_a_row_by_row_reference(seed):
 
 
 def test_owner_mapping_by_hand():
-    """Blocks of ⌈N/W⌉ matrices for consecutive members from first_owner, moved earlier where the
-    blocks would not fit; a holder owns everything; the same mapping object for the same inputs
+    """Each member owns the contiguous range of the matrices whose owner it is (owner_of, in
+    member order); a holder owns everything; the same mapping object for the same inputs
     (built once, not per step)."""
     from dion3.distributed.plan import Owners
 
     class Mapping(Owners):
-        def __init__(self, first_owner, count, world_size, holder=None):
-            self.first_owner, self.count, self.world_size, self._holder = first_owner, count, world_size, holder
-
-        def holder(self):
-            return self._holder
+        def __init__(self, owner_of, world_size):
+            self.owner_of, self.world_size = owner_of, world_size
 
     empty = range(0, 0)
-    # 5 matrices over 4 members: blocks of 2 for 3 members; first owner 3 would overflow → 1
-    assert Mapping(3, 5, 4).owners() == (empty, range(0, 2), range(2, 4), range(4, 5))
-    assert Mapping(0, 5, 4).owners() == (range(0, 2), range(2, 4), range(4, 5), empty)
-    assert Mapping(1, 2, 4).owners() == (empty, range(0, 1), range(1, 2), empty)
-    assert Mapping(2, 5, 4, holder=2).owners() == (empty, empty, range(0, 5), empty)
-    assert [Mapping(1, 2, 4).owned(m) for m in range(4)] == list(Mapping(1, 2, 4).owners())
-    assert Mapping(3, 5, 4).owners() is Mapping(3, 5, 4).owners()
+    assert Mapping((1, 1, 2, 2, 3), 4).owners() == (empty, range(0, 2), range(2, 4), range(4, 5))
+    assert Mapping((0, 0, 1, 1, 2), 4).owners() == (range(0, 2), range(2, 4), range(4, 5), empty)
+    assert Mapping((1, 2), 4).owners() == (empty, range(0, 1), range(1, 2), empty)
+    assert Mapping((2,) * 5, 4).owners() == (empty, empty, range(0, 5), empty)
+    assert [Mapping((1, 2), 4).owned(m) for m in range(4)] == list(Mapping((1, 2), 4).owners())
+    assert Mapping((1, 1, 2, 2, 3), 4).owners() is Mapping((1, 1, 2, 2, 3), 4).owners()

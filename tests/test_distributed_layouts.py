@@ -95,11 +95,11 @@ def test_process_groups_are_made_once_per_membership(dp_tp):
 @pytest.mark.parametrize("kind", ["muon", "dion3_global"])
 def test_owners_are_spread_over_the_ranks(dp_tp, kind):
     """The recipe's six weights make five buckets over the same four ranks (wq and wv share
-    one; wk, wo, up, down are alone). Each bucket gives its matrices one per member, starting
-    where the previous bucket over the same members stopped: round robin over 4 ranks, so at
-    most ⌈6/4⌉ = 2 per rank. A bucket that does not fit in the members left before the last
-    starts again at member 0, which can give one member one more than round robin: the bound is
-    ⌈6/4⌉ + 1 = 3. (Restarting at member 0 for every bucket gave rank 0 five of the six.)"""
+    one; wk, wo, up, down are alone). Owners go by cost over all five buckets together (longest
+    processing time first, tests/test_owners.py): the four heaviest matrices land on four
+    different ranks, so every rank owns one, and no rank more than ⌈6/4⌉ + 1 = 3 (the bound
+    of the earlier rule, by count, kept here). (Restarting at member 0 for every bucket gave
+    rank 0 five of the six.)"""
     owned = dp_tp["owners"]["owned"][kind]
     assert sum(owned) == 6, owned  # each matrix has one owner
     assert min(owned) >= 1, owned

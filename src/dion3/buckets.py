@@ -94,6 +94,11 @@ def bucket_subset(bucket, keep: list[int]):
     for name in ("params", "views", "blocks", "cuts"):
         if getattr(bucket, name, None):
             setattr(sub, name, [getattr(bucket, name)[i] for i in keep])
+    if getattr(bucket, "owner_of", None):  # sharded buckets: each kept matrix keeps its owner
+        starts = [0]
+        for view in bucket.views:
+            starts.append(starts[-1] + view.shape[0])
+        sub.owner_of = tuple(o for i in keep for o in bucket.owner_of[starts[i] : starts[i + 1]])
     sub.momentum = torch.cat(sources["momentum"])
     sub.variance = torch.cat(sources["variance"]) if "variance" in sources else None
     if hasattr(sub, "pieces"):

@@ -1,7 +1,8 @@
 """Cost model of one optimizer step: matmul FLOPs, elementwise memory traffic, bytes sent.
 
-FLOPs count only the matrix products of orthogonalization (2·n·k·m per n×k by k×m product);
-the elementwise work is memory-bound and counted as bytes instead. Two FLOP figures:
+FLOPs count only the matrix products of orthogonalization (2·n·k·m per n×k by k×m product,
+per matrix by dion3.ortho.cost); the elementwise work is memory-bound and counted as bytes
+instead. Two FLOP figures:
   dense     what the algorithm costs with ordinary GEMMs (used for "effective TFLOP/s");
   executed  what runs when symmetric products compute only their lower-triangle tiles:
             T(T+1)/2 of T² tiles, T = ⌈n / tile⌉ (DESIGN §4), for the n at which the
@@ -32,24 +33,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence
 
 from ..kernels import SYMMETRIC_MIN_N
-from ..kernels import SYMMETRIC_SPEEDUP
-from ..ortho import choose_method, default_restarts, get_schedule
+from ..ortho.cost import (  # noqa: F401 (the per-matrix model, re-exported for callers of this module)
+    H200_MATMUL_FLOPS, SYMMETRIC_TILE, Symmetric, gram_products, newton_schulz_products, orthogonalize_flops,
+    symmetric_share,
+)
 from ..rules import selected_row_count
 from .presets import PRESETS, MatrixShape, Preset
 
-H200_MATMUL_FLOPS = 790e12  # bf16 dense matmul, measured
 H200_COPY_BYTES_PER_S = 4.3e12  # device-to-device copy, measured
-SYMMETRIC_TILE = 128
 ALGORITHMS = ("adamw", "muon", "normuon", "dion3")
 LAYOUTS = ("fsdp", "ddp")
-
-Product = tuple[int, bool]  # (dense FLOPs, output symmetric)
-# Whether symmetric kernels serve n×n outputs: a flag, or a rule of n (kernels skip small n).
-Symmetric = Union[bool, Callable[[int], bool]]
-
 
 def h200_symmetric(n: int) -> bool:
     """The dispatch rule of dion3.kernels on a GPU with Triton: symmetric kernel from n ≥ SYMMETRIC_MIN_N."""
@@ -65,61 +61,6 @@ class StepCost:
 
     def floor_seconds(self, matmul_flops: float = H200_MATMUL_FLOPS, copy_bytes: float = H200_COPY_BYTES_PER_S) -> float:
         return self.executed_flops / matmul_flops + self.bytes_moved / copy_bytes
-
-
-def newton_schulz_products(n: int, m: int, steps: int) -> list[Product]:
-    """Per step on a wide n×m X: A = XXᵀ, A² (both symmetric), then (bA + cA²)·X."""
-    return [(2 * n * n * m, True), (2 * n ** 3, True), (2 * n * n * m, False)] * steps
-
-
-def gram_products(n: int, m: int, steps: int, restarts: Iterable[int]) -> list[Product]:
-    """Products of Gram NS exactly as ortho.gram_newton_schulz runs them: R = XXᵀ; per step
-    Z = bR + cR², Q ← QZ + aQ (none while Q = I), P and R updates (skipped on the last step and
-    before a restart); a restart is X ← QX, R = XXᵀ; finally X ← QX."""
-    square, gram, apply_q = (2 * n ** 3, True), (2 * n * n * m, True), (2 * n * n * m, False)
-    restart_after = set(restarts)
-    products, q_is_identity = [gram], True
-    for i in range(1, steps + 1):
-        products.append(square)  # Z
-        if not q_is_identity:
-            products.append(square)  # Q·Z
-        q_is_identity = False
-        if i == steps:
-            break
-        if i in restart_after:
-            products += [apply_q, gram]
-            q_is_identity = True
-        else:
-            products += [square, square]  # P, R
-    return products + ([] if q_is_identity else [apply_q])
-
-
-def symmetric_share(n: int, tile: int = SYMMETRIC_TILE) -> float:
-    """Fraction of an n×n output's tiles on or below the diagonal."""
-    tiles = math.ceil(n / tile)
-    return (tiles + 1) / (2 * tiles)
-
-
-def orthogonalize_flops(
-    rows: int, cols: int, method: str, symmetric: Symmetric, schedule="polar_express",
-    restarts: Optional[Sequence[int]] = None,
-) -> tuple[int, float]:
-    """(dense, executed) FLOPs to orthogonalize one rows×cols matrix."""
-    n, m = min(rows, cols), max(rows, cols)
-    symmetric = symmetric(n) if callable(symmetric) else bool(symmetric)
-    if method == "auto":
-        method = choose_method(rows, cols, SYMMETRIC_SPEEDUP if symmetric else 1.0)
-    schedule = get_schedule(schedule)
-    if method == "gram":
-        restarts = default_restarts(schedule) if restarts is None else restarts
-        products = gram_products(n, m, len(schedule), restarts)
-    elif method == "newton_schulz":
-        products = newton_schulz_products(n, m, len(schedule))
-    else:
-        raise ValueError(f"method must be 'auto', 'newton_schulz' or 'gram', got {method!r}")
-    share = symmetric_share(n) if symmetric else 1.0
-    dense = sum(f for f, _ in products)
-    return dense, sum(f * share if sym else f for f, sym in products)
 
 
 def elementwise_bytes(algorithm: str, rows: int, cols: int, selected_rows: int) -> float:

@@ -52,7 +52,7 @@ class LayoutBucket(Owners):
     momentum: Optional[Tensor] = None  # [N, rows held, cols held]
     variance: Optional[Tensor] = None  # [N, rows held, 1] float32 (NorMuon / Dion3)
     slot_cache: dict = field(default_factory=dict)  # static plans and index tensors, built once
-    first_owner: int = 0  # owners are consecutive members from here (spreads small buckets)
+    owner_of: tuple[int, ...] = ()  # the member that orthogonalizes each matrix (owners.assign_owners)
     # Blocks of fused weights (num_heads / split_sizes groups): per entry, the parameter's whole
     # local piece shape [B, rows, cols] and the slice of its local rows that hold the block;
     # None: every entry is a whole parameter. Such buckets step through `pieces` (views of each

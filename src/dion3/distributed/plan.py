@@ -22,13 +22,17 @@ from torch import Tensor
 
 from .. import blocks
 from ..buckets import Bucket, add_matrix
+from ..ortho import input_scaling
+from ..ortho.cost import step_flops
+from ..rules import selected_row_count
 from .bucket import BlockCut, LayoutBucket, ShardedBucket
 from .layout import Axes, MatrixLayout, classify, matrix_shape, member_layouts
 from .mesh import MeshInfo, Shard, axes_group, group_coordinates, is_dtensor, local_tensor
-from .owners import Owners, owned_matrices, owners_used, spread_owners
+from .owners import Owners, assign_owners, matrix_cost, owned_matrices, owner_bytes
+from .selection import local_count
 from .state import allocate_block_pieces, allocate_layout_state
 
-__all__ = ["BlockCut", "LayoutBucket", "Owners", "ShardedBucket", "build_buckets", "owned_matrices", "owners_used"]
+__all__ = ["BlockCut", "LayoutBucket", "Owners", "ShardedBucket", "build_buckets", "owned_matrices", "owner_cost"]
 
 
 def _layout_key(p: Tensor, flatten: bool) -> tuple:
@@ -72,7 +76,9 @@ def build_buckets(optimizer, group: dict, mesh: Optional[MeshInfo]) -> list:
         bucket.params.append(p)
         bucket.views.append(local.reshape(bucket.local.local_shape))
     sharded = [b for b in buckets.values() if isinstance(b, LayoutBucket)]
-    spread_owners(sharded, lambda b: tuple(dist.get_process_group_ranks(b.mesh.group)))
+    fraction = optimizer.rule_config(group).fraction
+    assign_owners(sharded, lambda b: tuple(dist.get_process_group_ranks(b.mesh.group)),
+                  lambda b: owner_cost(b, group, fraction))
     owned: dict[int, dict[str, Tensor]] = {}  # per-parameter state of blocked parameters
     for bucket in sharded:
         if bucket.cuts is None:
@@ -81,6 +87,39 @@ def build_buckets(optimizer, group: dict, mesh: Optional[MeshInfo]) -> list:
             allocate_block_pieces(bucket, group, optimizer.state, owned)
     optimizer._allocate_buckets([b for b in buckets.values() if isinstance(b, Bucket)], group)
     return list(buckets.values())
+
+
+def owner_cost(bucket: LayoutBucket, group: dict, fraction: Optional[float]) -> float:
+    """Seconds one matrix of a sharded bucket costs its owner (owners.matrix_cost): the executed
+    FLOPs of the orthogonalizer the step runs on its K × cols rows on this device (K: the rows
+    each matrix has on its owner at the group's fraction when the optimizer is built), plus the
+    bytes of those rows coming in and going back in that orthogonalizer's compute dtype.
+    Parameters on the meta device (planning a run without its devices) are priced as on a GPU
+    with the symmetric kernels, whose rows travel in half precision."""
+    rows, cols = bucket.shape
+    k = _rows_on_owner(bucket, group, fraction)
+    like = bucket.views[0]
+    method, coefficients = group["orthogonalizer"], group["ns_coefficients"]
+    flops = step_flops(k, cols, like.device, method, coefficients, like.dtype)
+    if like.device.type == "meta":
+        wire = 2
+    else:
+        wire = input_scaling(k, cols, like.device, method, coefficients, like.dtype).dtype.itemsize
+    moved = 0.0 if bucket.holder() is not None else owner_bytes(k, cols, bucket.world_size, wire)
+    return matrix_cost(flops, moved)
+
+
+def _rows_on_owner(bucket: LayoutBucket, group: dict, fraction: Optional[float]) -> int:
+    """K: every row (Muon, NorMuon); Dion3 "global": k = ⌈f·rows⌉; "local": each row shard's
+    own ⌈f·b⌉ rows, capped by what it holds (selection.local_count), summed over the row sets."""
+    if fraction is None:
+        return bucket.shape[0]
+    if group["selection_scope"] != "local":
+        return selected_row_count(bucket.shape[0], fraction)
+    first = {}
+    for member, row_set in enumerate(bucket.row_classes()):
+        first.setdefault(row_set, member)
+    return sum(local_count(bucket, fraction, member) for member in first.values())
 
 
 def _block_sizes(p: Tensor, label: str, group: dict) -> tuple[int, ...]:
