@@ -468,6 +468,9 @@ def worker(rank: int, world: int, out_path: str, which: str) -> None:
             results["rejected"] = rejected_layouts(mesh)
             results["host_syncs"] = host_syncs(mesh)
             results["checkpoint"] = checkpoint_errors(mesh, world, os.path.dirname(out_path))
+            import world_mesh_worker  # the world mesh as distributed_mesh, on a model beside the recipe
+
+            results["world_mesh"] = world_mesh_worker.scenarios(mesh)
         elif which == "pp_dp_tp":  # pipeline stages on one 3-D mesh, each on its sub-mesh (dp, tp)
             results = pipeline_scenarios(init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp")))
         else:  # HSDP + TP: (replicate=2, shard=2, tp=2)

@@ -179,6 +179,46 @@ def test_rejected_layouts_name_the_parameter_and_the_fix(dp_tp, case):
         assert words in message, (case, message)
 
 
+# The world mesh as distributed_mesh (tests/world_mesh_worker.py): FSDP2 + TP where only the
+# attention/MLP block is tensor parallel, so its matrices live on the world mesh and the FSDP-only
+# layers (a projection, a router, a norm gain) on world["dp"].
+def test_world_mesh_model_mixes_world_and_dp_parameters(dp_tp):
+    meshes = dp_tp["world_mesh"]["meshes"]["params"]
+    assert meshes["block.wq.weight"] == ["dp", "tp"] and meshes["block.down.weight"] == ["dp", "tp"]
+    for name in ("proj.weight", "router.weight", "norm.weight"):
+        assert meshes[name] == ["dp"], (name, meshes[name])
+
+
+@pytest.mark.parametrize("scenario", ["muon", "normuon", "dion3_global", "dion3_local"])
+def test_world_mesh_steps_each_parameter_on_its_own_mesh(dp_tp, scenario):
+    """Given the world mesh: bit for bit the run with distributed_mesh=None, and one process
+    (Muon, NorMuon, Dion3 global; the AdamW gains too) or Dion3 "local"'s one-process definition."""
+    results = dp_tp["world_mesh"]
+    assert results["world_vs_none"][scenario] == 0.0, results["world_vs_none"]
+    assert results["errors"][scenario] <= TOLERANCE, results["errors"]
+
+
+def test_sub_meshes_of_the_world_are_within_it(dp_tp):
+    """within_mesh(mesh, world): meshes cut from the world (or from an equal root) are; meshes of
+    another rank layout on the same ranks ([[0, 2], [1, 3]]) are not, nor the world in its dp."""
+    accepted = dp_tp["world_mesh"]["meshes"]["within_world"]
+    for name in ("world", "world_dp", "world_tp", "equal_root", "equal_root_dp"):
+        assert accepted[name] is True, name
+    if "world_flattened" in accepted:  # a flattened axis spans both root axes
+        assert accepted["world_flattened"] is True
+    for name in ("other_root", "other_root_dp", "other_root_tp", "world_in_world_dp"):
+        assert accepted[name] is False, name
+
+
+def test_a_mesh_of_another_root_is_refused(dp_tp):
+    rejected = dp_tp["world_mesh"]["rejected"]
+    assert rejected["world_dp"] is None
+    message = rejected["other_root_dp"]
+    assert message is not None, "a parameter on another root's sub-mesh was accepted"
+    for words in ("parameter 0 of group 0", "Shard(dim=0)", "nor a sub-mesh of it", "distributed_mesh=None"):
+        assert words in message, (words, message)
+
+
 @pytest.mark.parametrize("scenario", ["muon", "normuon", "dion3_local"])
 def test_static_split_sizes_step_without_host_syncs(dp_tp, scenario):
     # what CUDA graph capture needs (CapturedStep refuses global selection for this reason)

@@ -178,8 +178,11 @@ def _row_sharded_axis(p: Tensor, axes: Axes, flatten: bool) -> Optional[int]:
 
 
 def _check_mesh(p: Tensor, label: str, axes: Axes, mesh: Optional[MeshInfo]) -> None:
-    """A DTensor parameter and the optimizer's distributed_mesh must agree: the parameter's own
-    mesh, or (as for HSDP's shard sub-mesh) a 1-D mesh whose group is its one sharded axis."""
+    """A DTensor parameter and the optimizer's distributed_mesh must agree: the distributed_mesh is
+    the parameter's own mesh, or one the parameter's mesh is a sub-mesh of (the world mesh of
+    FSDP2 + TP, for an FSDP-only layer on world["dp"]), or (as for HSDP's shard sub-mesh) a 1-D
+    mesh whose group is the parameter's one sharded axis. Either way the parameter steps on its
+    own mesh, as with distributed_mesh=None."""
     if mesh is None:
         return
     if mesh.kind != "device_mesh":
@@ -187,14 +190,17 @@ def _check_mesh(p: Tensor, label: str, axes: Axes, mesh: Optional[MeshInfo]) -> 
             f"parameter {label} is a DTensor (placements {tuple(p.placements)}) but distributed_mesh is "
             "a ProcessGroup; pass distributed_mesh=None (each DTensor's own mesh is read) or its DeviceMesh"
         )
+    from .mesh import within_mesh
+
     given = mesh.device_mesh
-    if given == p.device_mesh:
+    if within_mesh(p.device_mesh, given):
         return
     sharded = axes.matrix + axes.batch
     if given.ndim == 1 and len(sharded) == 1 and p.device_mesh.get_group(sharded[0]) == given.get_group():
         return
     raise ValueError(
-        f"parameter {label} lives on {p.device_mesh} with placements {tuple(p.placements)}, which is not "
-        f"the distributed_mesh {given} (nor a 1-D sub-mesh of its one sharded axis); pass "
+        f"parameter {label} lives on {p.device_mesh} with placements {tuple(p.placements)}, which is neither "
+        f"the distributed_mesh {given} nor a sub-mesh of it (cut from the same root mesh over some of its axes), "
+        "and the distributed_mesh is no 1-D sub-mesh of its one sharded axis; pass "
         "distributed_mesh=None to read each parameter's own mesh and placements"
     )
