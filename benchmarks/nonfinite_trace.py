@@ -10,9 +10,10 @@ bad call: the largest ratio seen so far; a last line when the run ends.
 
 It also wraps the optimizer's step: it keeps a copy of every parameter, gradient and state
 tensor (and the groups' lr and fraction) from before each step, and after the first step that
-leaves a parameter not finite it writes that copy to DIR/<run>-step<N>.pt, with the names of the
-parameters whose gradients or values were not finite: the failing step, ready to replay. It
-syncs with the host on every call and step: a debugging tool, not for timing.
+leaves a parameter not finite, or whose update the optimizer skipped, it writes that copy to
+DIR/<run>-step<N>.pt with the names of the parameters whose gradients or values were not finite
+and the number of skipped updates: the failing step, ready to replay (replay_step.py). It syncs
+with the host on every call and step: a debugging tool, not for timing.
 """
 from __future__ import annotations
 
@@ -83,18 +84,22 @@ def _wrap_step(folder: Path, run: str, write) -> None:
                 "state": [{k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in self.state[p].items()} for p in params],
                 "groups": [{k: (float(v) if torch.is_tensor(v) and v.numel() == 1 else v) for k, v in g.items() if k != "params"}
                            for g in self.param_groups],
+                "group_sizes": [len(g["params"]) for g in self.param_groups],
+                "optimizer": type(self).__name__,
                 "step": state["step"],
             }
+        skipped_before = int(self.nonfinite_updates)
         result = original(self, closure)
         state["step"] += 1
         if before is not None:
             label = names(self)
             bad_values = [label[id(p)] for p in params if not bool(torch.isfinite(p).all())]
-            if bad_values:
+            skipped = int(self.nonfinite_updates) - skipped_before  # the optimizer's guard caught one
+            if bad_values or skipped:
                 bad_grads = [label[id(p)] for p, g in zip(params, before["grads"]) if g is not None and not bool(torch.isfinite(g).all())]
-                before.update(bad_params=bad_values, bad_grads=bad_grads)
+                before.update(bad_params=bad_values, bad_grads=bad_grads, skipped=skipped)
                 torch.save({k: _to_cpu(v) for k, v in before.items()}, folder / f"{run}-step{before['step']}.pt")
-                write({"nonfinite_step": before["step"], "bad_params": bad_values, "bad_grads": bad_grads})
+                write({"nonfinite_step": before["step"], "bad_params": bad_values, "bad_grads": bad_grads, "skipped": skipped})
                 state["dumped"] = True
         return result
 

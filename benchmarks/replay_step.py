@@ -1,0 +1,110 @@
+"""Replay what benchmarks/nonfinite_trace.py kept: a whole optimizer step (DIR/<run>-step<N>.pt)
+or one orthogonalization (DIR/<run>-<n>.pt), on the CPU or a GPU, in the recorded dtypes, in
+float32 or in float64, to find the operation that produced a non-finite value.
+
+    python benchmarks/replay_step.py DUMP.pt                       # CPU, recorded dtypes
+    python benchmarks/replay_step.py DUMP.pt --device cuda --dtype float64
+
+A step dump is replayed by building the same optimizer (class, groups and settings) on copies
+of the recorded parameters, loading the recorded state and gradients and stepping once; it
+prints which parameters and gradients were not finite, how many matrix updates the optimizer
+skipped, and the largest ‖O‖_F/√n of each orthogonalization of the step. An orthogonalization
+dump is replayed with its recorded method and arguments, next to float64 standard Newton–Schulz
+on the same input.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+if SRC.is_dir() and str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))
+
+import dion3  # noqa: E402
+from dion3 import rules  # noqa: E402
+from dion3.ortho import orthogonalize  # noqa: E402
+
+
+def _ratio(out: torch.Tensor) -> float:
+    n = min(out.shape[-2:])
+    norms = torch.linalg.vector_norm(out.reshape(-1, *out.shape[-2:]).double(), dim=(-2, -1)) / math.sqrt(n)
+    return float(torch.nan_to_num(norms, nan=math.inf).max())
+
+
+def replay_step(dump: dict, device: torch.device, dtype: Optional[torch.dtype] = None) -> dict:
+    """Step the recorded optimizer once on the recorded inputs; what came out."""
+    def cast(t):
+        return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+
+    params = [torch.nn.Parameter(cast(p)) for p in dump["params"]]
+    groups, start = [], 0
+    for settings, size in zip(dump["groups"], dump["group_sizes"]):
+        groups.append(dict(settings, params=params[start:start + size]))
+        start += size
+    optimizer = getattr(dion3, dump["optimizer"])(groups)
+    for p, state, grad in zip(params, dump["state"], dump["grads"]):
+        for key, value in state.items():
+            if torch.is_tensor(value) and key in optimizer.state[p]:
+                optimizer.state[p][key].copy_(cast(value))
+        p.grad = None if grad is None else cast(grad)
+    ratios = []
+    original = rules.orthogonalize
+
+    def watched(x, *args, **kwargs):
+        out = original(x, *args, **kwargs)
+        ratios.append(_ratio(out))
+        return out
+
+    rules.orthogonalize = watched
+    try:
+        optimizer.step()
+    finally:
+        rules.orthogonalize = original
+    names = [f"param{i}{tuple(p.shape)}" for i, p in enumerate(params)]
+    return {
+        "nonfinite_grads": [n for n, g in zip(names, dump["grads"]) if g is not None and not bool(torch.isfinite(g).all())],
+        "nonfinite_params": [n for n, p in zip(names, params) if not bool(torch.isfinite(p).all())],
+        "skipped_updates": int(optimizer.nonfinite_updates),
+        "orthogonalization_ratios": ratios,
+    }
+
+
+def replay_orthogonalization(dump: dict, device: torch.device, dtype: Optional[torch.dtype] = None) -> dict:
+    """The recorded call again, and float64 standard Newton–Schulz on the same input."""
+    x = dump["input"].to(device)
+    kwargs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in dump["kwargs"].items()}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+        if kwargs.get("normalized") and x.dtype != dtype:
+            x = x.to(dtype)
+    out = orthogonalize(x, dump["method"], dump["coefficients"], *dump["args"], **kwargs)
+    reference = orthogonalize(x.double(), "newton_schulz", dump["coefficients"])
+    finite_input = bool(torch.isfinite(x).all())
+    singular = torch.linalg.svdvals(x.double().reshape(-1, *x.shape[-2:])) if finite_input else torch.full((1,), math.nan)
+    return {"ratio": _ratio(out), "recorded_ratio": _ratio(dump["output"]), "reference_ratio": _ratio(reference),
+            "nonfinite": not bool(torch.isfinite(out).all()), "finite_input": finite_input,
+            "input_singular_max": float(singular.max()), "input_singular_min": float(singular.min())}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dump", type=Path)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "float64"], help="replay in this dtype (default: as recorded)")
+    args = parser.parse_args(argv)
+    dump = torch.load(args.dump, map_location="cpu", weights_only=False)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    replay = replay_step if "grads" in dump else replay_orthogonalization
+    for key, value in replay(dump, torch.device(args.device), dtype).items():
+        print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

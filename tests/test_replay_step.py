@@ -1,0 +1,53 @@
+"""benchmarks/nonfinite_trace.py keeps the inputs of the first step whose update the optimizer
+had to skip (or that left a weight non-finite), and of each bad orthogonalization;
+benchmarks/replay_step.py replays them, in the recorded dtype and in float64, to the same
+outcome."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+import dion3
+from dion3 import rules
+from dion3.optim.base import OrthogonalOptimizer
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _module(name):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_dumped_step_replays_to_the_same_skip(tmp_path, monkeypatch):
+    trace, replay = _module("nonfinite_trace"), _module("replay_step")
+    # install() patches these two: monkeypatch restores them after the test
+    monkeypatch.setattr(rules, "orthogonalize", rules.orthogonalize)
+    monkeypatch.setattr(OrthogonalOptimizer, "step", OrthogonalOptimizer.step)
+    trace.install(tmp_path, "run")
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(8, 6, generator=generator)) for _ in range(2)]
+    bias = torch.nn.Parameter(torch.zeros(6))
+    optimizer = dion3.Dion3([dict(params=weights), dict(params=[bias], algorithm="adamw", lr=1e-3)], lr=0.05, fraction=0.5)
+    for step in range(3):
+        grads = [torch.randn(8, 6, generator=generator) for _ in weights]
+        if step == 2:
+            grads[1][5, 2] = float("inf")
+        for w, g in zip(weights, grads):
+            w.grad = g
+        bias.grad = torch.randn(6, generator=generator)
+        optimizer.step()
+    assert int(optimizer.nonfinite_updates) == 1
+    step = torch.load(tmp_path / "run-step2.pt", weights_only=False)
+    assert step["bad_grads"] == ["group0.param1(8, 6)"] and step["skipped"] == 1 and step["bad_params"] == []
+    for dtype in (None, torch.float64):
+        again = replay.replay_step(step, torch.device("cpu"), dtype)
+        assert again["nonfinite_grads"] == ["param1(8, 6)"] and again["skipped_updates"] == 1
+        assert again["nonfinite_params"] == [] and len(again["orthogonalization_ratios"]) == 1
+    call = torch.load(tmp_path / "run-1.pt", weights_only=False)
+    assert call["call"] == 3 and not torch.isfinite(call["output"][1]).all() and torch.isfinite(call["output"][0]).all()
+    assert replay.replay_orthogonalization(call, torch.device("cpu"))["nonfinite"]
