@@ -62,6 +62,26 @@ LR = 0.02
 
 
 # ----------------------------------------------------------------------------- torchtitan pieces
+SHIMS: list[str] = []
+
+
+def torch_compat() -> None:
+    """torchtitan 0.3 imports `DataParallelMeshDims` from torch.distributed.fsdp, which torch 2.11
+    lacks (2.13 has it). It only types the FSDP mesh axes of torchtitan's full_dtensor/spmd_types
+    backends; the partial_dtensor path used here never builds one. On an older torch a
+    placeholder lets torchtitan import, and the report says so (environment.shims)."""
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        @dataclasses.dataclass(frozen=True)
+        class DataParallelMeshDims:  # never instantiated on this script's path
+            shard: object = None
+            replicate: object = None
+
+        fsdp.DataParallelMeshDims = DataParallelMeshDims
+        SHIMS.append(f"torch.distributed.fsdp.DataParallelMeshDims placeholder (torch {torch.__version__})")
+
+
 def use_cpu() -> None:
     """torchtitan resolves its device type at import ("cuda" when no accelerator is found)."""
     import torchtitan.distributed.parallel_dims as parallel_dims
@@ -455,7 +475,7 @@ def environment() -> dict:
         commit = ""
     info = {"torch": torch.__version__, "torchtitan": torchtitan.__version__, "python": platform.python_version(),
             "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(sys.argv)}
+            "command": " ".join(sys.argv), "shims": list(SHIMS)}
     info["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     return info
 
@@ -464,7 +484,7 @@ def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [f"# DistMuon beside dion3 ({env['device']}, world {report.get('compare', report.get('train', {})).get('world')})",
              "", f"torch {env['torch']}, torchtitan {env['torchtitan']}, commit {env['commit'][:12]}, {env['date']}",
-             f"command: `{env['command']}`", ""]
+             f"command: `{env['command']}`", *([f"shims: {'; '.join(env['shims'])}"] if env.get("shims") else []), ""]
     if "compare" in report:
         c = report["compare"]
         lines += [f"## Optimizer step, torchtitan Llama 3 {c['flavor']} ({c['matrices']} matrices, "
@@ -506,6 +526,7 @@ def run(rank: int, world: int, args, store: str) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     report, errors = {}, {}
+    torch_compat()
     try:
         if not cuda:
             use_cpu()
