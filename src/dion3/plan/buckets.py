@@ -34,12 +34,7 @@ def describe(bucket, rank: int) -> BucketPlan:
 
     rows, cols = (int(x) for x in bucket.shape)
     mesh = getattr(bucket, "mesh", None)
-    members = getattr(bucket, "members", None)
-    if members is None and hasattr(bucket, "rows_of"):  # row-sharded bucket without member pieces
-        world = bucket.world_size
-        held = [(bucket.rows_of(s), cols) for s in range(world)]
-        return BucketPlan("rows", (rows, cols), bucket.count, held, _owned(bucket),
-                          _ranks(mesh, rank), list(range(world)), 1, world, max(h for h, _ in held))
+    members = getattr(bucket, "members", None)  # sharded buckets (LayoutBucket, ShardedBucket)
     if members is not None:
         if mesh is None:  # no axis splits the matrices: whole matrices here, stepped alone
             return _local(rows, cols, bucket.count, rank)
