@@ -18,8 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-if "dion3" not in sys.modules:
-    sys.path.append(str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "src"))  # after PYTHONPATH: an installed dion3 wins
 
 from dion3.bench.presets import MODELS  # noqa: E402
 from dion3.plan.cost import Hardware, Network, Variant  # noqa: E402

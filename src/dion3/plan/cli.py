@@ -102,10 +102,13 @@ def model(args):
 def summary(step: StepPlan, overlap: bool) -> dict:
     r = step.ranks.values()
     return dict(
-        optimizer=step.variant.label, step_ms=step.critical_path_s(overlap) * 1e3,
-        fixed_ms=step.overhead_s * 1e3, compute_ms_max=step.worst(lambda c: c.compute_s) * 1e3, memory_pass_ms_max=step.worst(lambda c: c.memory_s) * 1e3,
-        communication_ms=step.communication_s * 1e3, collectives_ms={k: v * 1e3 for k, v in step.collectives.items()},
-        imbalance=step.imbalance(), matrices=sum(c.owned for c in r), tflop_executed=sum(c.executed_flops for c in r) / TB,
+        optimizer=step.variant.label, step_ms=step.critical_path_s(overlap) * 1e3, fixed_ms=step.overhead_s * 1e3,
+        compute_ms_max=step.worst(lambda c: c.compute_s) * 1e3,
+        memory_pass_ms_max=step.worst(lambda c: c.memory_s) * 1e3,
+        communication_ms=step.communication_s * 1e3,
+        collectives_ms={k: v * 1e3 for k, v in step.collectives.items()},
+        imbalance=step.imbalance(), matrices=sum(c.owned for c in r),
+        tflop_executed=sum(c.executed_flops for c in r) / TB,
         sent_mb_max=step.worst(lambda c: c.total_sent) / MB, memory_gb_max=step.worst(step.memory_per_rank) / GB,
     )
 
@@ -134,7 +137,8 @@ def table(steps: dict[str, StepPlan], overlap: bool, ranks: str) -> str:
         rows = sorted(rank_rows(step), key=lambda r: (-r["compute_ms"], r["rank"]))
         shown = rows if ranks == "all" else rows[: int(ranks)]
         lines += ["", f"{step.variant.label}: {len(shown)} of {len(rows)} ranks, slowest owner first",
-                  "| rank | matrices | TFLOP | compute ms | memory passes ms | MB sent (by kind) | GB params/grads/state/transient/AdamW |",
+                  "| rank | matrices | TFLOP | compute ms | memory passes ms | MB sent (by kind) | "
+                  "GB params/grads/state/transient/AdamW |",
                   "|---|---|---|---|---|---|---|"]
         for r in shown:
             sent = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["sent_mb"].items())) or "0"
