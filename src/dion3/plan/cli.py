@@ -32,6 +32,8 @@ def parser() -> argparse.ArgumentParser:
     what = p.add_argument_group("model and layout")
     what.add_argument("--preset", default="llama-8b", help=f"one of {sorted(MODELS)} (default llama-8b)")
     what.add_argument("--shapes", help="custom matrices ROWSxCOLS[:COUNT],... instead of a preset")
+    what.add_argument("--experts", type=int, help="with --shapes: every shape is a stack [E, rows, cols] of E experts "
+                      "(expert parallel: an ep axis splits the experts)")
     what.add_argument("--layout", default="fsdp=8", help="mesh axes, outermost first: fsdp=64,tp=8 · "
                       "replicate=2,fsdp=32 (HSDP) · ep=8,fsdp=8 · a bare W (fsdp=W) · single (default fsdp=8)")
     what.add_argument("--world", type=int, help="check that the layout has this many ranks")
@@ -159,13 +161,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         hw, net = settings(args)
         layout = parse_layout(args.layout, args.world)
         preset = model(args)
+        if args.experts is not None and (args.experts < 1 or not args.shapes):
+            raise ValueError(f"--experts needs --shapes and a count ≥ 1, got {args.experts}")
         names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
         variants = [variant(n, args.fraction, args.scope) for n in names]
     except ValueError as error:
         print(f"dion3 plan: {error}", file=sys.stderr)
         return 2
     progress = None if args.quiet else stderr_progress
-    planned = build_plans(model_weights(preset.matrices), layout, variants, verify=args.verify, progress=progress)
+    experts = {m.name: args.experts for m in preset.matrices} if args.experts else None
+    planned = build_plans(model_weights(preset.matrices, experts), layout, variants, verify=args.verify,
+                          progress=progress)
     steps = price(planned, variants, hw, net, preset.scalar_numel)
     overlap = not args.no_overlap
     head = (f"{preset.name} ({preset.description}; {preset.matrix_numel / 1e9:.2f} B matrix parameters) on "
