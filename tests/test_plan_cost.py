@@ -109,7 +109,7 @@ def test_layouts_and_placements():
     (["--world", "16"], "--world"), (["--nvlink-gbs", "0"], "--nvlink-gbs"),
     (["--fraction", "1.5"], "--fraction"), (["--scope", "exact"], "--scope"), (["--gpu", "tpu"], "--gpu"),
     (["--optimizers", "adam"], "--optimizers"), (["--preset", "gpt5"], "--preset"),
-    (["--latency-us", "-1"], "--latency-us"), (["--ranks", "x"], "--ranks"), (["--node-size", "0"], "--node-size"),
+    (["--latency-us", "-1"], "--latency-us"), (["--experts", "4"], "--experts"), (["--ranks", "x"], "--ranks"), (["--node-size", "0"], "--node-size"),
 ])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     assert cli.main(argv) == 2

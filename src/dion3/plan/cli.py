@@ -174,7 +174,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                           progress=progress)
     steps = price(planned, variants, hw, net, preset.scalar_numel)
     overlap = not args.no_overlap
-    head = (f"{preset.name} ({preset.description}; {preset.matrix_numel / 1e9:.2f} B matrix parameters) on "
+    head = (f"{preset.name} ({preset.description}; {preset.matrix_numel * (args.experts or 1) / 1e9:.2f} B matrix parameters) on "
             f"{layout.describe()} = {layout.world_size} ranks, {hw.name}: {hw.symmetric_flops / TB:.0f}/"
             f"{hw.dense_flops / TB:.0f} TFLOP/s (kernels/cuBLAS NS), {hw.memory_bytes / TB:.2f} TB/s, "
             f"{hw.bucket_overhead * 1e3:.1f} ms per distributed bucket; nodes of "
