@@ -135,9 +135,21 @@ def global_plan(bucket: LayoutBucket, gathered: Tensor, fraction: float) -> Piec
     selected.scatter_(1, rules.top_rows(whole[:, :rows], k), True)
     slot = selected.cumsum(1) - 1  # position of each selected row among its matrix's k
     sent = selected[:, held]  # [N, W, b]: which rows each member sends
-    counts = sent.sum(2).mT.tolist()
+    counts = sent.sum(2).mT.tolist()  # the one host sync: the all-to-all's split sizes
     mine = bucket.owned(bucket.rank)
-    owned_slots = slot[mine.start : mine.stop][:, held] + (torch.arange(len(mine), device=device) * k)[:, None, None]
-    slots = owned_slots.transpose(0, 1)[sent[mine.start : mine.stop].transpose(0, 1)]
-    local_rows = sent[:, bucket.rank, : len(bucket.local.rows)].reshape(-1).nonzero().squeeze(1)
+    if bucket.world_size == 1:  # one member: rows arrive in place, no slots needed
+        slots = held.new_empty((0,))
+    else:
+        owned_slots = slot[mine.start : mine.stop][:, held] + (torch.arange(len(mine), device=device) * k)[:, None, None]
+        arriving = sent[mine.start : mine.stop].transpose(0, 1).reshape(-1)
+        arrive_count = sum(row[i] for row in counts for i in mine)  # a row split in columns arrives once per piece
+        slots = owned_slots.transpose(0, 1).reshape(-1)[_true_indices(arriving, arrive_count)]
+    mine_sent = sent[:, bucket.rank, : len(bucket.local.rows)].reshape(-1)
+    local_rows = _true_indices(mine_sent, sum(counts[bucket.rank]))
     return PiecePlan(counts, local_rows, slots, k, bucket.owners())
+
+
+def _true_indices(mask: Tensor, count: int) -> Tensor:
+    """The positions of the `count` True entries of a flat bool mask, ascending, without a host
+    sync (count is known from the split sizes): a stable sort puts them first, in order."""
+    return torch.argsort((~mask).to(torch.uint8), stable=True)[:count]
