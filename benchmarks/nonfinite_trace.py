@@ -64,11 +64,28 @@ def install(folder: Path, run: str) -> None:
     atexit.register(lambda: write({"calls": state["calls"], "worst": state["worst"], "kept": state["kept"], "end": True}))
 
 
-def _wrap_step(folder: Path, run: str, write) -> None:
+def step_classes() -> list:
+    """The optimizer classes whose own `step` to wrap: the base class, and every subclass that
+    torch.optim.Optimizer has already given a `step` of its own (its profiling hook wraps the
+    base class's step as it was when the first instance was built)."""
     from dion3.optim.base import OrthogonalOptimizer
 
-    original = OrthogonalOptimizer.step
+    classes, todo = [], [OrthogonalOptimizer]
+    while todo:
+        cls = todo.pop()
+        if "step" in cls.__dict__:
+            classes.append(cls)
+        todo += cls.__subclasses__()
+    return classes
+
+
+def _wrap_step(folder: Path, run: str, write) -> None:
     state = {"step": 0, "dumped": False}
+    for cls in step_classes():
+        cls.step = _traced_step(cls.__dict__["step"], state, folder, run, write)
+
+
+def _traced_step(original, state: dict, folder: Path, run: str, write):
 
     def names(optimizer) -> dict:
         return {id(p): f"group{g}.param{i}{tuple(p.shape)}" for g, group in enumerate(optimizer.param_groups)
@@ -103,7 +120,7 @@ def _wrap_step(folder: Path, run: str, write) -> None:
                 state["dumped"] = True
         return result
 
-    OrthogonalOptimizer.step = step
+    return step
 
 
 def _to_cpu(value):

@@ -65,8 +65,8 @@ def post_update_reference(
         torch._foreach_mul_(group, factor)
     coefficient = step if row_scale is None else row_scale.to(compute) * step
     change = update.to(compute) * coefficient  # [N, k, C]
-    if row_scale is not None:  # a factor of 0 leaves the row, also where update is not finite
-        change = torch.where(row_scale != 0, change, 0.0)
+    if row_scale is not None:  # a factor of 0 leaves the row, also where update is not finite (0·NaN)
+        change.masked_fill_(row_scale == 0, 0.0)  # in place: no second copy of the change
     if rows is None:
         torch._foreach_sub_(works, [piece.to(w.dtype) for w, piece in zip(works, change.split([w.shape[0] for w in works]))])
     else:  # one index_add_ per matrix, on views made in bulk (Python indexing costs ~µs each)
