@@ -27,7 +27,7 @@ from ..ortho.cost import step_flops
 from ..rules import selected_row_count
 from .bucket import BlockCut, LayoutBucket, ShardedBucket
 from .layout import Axes, MatrixLayout, classify, matrix_shape, member_layouts
-from .mesh import MeshInfo, Shard, axes_group, group_coordinates, is_dtensor, local_tensor
+from .mesh import MeshInfo, Shard, axes_group, group_coordinates, is_dtensor, local_tensor, within_mesh
 from .owners import Owners, assign_owners, matrix_cost, owned_matrices, owner_bytes
 from .selection import local_count
 from .state import allocate_block_pieces, allocate_layout_state
@@ -190,8 +190,6 @@ def _check_mesh(p: Tensor, label: str, axes: Axes, mesh: Optional[MeshInfo]) -> 
             f"parameter {label} is a DTensor (placements {tuple(p.placements)}) but distributed_mesh is "
             "a ProcessGroup; pass distributed_mesh=None (each DTensor's own mesh is read) or its DeviceMesh"
         )
-    from .mesh import within_mesh
-
     given = mesh.device_mesh
     if within_mesh(p.device_mesh, given):
         return
