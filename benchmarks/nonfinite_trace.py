@@ -2,37 +2,42 @@
 that a step whose update goes wrong can be replayed exactly (on the GPU or the CPU).
 
 quality_study.py installs it in each run when given --trace DIR (environment variable
-DION3_TRACE_ORTHOGONALIZE). Per call it measures ‖O‖_F / √min(rows, cols): Newton–Schulz
-output has singular values in about [0.7, 1.2], so the ratio stays near or below 1; above
-RATIO_LIMIT, or not finite, the call's input, output and arguments go to
-DIR/<run>-<n>.pt (at most KEEP per run). DIR/<run>.jsonl gets one line per 1000 calls and per
-bad call: the largest ratio seen so far; a last line when the run ends.
+DION3_TRACE_ORTHOGONALIZE). Each orthogonalization's input (copied) and output are held on the
+device until the end of the optimizer step; then one host sync per step measures, per matrix,
+‖O‖_F / √min(rows, cols) (Newton–Schulz output has singular values in about [0.7, 1.2], so the
+ratio stays near or below 1), the optimizer's skipped-update counter and the finiteness of
+every parameter. A matrix whose ratio is above RATIO_LIMIT or not finite goes to
+DIR/<run>-<n>.pt (at most KEEP per run): its input, output and the call's arguments, only
+that matrix of the batch (a few MB at most). DIR/<run>.jsonl gets one line per 100 steps and
+per bad step, and a last line when the run ends. No sync inside the step: the step runs as it
+would untraced (streams included).
 
-It also wraps the optimizer's step: it keeps a copy of every parameter, gradient and state
-tensor (and the groups' lr and fraction) from before each step, and after the first step that
-leaves a parameter not finite, or whose update the optimizer skipped, it writes that copy to
-DIR/<run>-step<N>.pt with the names of the parameters whose gradients or values were not finite
-and the number of skipped updates: the failing step, ready to replay (replay_step.py). It syncs
-with the host on every call and step: a debugging tool, not for timing.
+With DION3_TRACE_FULL_STEP=1 it also keeps a copy of every parameter, gradient and state tensor
+(and the groups' lr and fraction) from before each step, and after the first step that leaves a
+parameter not finite, or whose update the optimizer skipped, writes it to DIR/<run>-step<N>.pt
+with the names of the parameters whose gradients or values were not finite: the failing step,
+ready to replay (replay_step.py). Large (the whole model's state): for local debugging.
 """
 from __future__ import annotations
 
 import atexit
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
 
 RATIO_LIMIT = 1.5
 KEEP = 4
+FULL_STEP_ENV = "DION3_TRACE_FULL_STEP"
 
 
 def install(folder: Path, run: str) -> None:
     from dion3 import rules
 
     original = rules.orthogonalize
-    state = {"calls": 0, "kept": 0, "worst": 0.0}
+    state = {"calls": 0, "kept": 0, "worst": 0.0, "steps": 0, "held": [], "dumped": False}
     log = folder / f"{run}.jsonl"
 
     def write(line: dict) -> None:
@@ -42,26 +47,15 @@ def install(folder: Path, run: str) -> None:
     def traced(x, method="auto", coefficients="polar_express", *args, **kwargs):
         out = original(x, method, coefficients, *args, **kwargs)
         state["calls"] += 1
-        n = min(out.shape[-2:])
-        ratios = torch.linalg.vector_norm(out.reshape(-1, *out.shape[-2:]).float(), dim=(-2, -1)) / math.sqrt(n)
-        worst = float(torch.nan_to_num(ratios, nan=math.inf).max())
-        state["worst"] = max(state["worst"], worst)
-        bad = not math.isfinite(worst) or worst > RATIO_LIMIT
-        if bad and state["kept"] < KEEP:
-            state["kept"] += 1
-            torch.save({"input": x.detach().cpu(), "output": out.detach().cpu(), "method": method,
-                        "coefficients": coefficients, "args": args,
-                        "kwargs": {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in kwargs.items()},
-                        "ratios": ratios.cpu(), "call": state["calls"]},
-                       folder / f"{run}-{state['kept']}.pt")
-        if bad or state["calls"] % 1000 == 0:
-            write({"call": state["calls"], "worst_so_far": state["worst"], "this": worst, "shape": list(x.shape),
-                   "dtype": str(x.dtype), "method": method, "bad": bad})
+        state["held"].append((x.detach().clone(), out.detach(), method, coefficients, args, kwargs, state["calls"]))
         return out
 
     rules.orthogonalize = traced
-    _wrap_step(folder, run, write)
-    atexit.register(lambda: write({"calls": state["calls"], "worst": state["worst"], "kept": state["kept"], "end": True}))
+    full = os.environ.get(FULL_STEP_ENV, "") not in ("", "0")
+    for cls in step_classes():
+        cls.step = _traced_step(cls.__dict__["step"], state, folder, run, write, full)
+    atexit.register(lambda: write({"calls": state["calls"], "steps": state["steps"], "worst": state["worst"],
+                                   "kept": state["kept"], "end": True}))
 
 
 def step_classes() -> list:
@@ -79,22 +73,44 @@ def step_classes() -> list:
     return classes
 
 
-def _wrap_step(folder: Path, run: str, write) -> None:
-    state = {"step": 0, "dumped": False}
-    for cls in step_classes():
-        cls.step = _traced_step(cls.__dict__["step"], state, folder, run, write)
+def matrix_ratios(out: torch.Tensor) -> torch.Tensor:
+    """‖O‖_F / √min(rows, cols) per matrix of a [..., rows, cols] output (inf where not finite)."""
+    n = min(out.shape[-2:])
+    ratios = torch.linalg.vector_norm(out.reshape(-1, *out.shape[-2:]).float(), dim=(-2, -1)) / math.sqrt(n)
+    return torch.nan_to_num(ratios, nan=math.inf)
 
 
-def _traced_step(original, state: dict, folder: Path, run: str, write):
+def _keep_bad_calls(state: dict, ratios: list, folder: Path, run: str, write) -> list:
+    """Write the bad matrices of this step's calls; returns their descriptions."""
+    bad = []
+    for (x, out, method, coefficients, args, kwargs, call), per_matrix in zip(state["held"], ratios):
+        for index, ratio in enumerate(per_matrix):
+            if math.isfinite(ratio) and ratio <= RATIO_LIMIT:
+                continue
+            bad.append({"call": call, "matrix": index, "ratio": ratio, "shape": list(x.shape[-2:]),
+                        "dtype": str(x.dtype), "method": method, "input_finite": bool(torch.isfinite(x.reshape(-1, *x.shape[-2:])[index]).all())})
+            if state["kept"] < KEEP:
+                state["kept"] += 1
+                torch.save({"input": x.reshape(-1, *x.shape[-2:])[index:index + 1].cpu(),
+                            "output": out.reshape(-1, *out.shape[-2:])[index:index + 1].cpu(),
+                            "method": method, "coefficients": coefficients, "args": args,
+                            "kwargs": {k: (v.reshape(-1, 1, 1)[index:index + 1].cpu() if torch.is_tensor(v) and v.numel() > 1
+                                           else (v.cpu() if torch.is_tensor(v) else v)) for k, v in kwargs.items()},
+                            "ratios": torch.tensor([ratio]), "call": call, "step": state["steps"]},
+                           folder / f"{run}-{state['kept']}.pt")
+    return bad
 
-    def names(optimizer) -> dict:
-        return {id(p): f"group{g}.param{i}{tuple(p.shape)}" for g, group in enumerate(optimizer.param_groups)
-                for i, p in enumerate(group["params"])}
+
+def _traced_step(original, state: dict, folder: Path, run: str, write, full: bool):
+
+    def names(optimizer) -> list:
+        return [f"group{g}.param{i}{tuple(p.shape)}" for g, group in enumerate(optimizer.param_groups)
+                for i, p in enumerate(group["params"])]
 
     def step(self, closure=None):
         params = [p for group in self.param_groups for p in group["params"]]
         before = None
-        if not state["dumped"]:
+        if full and not state["dumped"]:
             before = {
                 "params": [p.detach().clone() for p in params],
                 "grads": [None if p.grad is None else p.grad.detach().clone() for p in params],
@@ -103,21 +119,45 @@ def _traced_step(original, state: dict, folder: Path, run: str, write):
                            for g in self.param_groups],
                 "group_sizes": [len(g["params"]) for g in self.param_groups],
                 "optimizer": type(self).__name__,
-                "step": state["step"],
+                "step": state["steps"],
             }
-        skipped_before = int(self.nonfinite_updates)
+        skipped_before = self.nonfinite_updates.clone()
+        grads_finite = torch.stack([torch.isfinite(p.grad).all() if p.grad is not None else torch.ones((), dtype=torch.bool, device=p.device)
+                                    for p in params]) if params else None
         result = original(self, closure)
-        state["step"] += 1
-        if before is not None:
-            label = names(self)
-            bad_values = [label[id(p)] for p in params if not bool(torch.isfinite(p).all())]
-            skipped = int(self.nonfinite_updates) - skipped_before  # the optimizer's guard caught one
-            if bad_values or skipped:
-                bad_grads = [label[id(p)] for p, g in zip(params, before["grads"]) if g is not None and not bool(torch.isfinite(g).all())]
+        # one host sync for the whole step: ratios of every call, skipped updates, finiteness
+        per_call = [matrix_ratios(out) for _, out, *_ in state["held"]]
+        sizes = [r.numel() for r in per_call]
+        finite = torch.stack([torch.isfinite(p).all() for p in params]) if params else torch.ones(0, dtype=torch.bool)
+        skipped = (self.nonfinite_updates - skipped_before).reshape(1).float()
+        flat = torch.cat([*(r.to(skipped.device) for r in per_call), skipped,
+                          finite.to(skipped.device).float(), grads_finite.to(skipped.device).float()]).tolist()
+        ratios, offset = [], 0
+        for size in sizes:
+            ratios.append(flat[offset:offset + size])
+            offset += size
+        skipped = int(flat[offset])
+        finite = flat[offset + 1:offset + 1 + len(params)]
+        grads_ok = flat[offset + 1 + len(params):]
+        worst = max((max(r) for r in ratios if r), default=0.0)
+        state["worst"] = max(state["worst"], worst)
+        label = names(self)
+        bad_values = [label[i] for i, ok in enumerate(finite) if not ok]
+        bad_grads = [label[i] for i, ok in enumerate(grads_ok) if not ok]
+        bad_calls = _keep_bad_calls(state, ratios, folder, run, write) if worst > RATIO_LIMIT or not math.isfinite(worst) else []
+        if bad_values or skipped or bad_calls or bad_grads:
+            fractions = [g.get("fraction") for g in self.param_groups]
+            lrs = [float(g["lr"]) for g in self.param_groups]
+            write({"nonfinite_step": state["steps"], "bad_params": bad_values, "bad_grads": bad_grads, "skipped": skipped,
+                   "bad_calls": bad_calls, "fractions": fractions, "lrs": lrs})
+            if before is not None and (bad_values or skipped):
                 before.update(bad_params=bad_values, bad_grads=bad_grads, skipped=skipped)
                 torch.save({k: _to_cpu(v) for k, v in before.items()}, folder / f"{run}-step{before['step']}.pt")
-                write({"nonfinite_step": before["step"], "bad_params": bad_values, "bad_grads": bad_grads, "skipped": skipped})
                 state["dumped"] = True
+        elif state["steps"] % 100 == 0:
+            write({"step": state["steps"], "calls": state["calls"], "worst_so_far": state["worst"]})
+        state["held"].clear()
+        state["steps"] += 1
         return result
 
     return step

@@ -15,6 +15,7 @@ on the same input.
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import sys
 from pathlib import Path
@@ -92,16 +93,58 @@ def replay_orthogonalization(dump: dict, device: torch.device, dtype: Optional[t
             "input_singular_max": float(singular.max()), "input_singular_min": float(singular.min())}
 
 
+def explain_orthogonalization(dump: dict, device: torch.device, repeats: int = 4) -> dict:
+    """Where a recorded orthogonalization goes wrong: the largest |entry| of every symmetric
+    product Newton–Schulz makes (in call order: for Gram NS, R then per step Z, P, R, Q), the
+    input's normalized singular values, and whether `repeats` replays agree bit for bit."""
+    newton_schulz = importlib.import_module("dion3.ortho.newton_schulz")  # the module (the package exports a function of that name)
+    x = dump["input"].to(device)
+    kwargs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in dump["kwargs"].items()}
+    products = []
+    original = newton_schulz.symmetric_matmul
+
+    def watched(*args, **kw):
+        out = original(*args, **kw)
+        products.append(float(torch.nan_to_num(out.float().abs(), nan=math.inf).max()))
+        return out
+
+    newton_schulz.symmetric_matmul = watched
+    try:
+        outputs = [orthogonalize(x, dump["method"], dump["coefficients"], *dump["args"], **kwargs) for _ in range(repeats)]
+    finally:
+        newton_schulz.symmetric_matmul = original
+    per_call = len(products) // repeats
+    wide = x.double().reshape(-1, *x.shape[-2:])
+    singular = torch.linalg.svdvals(wide) if bool(torch.isfinite(wide).all()) else torch.full((1, 1), math.nan)
+    top = singular[0, 0]
+    return {
+        "product_max_abs": products[:per_call],
+        "replays_identical": all(torch.equal(outputs[0], o) for o in outputs[1:]),
+        "replays_nonfinite": [not bool(torch.isfinite(o).all()) for o in outputs],
+        "singular_top5": singular[0, :5].tolist(),
+        "singular_below_1e-3_of_top": int((singular[0] < 1e-3 * top).sum()),
+        "singular_count": singular.shape[-1],
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dump", type=Path)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "float64"], help="replay in this dtype (default: as recorded)")
+    parser.add_argument("--explain", action="store_true",
+                        help="orthogonalization dumps: the size of every product, the input's spectrum, replay determinism")
     args = parser.parse_args(argv)
     dump = torch.load(args.dump, map_location="cpu", weights_only=False)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    replay = replay_step if "grads" in dump else replay_orthogonalization
-    for key, value in replay(dump, torch.device(args.device), dtype).items():
+    if args.explain:
+        if "grads" in dump:
+            parser.error("--explain takes an orthogonalization dump (DIR/<run>-<n>.pt), not a step dump")
+        result = explain_orthogonalization(dump, torch.device(args.device))
+    else:
+        replay = replay_step if "grads" in dump else replay_orthogonalization
+        result = replay(dump, torch.device(args.device), dtype)
+    for key, value in result.items():
         print(f"{key}: {value}")
     return 0
 

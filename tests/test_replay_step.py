@@ -5,6 +5,7 @@ outcome."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ def test_a_dumped_step_replays_to_the_same_skip(tmp_path, monkeypatch):
     for cls in trace.step_classes():
         monkeypatch.setattr(cls, "step", cls.__dict__["step"])
     assert dion3.Dion3 in trace.step_classes() and OrthogonalOptimizer in trace.step_classes()
+    monkeypatch.setenv(trace.FULL_STEP_ENV, "1")
     trace.install(tmp_path, "run")
     generator = torch.Generator().manual_seed(0)
     weights = [torch.nn.Parameter(torch.randn(8, 6, generator=generator)) for _ in range(2)]
@@ -53,5 +55,10 @@ def test_a_dumped_step_replays_to_the_same_skip(tmp_path, monkeypatch):
         assert again["nonfinite_grads"] == ["param1(8, 6)"] and again["skipped_updates"] == 1
         assert again["nonfinite_params"] == [] and len(again["orthogonalization_ratios"]) == 1
     call = torch.load(tmp_path / "run-1.pt", weights_only=False)
-    assert call["call"] == 3 and not torch.isfinite(call["output"][1]).all() and torch.isfinite(call["output"][0]).all()
+    # only the bad matrix of the batch is kept (matrix 1 of the step's one call)
+    assert call["call"] == 3 and call["step"] == 2 and call["output"].shape[0] == 1
+    assert not torch.isfinite(call["output"]).all()
+    log = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    bad = [line for line in log if "nonfinite_step" in line][0]  # the replays above, traced too, come after
+    assert bad["nonfinite_step"] == 2 and bad["skipped"] == 1 and bad["bad_calls"][0]["matrix"] == 1
     assert replay.replay_orthogonalization(call, torch.device("cpu"))["nonfinite"]
