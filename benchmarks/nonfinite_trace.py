@@ -17,6 +17,9 @@ With DION3_TRACE_FULL_STEP=1 it also keeps a copy of every parameter, gradient a
 parameter not finite, or whose update the optimizer skipped, writes it to DIR/<run>-step<N>.pt
 with the names of the parameters whose gradients or values were not finite: the failing step,
 ready to replay (replay_step.py). Large (the whole model's state): for local debugging.
+DION3_TRACE_KEEP_BATCH=1 keeps the whole batch of each kept call too (<run>-<n>-batch.pt), and
+DION3_TRACE_FILL_NAN=1 makes every new tensor start as NaN (torch's deterministic mode with
+fill_uninitialized_memory): an output element that no kernel writes then shows up.
 """
 from __future__ import annotations
 
@@ -31,6 +34,12 @@ import torch
 RATIO_LIMIT = 1.5
 KEEP = 4
 FULL_STEP_ENV = "DION3_TRACE_FULL_STEP"
+BATCH_ENV = "DION3_TRACE_KEEP_BATCH"  # also keep the whole batch of a bad call (<run>-<n>-batch.pt)
+FILL_NAN_ENV = "DION3_TRACE_FILL_NAN"  # new tensors start as NaN: output no kernel writes shows up
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
 
 
 def install(folder: Path, run: str) -> None:
@@ -51,7 +60,11 @@ def install(folder: Path, run: str) -> None:
         return out
 
     rules.orthogonalize = traced
-    full = os.environ.get(FULL_STEP_ENV, "") not in ("", "0")
+    full = _flag(FULL_STEP_ENV)
+    state["keep_batch"] = _flag(BATCH_ENV)
+    if _flag(FILL_NAN_ENV):
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
     for cls in step_classes():
         cls.step = _traced_step(cls.__dict__["step"], state, folder, run, write, full)
     atexit.register(lambda: write({"calls": state["calls"], "steps": state["steps"], "worst": state["worst"],
@@ -91,6 +104,10 @@ def _keep_bad_calls(state: dict, ratios: list, folder: Path, run: str, write) ->
                         "dtype": str(x.dtype), "method": method, "input_finite": bool(torch.isfinite(x.reshape(-1, *x.shape[-2:])[index]).all())})
             if state["kept"] < KEEP:
                 state["kept"] += 1
+                if state["keep_batch"]:
+                    torch.save({"input": x.cpu(), "output": out.cpu(), "method": method, "coefficients": coefficients,
+                                "args": args, "kwargs": {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in kwargs.items()},
+                                "call": call, "step": state["steps"]}, folder / f"{run}-{state['kept']}-batch.pt")
                 torch.save({"input": x.reshape(-1, *x.shape[-2:])[index:index + 1].cpu(),
                             "output": out.reshape(-1, *out.shape[-2:])[index:index + 1].cpu(),
                             "method": method, "coefficients": coefficients, "args": args,

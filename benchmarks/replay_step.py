@@ -93,10 +93,13 @@ def replay_orthogonalization(dump: dict, device: torch.device, dtype: Optional[t
             "input_singular_max": float(singular.max()), "input_singular_min": float(singular.min())}
 
 
-def explain_orthogonalization(dump: dict, device: torch.device, repeats: int = 4) -> dict:
+def explain_orthogonalization(dump: dict, device: torch.device, repeats: int = 4, fill_nan: bool = False) -> dict:
     """Where a recorded orthogonalization goes wrong: the largest |entry| of every symmetric
     product Newton–Schulz makes (in call order: for Gram NS, R then per step Z, P, R, Q), the
-    input's normalized singular values, and whether `repeats` replays agree bit for bit."""
+    input's normalized singular values, and which matrices of the batch come out bad in each of
+    `repeats` replays (bit-identical or not). fill_nan: new tensors start as NaN
+    (torch.utils.deterministic.fill_uninitialized_memory), so an output element that no
+    kernel writes shows up as NaN instead of as whatever that memory held before."""
     newton_schulz = importlib.import_module("dion3.ortho.newton_schulz")  # the module (the package exports a function of that name)
     x = dump["input"].to(device)
     kwargs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in dump["kwargs"].items()}
@@ -108,19 +111,33 @@ def explain_orthogonalization(dump: dict, device: torch.device, repeats: int = 4
         products.append(float(torch.nan_to_num(out.float().abs(), nan=math.inf).max()))
         return out
 
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_filling = torch.utils.deterministic.fill_uninitialized_memory
     newton_schulz.symmetric_matmul = watched
     try:
+        if fill_nan:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.utils.deterministic.fill_uninitialized_memory = True
         outputs = [orthogonalize(x, dump["method"], dump["coefficients"], *dump["args"], **kwargs) for _ in range(repeats)]
     finally:
         newton_schulz.symmetric_matmul = original
+        torch.use_deterministic_algorithms(was_deterministic)
+        torch.utils.deterministic.fill_uninitialized_memory = was_filling
     per_call = len(products) // repeats
     wide = x.double().reshape(-1, *x.shape[-2:])
-    singular = torch.linalg.svdvals(wide) if bool(torch.isfinite(wide).all()) else torch.full((1, 1), math.nan)
+    singular = torch.linalg.svdvals(wide[:1]) if bool(torch.isfinite(wide[0]).all()) else torch.full((1, 1), math.nan)
     top = singular[0, 0]
+
+    def bad_matrices(out: torch.Tensor) -> list:
+        n = min(out.shape[-2:])
+        ratios = torch.linalg.vector_norm(out.reshape(-1, *out.shape[-2:]).double(), dim=(-2, -1)) / math.sqrt(n)
+        return [i for i, r in enumerate(torch.nan_to_num(ratios, nan=math.inf).tolist()) if not r <= 1.5]
+
     return {
         "product_max_abs": products[:per_call],
         "replays_identical": all(torch.equal(outputs[0], o) for o in outputs[1:]),
-        "replays_nonfinite": [not bool(torch.isfinite(o).all()) for o in outputs],
+        "replays_bad_matrices": [bad_matrices(o) for o in outputs],
+        "recorded_bad_matrices": bad_matrices(dump["output"]),
         "singular_top5": singular[0, :5].tolist(),
         "singular_below_1e-3_of_top": int((singular[0] < 1e-3 * top).sum()),
         "singular_count": singular.shape[-1],
@@ -134,13 +151,16 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["float32", "float64"], help="replay in this dtype (default: as recorded)")
     parser.add_argument("--explain", action="store_true",
                         help="orthogonalization dumps: the size of every product, the input's spectrum, replay determinism")
+    parser.add_argument("--repeats", type=int, default=4, help="--explain: replays of the call (default 4)")
+    parser.add_argument("--fill-nan", action="store_true",
+                        help="--explain: new tensors start as NaN, so output no kernel writes shows as NaN")
     args = parser.parse_args(argv)
     dump = torch.load(args.dump, map_location="cpu", weights_only=False)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     if args.explain:
         if "grads" in dump:
             parser.error("--explain takes an orthogonalization dump (DIR/<run>-<n>.pt), not a step dump")
-        result = explain_orthogonalization(dump, torch.device(args.device))
+        result = explain_orthogonalization(dump, torch.device(args.device), args.repeats, args.fill_nan)
     else:
         replay = replay_step if "grads" in dump else replay_orthogonalization
         result = replay(dump, torch.device(args.device), dtype)
