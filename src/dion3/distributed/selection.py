@@ -123,33 +123,89 @@ def global_plan(bucket: LayoutBucket, gathered: Tensor, fraction: float) -> Piec
     """Exact top-k rows of every whole matrix (k from the true row count) from the full-row
     scores [R, N, b] of the row group's members (bucket.row_members: every row once; the other
     column shards hold the same summed scores, so every member computes the same selection).
-    One host sync for the split sizes. On the owner, matrix rows are in ascending global order.
-    Vectorized over the members (index tensors of every member's rows, padded with a row past
-    the last that is never selected), so its cost does not grow with a loop over the group."""
+    One host sync for the split sizes, none where every member holds every row (one member, or
+    only columns split): each then sends all k rows of each matrix. On the owner, matrix rows
+    are in ascending global order. Vectorized over the members (index tensors of every member's
+    rows, padded with a row past the last that is never selected), so its cost does not grow
+    with a loop over the group."""
     rows, count, device = bucket.shape[0], bucket.count, gathered.device
+    k = rules.selected_row_count(rows, fraction)
+    if _every_member_holds_every_row(bucket):
+        return _whole_rows_plan(bucket, gathered[0], k)
     held = _member_rows(bucket, device)  # [W, b]
     whole = gathered.new_full((count, rows + 1), -1.0)
     whole[:, _member_rows(bucket, device, "row_members").reshape(-1)] = gathered.permute(1, 0, 2).reshape(count, -1)
-    k = rules.selected_row_count(rows, fraction)
     selected = torch.zeros((count, rows + 1), dtype=torch.bool, device=device)
     selected.scatter_(1, rules.top_rows(whole[:, :rows], k), True)
     slot = selected.cumsum(1) - 1  # position of each selected row among its matrix's k
     sent = selected[:, held]  # [N, W, b]: which rows each member sends
     counts = sent.sum(2).mT.tolist()  # the one host sync: the all-to-all's split sizes
     mine = bucket.owned(bucket.rank)
-    if bucket.world_size == 1:  # one member: rows arrive in place, no slots needed
-        slots = held.new_empty((0,))
-    else:
-        owned_slots = slot[mine.start : mine.stop][:, held] + (torch.arange(len(mine), device=device) * k)[:, None, None]
-        arriving = sent[mine.start : mine.stop].transpose(0, 1).reshape(-1)
-        arrive_count = sum(row[i] for row in counts for i in mine)  # a row split in columns arrives once per piece
-        slots = owned_slots.transpose(0, 1).reshape(-1)[_true_indices(arriving, arrive_count)]
+    owned_slots = slot[mine.start : mine.stop][:, held] + (torch.arange(len(mine), device=device) * k)[:, None, None]
+    arriving = sent[mine.start : mine.stop].transpose(0, 1).reshape(-1)
+    arrive_count = sum(row[i] for row in counts for i in mine)  # a row split in columns arrives once per piece
+    slots = owned_slots.transpose(0, 1).reshape(-1)[_true_indices(arriving, arrive_count)]
     mine_sent = sent[:, bucket.rank, : len(bucket.local.rows)].reshape(-1)
     local_rows = _true_indices(mine_sent, sum(counts[bucket.rank]))
     return PiecePlan(counts, local_rows, slots, k, bucket.owners())
 
 
+def _every_member_holds_every_row(bucket: LayoutBucket) -> bool:
+    """Every member holds all rows of the matrices (local rows are in ascending global order,
+    so they are 0..rows−1 in order): one member, or only columns split."""
+    key = "every row on every member"
+    if key not in bucket.slot_cache:
+        bucket.slot_cache[key] = all(len(m.rows) == bucket.shape[0] for m in bucket.members)
+    return bucket.slot_cache[key]
+
+
+def _whole_rows_plan(bucket: LayoutBucket, scores: Tensor, k: int) -> PiecePlan:
+    """global_plan where every member holds every row: scores [N, rows] are the whole matrices'
+    already, every member sends the k selected rows of each matrix (its own rows are the
+    selection's indices, no mask to compact), and the owner receives them from each member in
+    the matrices' order: slots 0..owned·k−1 per member (none with one member: they arrive in
+    place). No host sync."""
+    count, device = bucket.count, scores.device
+    key = ("whole rows", k)
+    if key not in bucket.slot_cache:
+        owned = len(bucket.owned(bucket.rank))
+        per_member = torch.arange(owned * k, device=device)
+        slots = per_member.new_empty((0,)) if bucket.world_size == 1 else per_member.repeat(bucket.world_size)
+        bucket.slot_cache[key] = ([[k] * count for _ in range(bucket.world_size)], slots)
+    counts, slots = bucket.slot_cache[key]
+    local_rows = _flatten_rows(rules.top_rows(scores, k), bucket.shape[0])
+    return PiecePlan(counts, local_rows, slots, k, bucket.owners())
+
+
 def _true_indices(mask: Tensor, count: int) -> Tensor:
     """The positions of the `count` True entries of a flat bool mask, ascending, without a host
-    sync (count is known from the split sizes): a stable sort puts them first, in order."""
+    sync on a GPU (count is known from the split sizes). On CPU, where nothing waits for a
+    device, nonzero, and a count that does not match the mask is refused."""
+    if mask.device.type == "cpu":
+        found = mask.nonzero().squeeze(1)
+        if found.numel() != count:
+            raise ValueError(f"the mask has {found.numel()} True entries, not the {count} of the split sizes")
+        return found
+    return _true_indices_static(mask, count)
+
+
+# device types whose nonzero_static has no kernel (CUDA before its sync-free one): they sort
+_NO_STATIC_NONZERO: set = set()
+
+
+def _true_indices_static(mask: Tensor, count: int) -> Tensor:
+    """_true_indices with a size known in advance: nonzero_static (one compaction of the mask),
+    padded with mask.numel() (an index past the end, which fails where it is used) if count were
+    larger than the mask's True entries; a stable sort of the whole mask where nonzero_static
+    has no kernel for the device."""
+    if mask.device.type not in _NO_STATIC_NONZERO:
+        try:
+            return torch.nonzero_static(mask, size=count, fill_value=mask.numel()).squeeze(1)
+        except NotImplementedError:
+            _NO_STATIC_NONZERO.add(mask.device.type)
+    return _true_indices_sorted(mask, count)
+
+
+def _true_indices_sorted(mask: Tensor, count: int) -> Tensor:
+    """_true_indices by a stable sort: the True entries come first, in order."""
     return torch.argsort((~mask).to(torch.uint8), stable=True)[:count]
