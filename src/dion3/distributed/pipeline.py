@@ -108,8 +108,10 @@ def sharded_step(bucket: LayoutBucket, group: dict, cfg: rules.RuleConfig, traff
             bucket.variance.copy_(back_variance.wait().view(count, rows_here, 1))
         return
     mine = plan.counts[rank]
-    if group["selection_scope"] == "local":  # the same k rows of every matrix
-        k = mine[0]
+    k = mine[0]
+    # the same k rows of every matrix: local scope, and global scope where this rank holds
+    # every row (one member, or only columns split); the padded form would copy the result
+    if all(c == k for c in mine):
         local_rows = plan.rows.view(count, k) - torch.arange(count, device=result.device)[:, None] * rows_here
         apply(bucket, result.view(count, k, cols_here), local_rows, group)
     else:  # global scope: the number of rows per local matrix varies
