@@ -36,6 +36,7 @@ KEEP = 4
 FULL_STEP_ENV = "DION3_TRACE_FULL_STEP"
 BATCH_ENV = "DION3_TRACE_KEEP_BATCH"  # also keep the whole batch of a bad call (<run>-<n>-batch.pt)
 FILL_NAN_ENV = "DION3_TRACE_FILL_NAN"  # new tensors start as NaN: output no kernel writes shows up
+OPS_ENV = "DION3_TRACE_OPS"  # record every operation inside Newton–Schulz (op_trace.py)
 
 
 def _flag(name: str) -> bool:
@@ -54,7 +55,12 @@ def install(folder: Path, run: str) -> None:
             handle.write(json.dumps(line) + "\n")
 
     def traced(x, method="auto", coefficients="polar_express", *args, **kwargs):
+        recorder = state["ops"]
+        if recorder is not None:
+            recorder.call = state["calls"] + 1
         out = original(x, method, coefficients, *args, **kwargs)
+        if recorder is not None:
+            recorder.call = None
         state["calls"] += 1
         state["held"].append((x.detach().clone(), out.detach(), method, coefficients, args, kwargs, state["calls"]))
         return out
@@ -62,6 +68,11 @@ def install(folder: Path, run: str) -> None:
     rules.orthogonalize = traced
     full = _flag(FULL_STEP_ENV)
     state["keep_batch"] = _flag(BATCH_ENV)
+    state["ops"] = None
+    if _flag(OPS_ENV):
+        import op_trace  # beside this file
+
+        state["ops"] = op_trace.OpRecorder()
     if _flag(FILL_NAN_ENV):
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = True
@@ -162,6 +173,16 @@ def _traced_step(original, state: dict, folder: Path, run: str, write, full: boo
         bad_values = [label[i] for i, ok in enumerate(finite) if not ok]
         bad_grads = [label[i] for i, ok in enumerate(grads_ok) if not ok]
         bad_calls = _keep_bad_calls(state, ratios, folder, run, write) if worst > RATIO_LIMIT or not math.isfinite(worst) else []
+        if bad_calls and state["ops"] is not None:
+            for item in bad_calls[:2]:
+                found = state["ops"].first_bad(item["call"], item["matrix"])
+                line = {"op_trace_call": item["call"], "matrix": item["matrix"], "first_bad_op": found["first_bad_op"],
+                        "position": found.get("position"), "sizes": found["sizes"]}
+                if found["record"] is not None:
+                    line.update(state["ops"].rerun(found["record"], item["matrix"]))
+                write(line)
+        if state["ops"] is not None:
+            state["ops"].clear()
         if bad_values or skipped or bad_calls or bad_grads:
             fractions = [g.get("fraction") for g in self.param_groups]
             lrs = [float(g["lr"]) for g in self.param_groups]
