@@ -1,13 +1,15 @@
 """`dion3 plan`'s arithmetic against hand counts: selection, bytes per collective, network
-time, pipeline memory, critical path; layouts and flags (no process group needed)."""
+time, pipeline memory, critical path, the host's launches and the time the device waits for
+them; layouts and flags (no process group needed)."""
 from __future__ import annotations
 
 import pytest
 
 from dion3.plan import cli
 from dion3.plan.buckets import BucketPlan
-from dion3.plan.cost import Hardware, Network, RankCost, Variant, bucket_costs, collective_seconds, selection
-from dion3.plan.total import StepPlan, peak_in_flight
+from dion3.plan.cost import (STAGE_LAUNCHES, Hardware, Network, RankCost, Stage, Variant, bucket_costs, bucket_stages,
+                             collective_seconds, selection)
+from dion3.plan.total import StepPlan, exposed_host_s, issue_order, peak_in_flight, plan_step
 from dion3.plan.world import Weight, parse_layout, placements
 
 MUON = Variant("Muon", "muon", orthogonalizer="newton_schulz")
@@ -93,6 +95,66 @@ def test_critical_path_and_imbalance():
     assert step.imbalance() == 3.0 / 2.0
 
 
+def test_device_waits_for_the_host_by_hand():
+    # 1 s per launch. Host issues stage 0 (2 launches) over [0, 2]: the device's 1 s of it ends at
+    # 2; stage 1 (5 s) is issued by 3 and runs 2..7; stage 2 runs 7..8: 8 s against 7 s of work.
+    order = [Stage(2, 1.0), Stage(1, 5.0), Stage(1, 1.0)]
+    assert exposed_host_s(order, 1.0) == pytest.approx(1.0)
+    # host-bound: 20 s of launches over 2 s of device work, spread over them
+    assert exposed_host_s([Stage(10, 1.0), Stage(10, 1.0)], 1.0) == pytest.approx(18.0)
+    # no host time, no wait
+    assert exposed_host_s(order, 0.0) == 0.0
+
+
+def test_a_host_sync_exposes_the_launches_after_it():
+    # the host issues stage 1's 3 s of launches while stage 0 runs 4 s: hidden
+    assert exposed_host_s([Stage(0, 4.0), Stage(3, 1.0)], 1.0) == pytest.approx(0.0)
+    # after a sync it waits the 4 s out first, then the device waits for the 3 s of launches
+    assert exposed_host_s([Stage(0, 4.0), Stage(3, 1.0, sync=True)], 1.0) == pytest.approx(2.0)
+
+
+def test_issue_order_follows_the_pipeline_admission():
+    a, b = [Stage(1, 0.0), Stage(2, 0.0)], [Stage(3, 0.0), Stage(4, 0.0)]
+    # a large device admits both buckets: one stage of each in turn
+    assert [s.launches for s in issue_order([(10, a), (10, b)], capacity=1e6)] == [1, 3, 2, 4]
+    # budget 1.5·10 = 15 on a small device: the second waits until the first is done
+    assert [s.launches for s in issue_order([(10, a), (10, b)], capacity=0)] == [1, 2, 3, 4]
+
+
+def test_stages_of_a_bucket_split_its_bytes_by_hand():
+    bucket = rows_bucket(8, 16, 3, [4, 4], [2, 1])
+    hw = Hardware("test", 1e12, 1e12, 1e12, 1e12, wire_bytes=2, bucket_overhead=4e-9)
+    costs, _ = bucket_costs(bucket, MUON, hw)
+    stages = bucket_stages(bucket, MUON, 0, costs[0], hw, piece_launches=1)
+    local = 3 * 4 * 16
+    # momentum 12 B, half copy 6 B, placing 2 matrices of 8×16 (4·2 B each), apply 10 B per element
+    assert [s.device_s for s in stages] == pytest.approx(
+        [12 * local * 1e-12 + 1e-9, 6 * local * 1e-12 + 1e-9, 4 * 2 * 2 * 8 * 16 * 1e-12 + costs[0].compute_s + 1e-9,
+         10 * local * 1e-12 + 1e-9])
+    assert [s.launches for s in stages] == [STAGE_LAUNCHES["muon"][0] + 3, *STAGE_LAUNCHES["muon"][1:]]
+    assert not any(s.sync for s in stages)
+    # Dion3 global: scores first, the plan in two parts around its host sync
+    glob = Variant("D", "dion3", 0.25, "global", orthogonalizer="newton_schulz")
+    costs, _ = bucket_costs(bucket, glob, hw)
+    stages = bucket_stages(bucket, glob, 0, costs[0], hw)
+    assert [s.sync for s in stages] == [False, False, True, False, False, False]
+    assert stages[1].device_s == stages[2].device_s == pytest.approx(4e-9 / 6)
+    # every byte and FLOP of the member lands in some stage, with the fixed time
+    assert sum(s.device_s for s in stages) == pytest.approx(costs[0].memory_s + costs[0].compute_s + 4e-9)
+
+
+def test_step_adds_the_time_the_device_waits():
+    bucket = rows_bucket(8, 16, 3, [4, 4], [2, 1])
+    hw = Hardware("test", 1e12, 1e12, 1e12, 1e12, launch_s=1e-3)
+    step = plan_step([bucket], MUON, hw, Network())
+    launches = sum(STAGE_LAUNCHES["muon"])
+    assert step.host_s == pytest.approx(launches * 1e-3)
+    # nanoseconds of device work: the device waits for nearly all the host time
+    assert step.exposed_s == pytest.approx(launches * 1e-3, rel=1e-3)
+    without = plan_step([bucket], MUON, Hardware("test", 1e12, 1e12, 1e12, 1e12), Network())
+    assert step.critical_path_s(True) == pytest.approx(without.critical_path_s(True) + step.exposed_s)
+
+
 def test_layouts_and_placements():
     assert parse_layout("fsdp=64,tp=8").world_size == 512
     assert parse_layout("64").axes == (("fsdp", 64),)
@@ -110,6 +172,7 @@ def test_layouts_and_placements():
     (["--fraction", "1.5"], "--fraction"), (["--scope", "exact"], "--scope"), (["--gpu", "tpu"], "--gpu"),
     (["--optimizers", "adam"], "--optimizers"), (["--preset", "gpt5"], "--preset"),
     (["--latency-us", "-1"], "--latency-us"), (["--experts", "4"], "--experts"), (["--ranks", "x"], "--ranks"), (["--node-size", "0"], "--node-size"),
+    (["--launch-us", "-1"], "--launch-us"),
 ])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     assert cli.main(argv) == 2

@@ -15,15 +15,21 @@ from .total import StepPlan
 from .world import model_weights, parse_layout
 
 TB, GB, MB = 1e12, 1e9, 1e6
+OVERHEAD_MS, LAUNCH_US = 1.5, 43.0
 # Sustained rates of dion3's step on one H200 (benchmarks/results/plan-validation-2026-12-02.md):
 # orthogonalization on dion3's kernels and standard NS on cuBLAS fitted to the single-device step
 # of Llama-8B at 6b0e2bf (Muon + Gram + kernels, Muon baseline); memory passes at the measured
-# copy rate; the fixed time per distributed bucket fitted to the two-H200 FSDP2 record. Other
-# GPUs scale the rates by datasheet ratios of dense bf16 peak and HBM bandwidth to the H200's.
+# copy rate; the fixed device time per distributed bucket fitted to the two-H200 FSDP2 record; the
+# host time per kernel launch of the eager distributed step measured on an H200's host
+# (step-host-time-h200-2026-12-02.md: the step's host time with the device held busy, over its
+# launches; the same host assumed for the other GPUs). Other GPUs scale the rates by datasheet
+# ratios of dense bf16 peak and HBM bandwidth to the H200's.
 GPUS = {
-    "h200": dict(symmetric=606.0, dense=566.0, memory=4.3, capacity=141.0, overhead=2.2),
-    "gh200": dict(symmetric=606.0, dense=566.0, memory=4.3, capacity=96.0, overhead=2.2),  # H100 die, as H200
-    "b200": dict(symmetric=606.0 * 2.27, dense=566.0 * 2.27, memory=4.3 * 1.67, capacity=180.0, overhead=2.2),
+    "h200": dict(symmetric=606.0, dense=566.0, memory=4.3, capacity=141.0, overhead=OVERHEAD_MS, launch=LAUNCH_US),
+    "gh200": dict(symmetric=606.0, dense=566.0, memory=4.3, capacity=96.0, overhead=OVERHEAD_MS,
+                  launch=LAUNCH_US),  # H100 die, as H200
+    "b200": dict(symmetric=606.0 * 2.27, dense=566.0 * 2.27, memory=4.3 * 1.67, capacity=180.0, overhead=OVERHEAD_MS,
+                 launch=LAUNCH_US),
 }
 
 
@@ -48,7 +54,9 @@ def parser() -> argparse.ArgumentParser:
     hw.add_argument("--memory-tbs", type=float, help="elementwise passes, TB/s")
     hw.add_argument("--capacity-gb", type=float, help="device memory, GB")
     hw.add_argument("--bucket-overhead-ms", type=float,
-                    help="fixed time per distributed bucket per step (launches, host syncs), ms")
+                    help="fixed device time per distributed bucket per step (small copies, waits), ms")
+    hw.add_argument("--launch-us", type=float,
+                    help="host time per kernel launch of the eager distributed step, µs (0: no host term)")
     net = p.add_argument_group("network")
     net.add_argument("--node-size", type=int, default=8, help="GPUs per NVLink node (default 8)")
     net.add_argument("--nvlink-gbs", type=float, default=360.0, help="within a node, GB/s per GPU per direction (360)")
@@ -76,7 +84,7 @@ def settings(args) -> tuple[Hardware, Network]:
     base = GPUS[args.gpu]
     for flag in ("tflops", "tflops_dense", "memory_tbs", "capacity_gb", "nvlink_gbs", "fabric_gbs"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
-    for flag in ("latency_us", "fabric_latency_us", "bucket_overhead_ms"):
+    for flag in ("latency_us", "fabric_latency_us", "bucket_overhead_ms", "launch_us"):
         if getattr(args, flag) is not None and getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be ≥ 0, got {getattr(args, flag)}")
     _positive("--node-size", args.node_size, integer=True)
@@ -87,7 +95,8 @@ def settings(args) -> tuple[Hardware, Network]:
     pick = lambda given, default: given if given is not None else default  # noqa: E731
     hw = Hardware(args.gpu, pick(args.tflops, base["symmetric"]) * TB, pick(args.tflops_dense, base["dense"]) * TB,
                   pick(args.memory_tbs, base["memory"]) * TB, pick(args.capacity_gb, base["capacity"]) * GB,
-                  bucket_overhead=pick(args.bucket_overhead_ms, base["overhead"]) * 1e-3)
+                  bucket_overhead=pick(args.bucket_overhead_ms, base["overhead"]) * 1e-3,
+                  launch_s=pick(args.launch_us, base["launch"]) * 1e-6)
     net = Network(args.node_size, args.nvlink_gbs * GB, args.fabric_gbs * GB, args.latency_us * 1e-6,
                   args.fabric_latency_us * 1e-6, not args.no_overlap)
     return hw, net
@@ -105,6 +114,7 @@ def summary(step: StepPlan, overlap: bool) -> dict:
     r = step.ranks.values()
     return dict(
         optimizer=step.variant.label, step_ms=step.critical_path_s(overlap) * 1e3, fixed_ms=step.overhead_s * 1e3,
+        host_ms=step.host_s * 1e3, host_exposed_ms=step.exposed_s * 1e3,
         compute_ms_max=step.worst(lambda c: c.compute_s) * 1e3,
         memory_pass_ms_max=step.worst(lambda c: c.memory_s) * 1e3,
         communication_ms=step.communication_s * 1e3,
@@ -128,12 +138,13 @@ def rank_rows(step: StepPlan) -> list[dict]:
 
 
 def table(steps: dict[str, StepPlan], overlap: bool, ranks: str) -> str:
-    lines = ["| optimizer | step ms | compute ms (max) | memory passes ms (max) | comm ms | imbalance | "
-             "MB sent/rank (max) | GB/rank (max) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| optimizer | step ms | compute ms (max) | memory passes ms (max) | comm ms | host ms (device waits) | "
+             "imbalance | MB sent/rank (max) | GB/rank (max) |", "|---|---|---|---|---|---|---|---|---|"]
     for step in steps.values():
         s = summary(step, overlap)
         lines.append(f"| {s['optimizer']} | {s['step_ms']:.1f} | {s['compute_ms_max']:.1f} | "
-                     f"{s['memory_pass_ms_max']:.1f} | {s['communication_ms']:.2f} | {s['imbalance']:.3f} | "
+                     f"{s['memory_pass_ms_max']:.1f} | {s['communication_ms']:.2f} | "
+                     f"{s['host_ms']:.1f} ({s['host_exposed_ms']:.1f}) | {s['imbalance']:.3f} | "
                      f"{s['sent_mb_max']:.1f} | {s['memory_gb_max']:.1f} |")
     for step in steps.values() if ranks != "0" else ():
         rows = sorted(rank_rows(step), key=lambda r: (-r["compute_ms"], r["rank"]))
@@ -177,7 +188,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     head = (f"{preset.name} ({preset.description}; {preset.matrix_numel * (args.experts or 1) / 1e9:.2f} B matrix parameters) on "
             f"{layout.describe()} = {layout.world_size} ranks, {hw.name}: {hw.symmetric_flops / TB:.0f}/"
             f"{hw.dense_flops / TB:.0f} TFLOP/s (kernels/cuBLAS NS), {hw.memory_bytes / TB:.2f} TB/s, "
-            f"{hw.bucket_overhead * 1e3:.1f} ms per distributed bucket; nodes of "
+            f"{hw.bucket_overhead * 1e3:.1f} ms per distributed bucket, {hw.launch_s * 1e6:.0f} µs host time "
+            f"per launch; nodes of "
             f"{net.node_size}, {net.nvlink / GB:.0f} GB/s within, {net.fabric / GB:.0f} GB/s across, "
             f"{net.latency * 1e6:.0f}/{net.fabric_latency * 1e6:.0f} µs per collective; planned in "
             f"{planned.seconds:.1f} s on rank 0" + (f" and ranks {list(planned.verified_ranks)} (same owners)"

@@ -17,14 +17,18 @@ owns n_s of them; K rows of each matrix reach its owner, k_s of them from s):
              owners and back; all-reduce of per-matrix norms (a ring: 2·(G−1)/G of the data);
              Dion3: all-reduce of partial row scores over column shards, global scope an
              all-gather of padded row scores; DDP: all-gather of each rank's ⌈N/W⌉ results.
+  host       the eager distributed step's kernel launches, stage by stage (STAGE_LAUNCHES: the
+             pipeline's generator yields between stages), each costing the host Hardware.launch_s.
 A collective takes latency + max over its members of max(bytes within the node / NVLink rate,
 bytes across nodes / fabric rate), each link class counting the larger of what a member sends
 and receives; a ring over more than one node runs at the fabric's rate.
 Critical path: the slowest rank's memory passes + max(the slowest owner's compute, the sum of
 all collectives) — the pipeline keeps buckets in flight, so collectives of one bucket overlap
-another's compute (overlap=False adds them instead) — + a fixed time per distributed bucket
-(the eager step's launches, host syncs and small copies; 0 on one device, where the step is
-captured or launch-bound only on small models).
+another's compute (overlap=False adds them instead) — + a fixed device time per distributed
+bucket (small copies and waits the bytes and FLOPs leave out; 0 on one device, where the step
+is captured) + the time the device waits for the host (total.exposed_host_s: stages issued in
+the pipeline's order by one host and run in that order by one device; a host sync makes the
+host wait for the device).
 """
 from __future__ import annotations
 
@@ -66,7 +70,8 @@ class Hardware:
     capacity: float  # device memory, bytes (pipeline budget)
     wire_bytes: int = 2  # compute dtype of orthogonalization (rows travel in it): bf16 / fp16
     param_bytes: int = 4  # parameters, gradients and momentum (fp32)
-    bucket_overhead: float = 0.0  # s per distributed bucket per step: launches, syncs, small copies
+    bucket_overhead: float = 0.0  # s of device time per distributed bucket per step: small copies, waits
+    launch_s: float = 0.0  # host s per kernel launch of the eager distributed step (0: no host term)
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,56 @@ class RankCost:
     @property
     def total_sent(self) -> float:
         return sum(self.sent.values())
+
+
+# Kernel launches of one bucket's distributed step on a GPU, stage by stage (the pipeline's
+# generator yields after each collective it starts): pre-step (+ Dion3's selection) and the norms'
+# all-reduce · the rows' exchange · placing, orthogonalizing (+ normalization) and sending back ·
+# apply. Counted on the step of 95c7675 with its CUDA branches replayed on the CPU, one bucket on
+# 2 ranks (benchmarks/distributed_ops.py); the kernels per step the H200 ran on Llama-1B and 8B
+# were within 14% of 4 buckets of these (step-host-time-h200-2026-12-02.md). Global selection sends
+# its row scores first, so it has one stage more; its plan syncs the host once (the split sizes)
+# after the first 19 launches of its second stage, which therefore counts in two parts.
+STAGE_LAUNCHES = {"muon": (5, 7, 30, 11), "normuon": (5, 9, 49, 12), "dion3": (10, 11, 54, 16),
+                  "dion3 global": (5, 19, 15, 11, 54, 30)}
+SYNC_BEFORE = {"dion3 global": 2}  # the stage (index) the host issues only after the device caught up
+
+
+@dataclass(frozen=True)
+class Stage:
+    launches: float
+    device_s: float
+    sync: bool = False  # the host waits for the device before issuing this stage
+
+
+def bucket_stages(plan: BucketPlan, variant: Variant, member: int, cost: RankCost, hw: Hardware,
+                  piece_launches: int = 0) -> list[Stage]:
+    """One member's stages of a distributed bucket: launches and device time of each, in the
+    order the step issues them. Device time: the member's memory passes split as the fused passes
+    run (momentum 12 B per element in the pre-step; the half-precision copy of every row, 6 B, or
+    Dion3's snapshot, 10 B per selected element, before the exchange; the owner's placement and
+    NorMuon's read of O, 2 B, with the orthogonalization; the rest in the apply), plus its
+    compute, plus Hardware.bucket_overhead spread evenly over the stages. piece_launches: launches
+    per matrix of the bucket in the pre-step (code that read each gradient with its own launch)."""
+    key = "dion3 global" if variant.algorithm == "dion3" and variant.scope == "global" else variant.algorithm
+    launches = list(STAGE_LAUNCHES[key])
+    launches[0] += piece_launches * plan.count
+    ks, K = selection(plan, variant)
+    held, width = plan.held[member]
+    local = plan.count * held * width
+    pre = 12 * local
+    exchange = 10 * plan.count * ks[member] * width if variant.fraction is not None else 6 * local
+    orth = (4 * hw.wire_bytes * cost.owned * K * plan.shape[1] if plan.kind == "rows" and plan.members > 1 else 0)
+    orth += 2 * local if variant.algorithm == "normuon" else 0
+    device = [pre / hw.memory_bytes, exchange / hw.memory_bytes, orth / hw.memory_bytes + cost.compute_s,
+              max(cost.memory_bytes - pre - exchange - orth, 0.0) / hw.memory_bytes]
+    if plan.kind == "replicated":  # DDP: pre-step, orthogonalize 1/W and all-gather · apply
+        launches, device = [sum(launches[:-1]), launches[-1]], [sum(device[:-1]), device[-1]]
+    elif len(launches) == 6:  # global selection: scores' all-gather, then the plan in two parts
+        device = [device[0], 0.0, 0.0, device[1], device[2], device[3]]
+    share = hw.bucket_overhead / len(device)
+    sync = SYNC_BEFORE.get(key) if plan.kind != "replicated" else None
+    return [Stage(n, d + share, i == sync) for i, (n, d) in enumerate(zip(launches, device))]
 
 
 def selection(plan: BucketPlan, variant: Variant) -> tuple[list[float], int]:

@@ -105,13 +105,15 @@ def _on_rank(weights, layout, variants, dtype, rank, say) -> dict[str, list[Buck
 
 
 def price(planned: Planned, variants: list[Variant], hw: Hardware, net: Network,
-          scalar_numel: int = 0) -> dict[str, StepPlan]:
+          scalar_numel: int = 0, piece_launches: int = 0) -> dict[str, StepPlan]:
     """Each variant's step. AdamW's parameters (embeddings, norms) are sharded over every axis
-    but the replica axis and cost parameters, gradients and two moments in fp32."""
+    but the replica axis and cost parameters, gradients and two moments in fp32.
+    piece_launches: see cost.bucket_stages (older code's launches per matrix)."""
     layout = planned.layout
     shards = max(layout.world_size // layout.size("replicate") // layout.size("ep"), 1)
     scalar_bytes = scalar_numel / shards * 4 * hw.param_bytes
-    return {v.label: plan_step(planned.plans[v.label], v, hw, net, scalar_bytes) for v in variants}
+    return {v.label: plan_step(planned.plans[v.label], v, hw, net, scalar_bytes, piece_launches=piece_launches)
+            for v in variants}
 
 
 def stderr_progress(text: str) -> None:
