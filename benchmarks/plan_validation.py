@@ -2,20 +2,26 @@
 
 Usage: PYTHONPATH=src python benchmarks/plan_validation.py [--out PREFIX]
 
-Three code states were measured: the single-device step table at 6b0e2bf (2026-12-01) and the
+Five code states were measured: the single-device step table at 6b0e2bf (2026-12-01), the
 distributed records of 2026-11-29 (FSDP2 on one H200 at 502c714, on two at 0d0a9f3), whose
-kernels were 10-20% slower than at 6b0e2bf. Each record gets its own two sustained rates, each
-fitted to ONE measurement (Llama-8B Muon + Gram + kernels fixes the rate of orthogonalization on
-dion3's kernels; Llama-8B Muon baseline the rate of standard NS on cuBLAS); the memory-pass bandwidth is
-the measured 4.3 TB/s (not fitted) and the NVLink rate an assumption (360 GB/s per direction).
-Every other row is predicted. Bytes per rank are predicted from the planner and compared to the
-optimizer's own count.
+kernels were 10-20% slower than at 6b0e2bf, and the A/B record of 2026-12-02 (FSDP2 on one H200,
+the pipeline of 12e833a and the one before it, two runs each). Each record gets its own
+constants, fitted to named rows only (FITS: Llama-8B and Llama-1B Muon + Gram + kernels fix the
+rate of orthogonalization on dion3's kernels and, for the distributed records, the fixed device
+time per bucket; Llama-8B's Muon baseline the rate of standard NS on cuBLAS); the memory-pass
+bandwidth is the measured 4.3 TB/s, the NVLink rate an assumption (360 GB/s per direction), and
+the host time per kernel launch of the distributed step is measured (step-host-time record;
+the code before 160640b launched the momentum pass once per matrix: one launch more per matrix).
+Every other row is predicted, with the host term and without it (its fit redone). Bytes per rank
+are predicted from the planner and compared to the optimizer's own count.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "src"))  # after PYTHONPATH: an installed dion3 wins
@@ -28,6 +34,10 @@ from dion3.plan.world import model_weights, parse_layout  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 MEMORY = 4.3e12  # measured device copy rate (bench.flops.H200_COPY_BYTES_PER_S)
 NVLINK = 360e9
+HOST = "step-host-time-h200-2026-12-02.json"
+# The distributed records' code read each gradient with its own launch of the momentum pass
+# (before 160640b: 112 launches a step on Llama-1B): one launch more per matrix of a bucket.
+PIECE_LAUNCHES = {"single": 0, "fsdp=1": 1, "fsdp=2": 1, "ab-new": 0, "ab-old": 0}
 
 
 def variants() -> dict[str, Variant]:
@@ -61,71 +71,141 @@ def measurements() -> list[dict]:
                     continue
                 rows.append(dict(record=label, era=layout, preset=preset, layout=layout, variant=t["variant"],
                                  ms=t["step_ms"], bytes=t.get("bytes_sent") or None))
+    # FSDP2 at one rank, one pipeline (12e833a, "new") and the two before it ("old"), two runs each
+    folder = RESULTS / "distributed-ab-h200-2026-12-02"
+    for code, era, label in (("new", "ab-new", "FSDP2 1×H200, 12e833a"), ("old", "ab-old", "FSDP2 1×H200, d5c7f3b")):
+        for preset in ("llama-1b", "llama-8b"):
+            for run in (1, 2):
+                data = json.loads((folder / f"fsdp-{preset}-{code}-run{run}.json").read_text())
+                rows += [dict(record=f"{label} run {run}", era=era, preset=preset, layout="fsdp=1",
+                              variant=t["variant"], ms=t["step_ms"], bytes=None) for t in data["timing"]]
     return rows
 
 
+def launch_seconds(vs: dict) -> tuple[float, list[dict]]:
+    """Host time per kernel launch of the distributed step: the step-host-time record's host time
+    of each sync-free step of the code it measured last (b8cbb74, one H200), over the launches
+    the planner counts for that step (cost.STAGE_LAUNCHES); the median over its rows."""
+    probe = json.loads((RESULTS / HOST).read_text())["probe"]
+    names = {"muon": "muon", "normuon": "normuon", "dion3-1/2 local": "dion3-1/2 local",
+             "dion3-1/4 local": "dion3-1/4 local"}
+    out = []
+    for key in ("b8cbb74 llama-1b", "b8cbb74 llama-8b"):
+        run = probe[key]
+        chosen = [vs[names[r["variant"]]] for r in run["rows"] if r["host_ms"]]
+        planned = build_plans(model_weights(MODELS[run["preset"]].matrices), parse_layout("fsdp=1"), chosen)
+        counted = price(planned, chosen, Hardware("count", 1.0, 1.0, MEMORY, 141e9, launch_s=1.0), Network())
+        for r in run["rows"]:
+            if r["host_ms"]:
+                launches = counted[vs[names[r["variant"]]].label].host_s
+                out.append(dict(preset=run["preset"], variant=r["variant"], host_ms=r["host_ms"], launches=launches,
+                                kernels=r["kernels"], per_launch_us=r["host_ms"] * 1e3 / launches))
+    return statistics.median(r["per_launch_us"] for r in out) * 1e-6, out
+
+
 # Per record (each is one code state), fitted: the rate of orthogonalization on dion3's kernels
-# and, for the distributed step, a fixed time per bucket (launches, host syncs, small copies),
-# together from Muon + Gram + kernels on Llama-8B and Llama-1B (one device: the rate from
-# Llama-8B alone, no fixed time); the rate of standard NS on cuBLAS from Llama-8B's Muon baseline.
-FITS = {"single": {"symmetric": [("llama-8b", "single", "muon")], "dense": ("llama-8b", "single", "muon-baseline")}}
-FITS.update({layout: {"symmetric": [("llama-8b", layout, "muon"), ("llama-1b", layout, "muon")],
-                      "dense": ("llama-8b", layout, "muon-baseline")} for layout in ("fsdp=1", "fsdp=2")})
+# and, for the distributed step, a fixed device time per bucket (small copies and waits), together
+# from Muon + Gram + kernels on Llama-8B and Llama-1B (one device: the rate from Llama-8B alone,
+# no fixed time); the rate of standard NS on cuBLAS from Llama-8B's Muon baseline (where the
+# record has one). Rows are (preset, layout, variant, record): the A/B record's Muon rows are in
+# its first runs.
+FITS = {"single": {"symmetric": [("llama-8b", "muon")], "dense": ("llama-8b", "muon-baseline")}}
+FITS.update({era: {"symmetric": [("llama-8b", "muon"), ("llama-1b", "muon")], "dense": ("llama-8b", "muon-baseline")}
+             for era in ("fsdp=1", "fsdp=2", "ab-new", "ab-old")})
 
 
-def fit(rows: list[dict], priced: dict, fits: dict) -> dict:
-    """Solve measured = memory + FLOPs / rate + buckets · overhead for 1/rate and overhead."""
-    measured = {(r["preset"], r["layout"], r["variant"]): r["ms"] / 1e3 for r in rows}
+def fit(rows: list[dict], priced, fits: dict, launch_s: float, piece_launches: int) -> dict:
+    """Solve measured − waits = memory + FLOPs / rate + buckets · overhead for 1/rate and overhead
+    (waits: the time the device waits for the host, which depends on the rates: the solution is
+    iterated to a fixed point; 0 without the host term or on one device)."""
+    measured: dict = {}
+    for r in rows:  # the first run of a row (the A/B record's Muon rows are in its first runs)
+        measured.setdefault((r["preset"], r["variant"]), r["ms"] / 1e3)
     keys = fits["symmetric"]
-    if len(keys) == 1:
-        p = priced[keys[0]]
-        inverse, overhead = (measured[keys[0]] - p["memory_s"]) / p["flops"], 0.0
-    else:
-        (a, b), (c, d) = [(priced[k]["flops"], priced[k]["buckets"]) for k in keys]
-        y1, y2 = [measured[k] - priced[k]["memory_s"] for k in keys]
-        det = a * d - b * c
-        inverse, overhead = (y1 * d - b * y2) / det, (a * y2 - c * y1) / det
-    p = priced[fits["dense"]]
-    dense = p["flops"] / (measured[fits["dense"]] - p["memory_s"] - p["buckets"] * overhead)
-    return dict(symmetric=1 / inverse, dense=dense, overhead=overhead)
+    rates = dict(symmetric=1.0, dense=1.0, overhead=0.0)
+    for _ in range(50):
+        p = {k: priced(k, rates, launch_s, piece_launches) for k in keys + [fits["dense"]] if k in measured}
+        if len(keys) == 1:
+            inverse = (measured[keys[0]] - p[keys[0]]["memory_s"] - p[keys[0]]["exposed_s"]) / p[keys[0]]["flops"]
+            overhead = 0.0
+        else:
+            (a, b), (c, d) = [(p[k]["flops"], p[k]["buckets"]) for k in keys]
+            y1, y2 = [measured[k] - p[k]["memory_s"] - p[k]["exposed_s"] for k in keys]
+            det = a * d - b * c
+            inverse, overhead = (y1 * d - b * y2) / det, (a * y2 - c * y1) / det
+        dense = rates["dense"]
+        if fits["dense"] in measured:
+            q = p[fits["dense"]]
+            dense = q["flops"] / (measured[fits["dense"]] - q["memory_s"] - q["buckets"] * overhead - q["exposed_s"])
+        new = dict(symmetric=1 / inverse, dense=dense, overhead=overhead)
+        done = all(abs(new[k] - rates[k]) <= 1e-9 * max(abs(new[k]), 1e-12) for k in new)
+        rates = new
+        if done:
+            break
+    return rates
 
 
 def main(argv=None) -> int:
     args = _args(argv)
     rows = measurements()
     vs = variants()
-    unit = Hardware("unit", 1.0, 1.0, MEMORY, 141e9)  # FLOPs come out as seconds at 1 FLOP/s
     net = Network(nvlink=NVLINK)
-    priced: dict[tuple, dict] = {}
+    launch_s, launch_rows = launch_seconds(vs)
+    plans = {}
     for preset, layout in sorted({(r["preset"], r["layout"]) for r in rows}):
         wanted = sorted({r["variant"] for r in rows if (r["preset"], r["layout"]) == (preset, layout)})
-        model = MODELS[preset]
-        chosen = [vs[w] for w in wanted]
-        planned = build_plans(model_weights(model.matrices), parse_layout(layout), chosen)
-        steps = price(planned, chosen, unit, net)
-        for w in wanted:
-            s = steps[vs[w].label]
-            priced[(preset, layout, w)] = dict(
-                flops=s.worst(lambda c: c.executed_flops), memory_s=s.worst(lambda c: c.memory_s),
-                comm_s=s.communication_s, sent=s.worst(lambda c: c.total_sent),
-                buckets=sum(1 for b in planned.plans[vs[w].label] if b.kind != "local"))
-    rates = {era: fit(rows, priced, fits) for era, fits in FITS.items()}
+        plans[(preset, layout)] = (build_plans(model_weights(MODELS[preset].matrices), parse_layout(layout),
+                                               [vs[w] for w in wanted]), wanted)
+
+    def hardware(rates: dict, launch: float) -> Hardware:
+        return Hardware("fit", rates["symmetric"], rates["dense"], MEMORY, 141e9,
+                        bucket_overhead=rates["overhead"], launch_s=launch)
+
+    def priced_in(layout):
+        def priced(key, rates, launch, pieces):
+            preset, w = key
+            planned, _ = plans[(preset, layout)]
+            s = price(planned, [vs[w]], hardware(rates, launch), net, piece_launches=pieces)[vs[w].label]
+            unit = price(planned, [vs[w]], replace(hardware(rates, 0.0), symmetric_flops=1.0, dense_flops=1.0,
+                                                   bucket_overhead=0.0), net)[vs[w].label]
+            return dict(flops=unit.worst(lambda c: c.compute_s), memory_s=s.worst(lambda c: c.memory_s),
+                        exposed_s=s.exposed_s, buckets=sum(1 for b in planned.plans[vs[w].label] if b.kind != "local"),
+                        step=s)
+        return priced
+
+    eras = {}
+    for era, fits in FITS.items():
+        era_rows = [r for r in rows if r["era"] == era]
+        layout, pieces = era_rows[0]["layout"], PIECE_LAUNCHES[era]
+        host = launch_s if layout != "single" else 0.0
+        eras[era] = dict(with_host=fit(era_rows, priced_in(layout), fits, host, pieces),
+                         without=fit(era_rows, priced_in(layout), fits, 0.0, pieces), layout=layout,
+                         piece_launches=pieces, launch_s=host)
     out = []
     for r in rows:
-        p = priced[(r["preset"], r["layout"], r["variant"])]
-        kind = "dense" if r["variant"] == "muon-baseline" else "symmetric"
-        compute = p["flops"] / rates[r["era"]][kind]
-        overhead = p["buckets"] * rates[r["era"]]["overhead"]
-        predicted = (p["memory_s"] + max(compute, p["comm_s"]) + overhead) * 1e3
+        e = eras[r["era"]]
         fits = FITS[r["era"]]
-        fitted = (r["preset"], r["layout"], r["variant"]) in [*fits["symmetric"], fits["dense"]]
-        out.append(dict(r, predicted_ms=predicted, error=predicted / r["ms"] - 1, fitted=fitted,
-                        predicted_bytes=p["sent"]))
-    report = markdown(out, rates) + "\n\n" + memory_table(memory_rows(vs))
+        priced = priced_in(e["layout"])
+        key = (r["preset"], r["variant"])
+        with_host = priced(key, e["with_host"], e["launch_s"], e["piece_launches"])["step"]
+        without = priced(key, e["without"], 0.0, e["piece_launches"])["step"]
+        predicted, before = with_host.critical_path_s(True) * 1e3, without.critical_path_s(True) * 1e3
+        fitted = key in [*fits["symmetric"], fits["dense"]] and (r["era"] not in ("ab-new", "ab-old")
+                                                                  or r["record"].endswith("run 1"))
+        out.append(dict(r, predicted_ms=predicted, error=predicted / r["ms"] - 1, without_host_ms=before,
+                        error_without_host=before / r["ms"] - 1, waits_ms=with_host.exposed_s * 1e3,
+                        host_ms=with_host.host_s * 1e3, fitted=fitted,
+                        predicted_bytes=with_host.worst(lambda c: c.total_sent)))
+    rates = {era: dict(e["with_host"], launch_s=e["launch_s"], piece_launches=e["piece_launches"])
+             for era, e in eras.items()}
+    before = {era: e["without"] for era, e in eras.items()}
+    report = (markdown(out, rates, before) + "\n\n" + launch_table(launch_rows, launch_s) + "\n\n"
+              + memory_table(memory_rows(vs)))
     print(report)
     if args.out:
         Path(args.out + ".md").write_text(report + "\n")
-        Path(args.out + ".json").write_text(json.dumps(dict(rates=rates, rows=out), indent=1) + "\n")
+        Path(args.out + ".json").write_text(json.dumps(dict(rates=rates, rates_without_host=before, launch=launch_rows,
+                                                            rows=out), indent=1) + "\n")
     return 0
 
 
@@ -163,20 +243,38 @@ def _args(argv):
     return p.parse_args(argv)
 
 
-def markdown(rows: list[dict], rates: dict) -> str:
-    lines = ["| record | preset | variant | measured ms | predicted ms | error | MB sent/rank measured | predicted |",
-             "|---|---|---|---|---|---|---|---|"]
+def markdown(rows: list[dict], rates: dict, before: dict) -> str:
+    lines = ["| record | preset | variant | measured ms | predicted ms | error | device waits for host ms | "
+             "without host term ms | error | MB sent/rank measured | predicted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tag = " (fitted)" if r["fitted"] else ""
         sent = "—" if r["bytes"] is None else f"{r['bytes'] / 1e6:.1f}"
         psent = "—" if r["bytes"] is None else f"{r['predicted_bytes'] / 1e6:.1f}"
         lines.append(f"| {r['record']} | {r['preset']} | {r['variant']}{tag} | {r['ms']:.1f} | {r['predicted_ms']:.1f} | "
-                     f"{r['error'] * 100:+.1f}% | {sent} | {psent} |")
+                     f"{r['error'] * 100:+.1f}% | {r['waits_ms']:.1f} | {r['without_host_ms']:.1f} | "
+                     f"{r['error_without_host'] * 100:+.1f}% | {sent} | {psent} |")
     held = [r for r in rows if not r["fitted"]]
     within = sum(abs(r["error"]) <= 0.15 for r in held)
-    lines += ["", f"Held out: {within} of {len(held)} within 15%. Rates (TFLOP/s of executed FLOPs): " + "; ".join(
-        f"{e}: kernels {v['symmetric'] / 1e12:.0f}, cuBLAS NS {v['dense'] / 1e12:.0f}, per bucket "
-        f"{v['overhead'] * 1e3:.2f} ms" for e, v in rates.items())]
+    within_before = sum(abs(r["error_without_host"]) <= 0.15 for r in held)
+    def rate(value: float) -> str:  # a record without a Muon baseline row fits no cuBLAS rate
+        return "—" if value <= 1.0 else f"{value / 1e12:.0f}"
+
+    lines += ["", f"Held out: {within} of {len(held)} within 15% ({within_before} without the host term). Fitted "
+              "(TFLOP/s of executed FLOPs on dion3's kernels and of standard NS on cuBLAS; fixed device time per "
+              "distributed bucket): " + "; ".join(
+                  f"{e}: {rate(v['symmetric'])}, {rate(v['dense'])}, {v['overhead'] * 1e3:.2f} ms (without the host "
+                  f"term {rate(before[e]['symmetric'])}, {rate(before[e]['dense'])}, "
+                  f"{before[e]['overhead'] * 1e3:.2f} ms)" for e, v in rates.items())]
+    return "\n".join(lines)
+
+
+def launch_table(rows: list[dict], launch_s: float) -> str:
+    lines = ["| preset | variant | host ms (median) | launches counted | kernels run (profiler) | µs per launch |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['preset']} | {r['variant']} | {r['host_ms']:.2f} | {r['launches']:.0f} | {r['kernels']} | "
+              f"{r['per_launch_us']:.1f} |" for r in rows]
+    lines += ["", f"Host time per launch: the median, {launch_s * 1e6:.1f} µs."]
     return "\n".join(lines)
 
 
