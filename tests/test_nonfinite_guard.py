@@ -1,8 +1,9 @@
-"""The guard against non-finite updates: a matrix whose orthogonalized update is not finite is
-skipped (its parameter only decays, its per-row variance stays) and counted in
-`optimizer.nonfinite_updates`, without a host sync; the other matrices of its bucket step as if
-nothing happened. Faults are forced two ways: an orthogonalization that returns inf/NaN for one
-matrix (what a half-precision overflow would do) and a gradient with a NaN entry."""
+"""The guard against bad updates: a matrix whose orthogonalized update is not finite, or larger
+than any orthogonalization can be (rules.update_bound), is skipped (its parameter only decays,
+its per-row variance stays) and counted in `optimizer.nonfinite_updates`, without a host sync;
+the other matrices of its bucket step as if nothing happened. Faults are forced two ways: an
+orthogonalization that returns inf/NaN or a huge finite entry for one matrix (what a
+half-precision overflow or a corrupted product would do) and a gradient with a NaN entry."""
 from __future__ import annotations
 
 import sys
@@ -54,9 +55,9 @@ def broken_matrix(monkeypatch):
     return fault
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e3])
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_a_non_finite_update_is_skipped_and_counted(kind, value, broken_matrix):
+def test_a_bad_update_is_skipped_and_counted(kind, value, broken_matrix):
     clean, faulty = _params(), _params()
     reference, guarded = _optimizer(kind, clean), _optimizer(kind, faulty)
     for step in range(3):  # two clean steps build up momentum and variance first
@@ -118,6 +119,72 @@ def test_the_guard_runs_inside_a_captured_step(broken_matrix):
     for i in (1, 2):  # lr as a device scalar rounds lr·scale apart from the float lr: not bitwise
         torch.testing.assert_close(faulty[i].detach(), clean[i].detach(), rtol=1e-6, atol=1e-7)
     assert guarded.nonfinite_updates is counter and int(counter) == 1
+
+
+@pytest.mark.parametrize("coefficients", ["polar_express", "jordan", "you"])
+@pytest.mark.parametrize("method", ["newton_schulz", "gram"])
+def test_no_orthogonalization_is_above_the_bound(coefficients, method):
+    """The bound never skips a real update: orthogonalizations of orthogonal, rank-one,
+    low-rank, ill-conditioned and random inputs, wide and tall, in float32 and bfloat16 (standard
+    NS on CPU may compute in bf16) all stay within it, with room to spare."""
+    generator = torch.Generator().manual_seed(3)
+    bound = rules.update_bound(coefficients)
+    worst = 0.0
+    for rows, cols in ((16, 48), (48, 16), (32, 32), (7, 90)):
+        n = min(rows, cols)
+        u = torch.linalg.qr(torch.randn(rows, rows, generator=generator))[0][:, :n]
+        v = torch.linalg.qr(torch.randn(cols, cols, generator=generator))[0][:, :n]
+        spectra = [torch.ones(n), torch.eye(1, n)[0], (torch.arange(n) < 3).double().float(),
+                   torch.logspace(0, -7, n), torch.rand(n, generator=generator)]
+        inputs = [(u * s) @ v.T for s in spectra] + [torch.randn(rows, cols, generator=generator)]
+        for x in inputs:
+            for dtype in (torch.float32, torch.bfloat16):
+                out = rules.orthogonalize(x.unsqueeze(0), method, coefficients, dtype=dtype, out_dtype=torch.float32)
+                norm = float(torch.linalg.vector_norm(out))
+                worst = max(worst, norm / n ** 0.5)
+                assert bool(rules.matrices_within(torch.tensor([norm]), out.shape, bound))
+    assert worst <= 0.9 * bound  # the margin is real, not a near miss
+
+
+def test_owner_functions_mark_a_matrix_above_the_bound():
+    """Where a distributed owner holds whole matrices: Muon's poison and NorMuon/Dion3's
+    normalization turn a matrix above the bound (finite) into NaN rows, keep its variance, and
+    leave the others untouched; without a bound only finiteness counts."""
+    generator = torch.Generator().manual_seed(4)
+    ortho = rules.orthogonalize(torch.randn(3, 6, 10, generator=generator), "newton_schulz", dtype=torch.float32)
+    ortho[1] *= 4.0  # ‖O‖_F = 4·√6 > 1.5·√6
+    bound = rules.update_bound("polar_express")
+    poisoned = rules.poison_nonfinite(ortho.clone(), bound)
+    assert torch.isnan(poisoned[1]).all() and torch.equal(poisoned[[0, 2]], ortho[[0, 2]])
+    assert torch.equal(rules.poison_nonfinite(ortho.clone()), ortho)  # no bound: finite is enough
+    variance = torch.rand(3, 6, 1, generator=generator)
+    scaled, new = rules.normalize_rows(ortho, variance, 0.95, 1e-8, bound)
+    assert torch.isnan(scaled[1]).all() and torch.isfinite(scaled[[0, 2]]).all()
+    assert torch.equal(new[1], variance[1]) and not torch.equal(new[0], variance[0])
+
+
+def test_fused_normalization_path_applies_the_bound(monkeypatch):
+    """The CUDA kernel path of row_normalization_in_place (a stand-in here returning what the
+    kernel returns: factors and O's row norms, variance updated in place) gets the same verdict
+    as the PyTorch path: NaN factors and the old variance for the matrix above the bound."""
+    generator = torch.Generator().manual_seed(5)
+    ortho = rules.orthogonalize(torch.randn(3, 6, 10, generator=generator), "newton_schulz", dtype=torch.float32)
+    ortho[2] *= 4.0
+    variance = torch.rand(3, 6, 1, generator=generator)
+    bound = rules.update_bound("polar_express")
+    expected_scale, expected_variance = rules.row_normalization(ortho, variance, 0.95, 1e-8, bound)
+
+    def kernel_stand_in(o, v, rows, beta2, epsilon):
+        scale, new = rules.row_normalization(o, v, beta2, epsilon)  # the kernel knows no bound
+        v.copy_(new)
+        return scale.squeeze(-1), torch.linalg.vector_norm(o, dim=-1)
+
+    monkeypatch.setattr(rules, "fused_row_normalization", kernel_stand_in)
+    buffer = variance.clone()
+    scale = rules.row_normalization_in_place(ortho, buffer, None, 0.95, 1e-8, bound)
+    torch.testing.assert_close(scale, expected_scale.squeeze(-1), equal_nan=True)
+    assert torch.isnan(scale[2]).all() and torch.equal(buffer[2], variance[2])
+    torch.testing.assert_close(buffer, torch.where(torch.isnan(expected_scale[:, :1]), variance, expected_variance))
 
 
 def test_poison_spreads_a_bad_entry_over_its_matrix_only():

@@ -12,10 +12,14 @@ On a single device row_normalization_in_place replaces normalize_rows (row_norma
 one kernel on CUDA that also reads and writes the rows' variance): apply_update takes its per-row
 factors, so the normalized copy of O is never written.
 
-Non-finite updates are skipped per matrix, on the device and without a host sync: a matrix whose
-O (or per-row factors) is not finite keeps its variance, is not moved by apply_update (its weight
-decay still applies) and adds one to the `skipped` counter that apply_update is given. Gradients
-are not checked here (check_finite=True in the optimizer raises on them).
+Bad updates are skipped per matrix, on the device and without a host sync: a matrix whose O is
+not finite, or larger than any orthogonalization can be (‖O‖_F above update_bound·√min(k, C):
+Newton–Schulz keeps every singular value inside its schedule's band, so a larger O is a
+corrupted computation, not an update), keeps its variance, is not moved by apply_update (its
+weight decay still applies) and adds one to the `skipped` counter that apply_update is given.
+The bound is checked where whole matrices are (one device, or a distributed owner); a rank that
+holds only some rows of a matrix sees the owner's verdict as NaN rows. Gradients are not checked
+here (check_finite=True in the optimizer raises on them).
 """
 from __future__ import annotations
 
@@ -32,10 +36,30 @@ from .kernels import (
 )
 from .kernels import top_rows as _top_rows
 from .ortho import orthogonalize
+from .ortho.coefficients import CoefficientSpec, get_schedule
 from .ortho.newton_schulz import InputScaling, default_compute_dtype, input_scaling, resolve_method
 
 Grads = Union[Tensor, Sequence[Tensor]]
 ADJUST_LR = ("spectral_norm", "rms_norm", None)
+# Headroom over the schedule's band for rounding (half-precision outputs stay within 1.03 of
+# √min(k, C) on the study's runs: benchmarks/results/nonfinite-h200-2026-12-02.md).
+BOUND_MARGIN = 1.25
+
+
+def update_bound(coefficients: CoefficientSpec) -> float:
+    """The largest ‖O‖_F / √min(rows, cols) an orthogonalization with these Newton–Schulz
+    coefficients can return: its band's upper end (every singular value lands in the band)
+    times BOUND_MARGIN; inf for coefficients that state no band (custom lists)."""
+    return get_schedule(coefficients).band[1] * BOUND_MARGIN
+
+
+def matrices_within(norm: Tensor, ortho_shape, bound: float) -> Tensor:
+    """[N] bool from the Frobenius norms (N of them, any shape) of O [N, k, C]: finite and at
+    most bound·√min(k, C) (NaN and inf fail)."""
+    norm = norm.reshape(-1)
+    if bound == math.inf:  # (not bound·√0 = NaN for a matrix with no rows here)
+        return torch.isfinite(norm)
+    return torch.isfinite(norm) & (norm <= bound * math.sqrt(min(ortho_shape[-2:])))
 
 
 @dataclass(frozen=True)
@@ -178,13 +202,15 @@ def orthogonalize_rows(
     return orthogonalize(update, method, coefficients, out_dtype=out_dtype, norm=norm)
 
 
-def row_normalization(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float) -> tuple[Tensor, Tensor]:
+def row_normalization(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float,
+                      bound: float = math.inf) -> tuple[Tensor, Tensor]:
     """NorMuon normalization (fp32) of O [N, k, C] with its rows' second moments V [N, k, 1],
     as per-row factors s [N, k, 1] with Ô = s·O:
 
     n_i = mean_j O_ij²; V ← β₂V + (1−β₂)n; Ô = O / (√V + ε); Ô ← Ô·‖O‖_F / max(‖Ô‖_F, ε).
     Returns (s in float32 or wider, new V in V's dtype) without touching the inputs; O is read
     once (for its row norms). apply_update takes s directly, so Ô is never materialized.
+    A matrix whose O is not finite or above the bound (update_bound) gets NaN factors.
     """
     math_dtype = torch.promote_types(ortho.dtype, torch.float32)  # half inputs: no float copy
     row_sq = torch.linalg.vector_norm(ortho, dim=-1, keepdim=True, dtype=math_dtype).square()  # [N, k, 1]
@@ -193,6 +219,8 @@ def row_normalization(ortho: Tensor, variance: Tensor, beta2: float, epsilon: fl
     frob = row_sq.sum(dim=-2, keepdim=True).sqrt()  # ‖O‖_F, [N, 1, 1]
     scaled_frob = (row_sq * inverse_rms.square()).sum(dim=-2, keepdim=True).sqrt()  # ‖Ô‖_F before rescale
     row_scale = inverse_rms * (frob / scaled_frob.clamp_min(epsilon))
+    if bound != math.inf:
+        row_scale = torch.where(matrices_within(frob, ortho.shape, bound).view(-1, 1, 1), row_scale, math.nan)
     return row_scale, new_variance.to(variance.dtype)
 
 
@@ -203,18 +231,23 @@ def finite_matrices(row_scale: Tensor) -> Tensor:
 
 
 def row_normalization_in_place(
-    ortho: Tensor, variance: Tensor, rows: Optional[Tensor], beta2: float, epsilon: float
+    ortho: Tensor, variance: Tensor, rows: Optional[Tensor], beta2: float, epsilon: float, bound: float = math.inf
 ) -> Tensor:
     """row_normalization of O [N, k, C] against the rows `rows` [N, k] (None: every row) of a
     bucket's second moments V [N, R, 1], writing their new values into V; returns the factors
     s ([N, k] float32 from the fused kernel on CUDA, which takes O's row norms and does the
     rest in one launch; else [N, k, 1] as row_normalization gives them). A matrix whose
-    factors are not finite keeps its old V (apply_update then skips it)."""
+    factors are not finite (O not finite, or above the bound) keeps its old V (apply_update
+    then skips it)."""
     old = variance.clone() if rows is None else gather_rows(variance, rows)  # [N, R or k, 1]: small
-    row_scale = fused_row_normalization(ortho, variance, rows, beta2, epsilon)
-    if row_scale is None:
-        row_scale, new = row_normalization(ortho, old, beta2, epsilon)
+    fused = fused_row_normalization(ortho, variance, rows, beta2, epsilon)
+    if fused is None:
+        row_scale, new = row_normalization(ortho, old, beta2, epsilon, bound)
     else:
+        row_scale, row_norms = fused
+        if bound != math.inf:  # ‖O‖_F from the row norms the kernel was given: no pass over O
+            frob = row_norms.square().sum(dim=-1).sqrt()
+            row_scale = torch.where(matrices_within(frob, ortho.shape, bound).view(-1, 1), row_scale, math.nan)
         new = variance if rows is None else gather_rows(variance, rows)
     kept = torch.where(finite_matrices(row_scale).view(-1, 1, 1), new, old)
     if rows is None:
@@ -224,30 +257,39 @@ def row_normalization_in_place(
     return row_scale
 
 
-def normalize_rows(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float) -> tuple[Tensor, Tensor]:
+def normalize_rows(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float,
+                   bound: float = math.inf) -> tuple[Tensor, Tensor]:
     """row_normalization applied: (Ô in O's dtype, new V in V's dtype), for callers that need
     the scaled rows themselves (the distributed step sends them between ranks). A matrix whose
     O is not finite keeps its old V and gets Ô entirely NaN, so that every rank holding some of
-    its rows skips them (apply_update), not only the ranks that hold the bad rows."""
-    row_scale, new_variance = row_normalization(ortho, variance, beta2, epsilon)
+    its rows skips them (apply_update), not only the ranks that hold the bad rows. So does a
+    matrix whose O is above the bound (update_bound: only the owner of the whole matrix can tell)."""
+    row_scale, new_variance = row_normalization(ortho, variance, beta2, epsilon, bound)
     new_variance = torch.where(finite_matrices(row_scale).view(-1, 1, 1), new_variance, variance)
     # fp32 math, written straight into O's dtype (no float32 temporary for half O)
     return scale_cast(ortho, row_scale, ortho.dtype), new_variance
 
 
-def poison_nonfinite(ortho: Tensor) -> Tensor:
-    """O [N, k, C] with every entry of a matrix that has a non-finite one set to NaN (in place):
-    Muon's owner does this before it sends O's rows out, for the reason normalize_rows gives."""
-    total = ortho.sum(dim=(-2, -1), dtype=torch.float32)  # NaN or ±inf iff some entry is
-    return ortho.mul_(torch.where(torch.isfinite(total), 1.0, math.nan).to(ortho.dtype).view(-1, 1, 1))
+def poison_nonfinite(ortho: Tensor, bound: float = math.inf) -> Tensor:
+    """O [N, k, C] with every entry of a matrix that has a non-finite one, or whose norm is above
+    the bound (update_bound), set to NaN (in place): Muon's owner does this before it sends O's
+    rows out, for the reason normalize_rows gives."""
+    ok = matrices_within(_frobenius_norms(ortho), ortho.shape, bound)
+    return ortho.mul_(torch.where(ok, 1.0, math.nan).to(ortho.dtype).view(-1, 1, 1))
 
 
-def guard_rows(update: Tensor, row_scale: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """(per-row factors for apply_update, [N] bool: matrix finite). A matrix whose update or
+def _frobenius_norms(x: Tensor) -> Tensor:
+    """[N] Frobenius norms of x [N, k, C], accumulated in float32 or wider (NaN/inf where an entry is)."""
+    return torch.linalg.vector_norm(x, dim=(-2, -1), dtype=torch.promote_types(x.dtype, torch.float32))
+
+
+def guard_rows(update: Tensor, row_scale: Optional[Tensor], bound: float = math.inf) -> tuple[Tensor, Tensor]:
+    """(per-row factors for apply_update, [N] bool: matrix good). A matrix whose update or
     factors are not finite gets factors 0, which the post-update reads as "leave the row"
-    (never 0·NaN). Without factors (Muon), 1 for the finite matrices: the same arithmetic."""
+    (never 0·NaN). Without factors (Muon), 1 for the good matrices: the same arithmetic; there
+    update is O itself, held whole where bound is given (above it: skipped too)."""
     if row_scale is None:
-        ok = torch.isfinite(update.sum(dim=(-2, -1), dtype=torch.float32))
+        ok = matrices_within(_frobenius_norms(update), update.shape, bound)
         return ok.to(torch.float32).view(-1, 1).expand(update.shape[:2]), ok
     ok = finite_matrices(row_scale)
     return torch.where(ok.view(-1, *[1] * (row_scale.dim() - 1)), row_scale, 0.0), ok
@@ -262,13 +304,15 @@ def apply_update(
     scale: float,
     row_scale: Optional[Tensor] = None,
     skipped: Optional[Tensor] = None,
+    bound: float = math.inf,
 ) -> None:
     """X ← (1 − lr·λ)·X everywhere, then X[rows] ← X[rows] − lr·scale·update, rounded once.
 
     params: [B_i, R, C] views whose batches concatenate to update's N. row_scale [N, k, 1]
     (from row_normalization) multiplies each row of update inside the same pass.
     A matrix whose update (or row_scale) is not finite is only decayed (guard_rows), and
-    counted in `skipped` (a 0-d integer tensor on update's device, added to in place).
+    counted in `skipped` (a 0-d integer tensor on update's device, added to in place); so is
+    one above `bound` (update_bound) when update is whole matrices of O (Muon on one device).
     """
     if isinstance(lr, Tensor) and lr.device != update.device:  # e.g. a CPU lr tensor, CUDA params
         lr = lr.to(update.device)
@@ -276,7 +320,7 @@ def apply_update(
         weight_decay = weight_decay.to(update.device)
     decay = 1.0 - lr * weight_decay
     step = lr * scale
-    row_scale, ok = guard_rows(update, row_scale)
+    row_scale, ok = guard_rows(update, row_scale, bound)
     if skipped is not None:
         skipped.add_(ok.logical_not().sum())
     post_update(params, update, rows, decay, step, row_scale)

@@ -91,7 +91,8 @@ def sharded_step(bucket: LayoutBucket, group: dict, cfg: rules.RuleConfig, traff
     del matrices  # the bucket's received rows (a placed copy or the receive buffer itself)
     if sent_variance:
         old = _place(sent_variance.wait(), plan, bucket, owned, 1, from_owner)
-        ortho, new = rules.normalize_rows(ortho, old.view(owned, plan.per_matrix, 1), cfg.beta2, cfg.epsilon)
+        ortho, new = rules.normalize_rows(ortho, old.view(owned, plan.per_matrix, 1), cfg.beta2, cfg.epsilon,
+                                          rules.update_bound(group["ns_coefficients"]))
         back_variance = exchange_rows(_pieces(new, plan, bucket, 1, from_owner), from_owner, to_owner, mesh,
                                       traffic, "variance")
     back_rows = exchange_rows(_pieces(ortho, plan, bucket, cols, from_owner),

@@ -14,9 +14,12 @@ from ..algorithms import NORMALIZING_ALGORITHMS
 
 def orthogonalize(update: Tensor, group: dict, norm: Optional[Tensor] = None, normalized: bool = False) -> Tensor:
     ortho = rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"], norm, normalized)
-    # NorMuon/Dion3 spread a non-finite matrix over all its rows when they normalize them; Muon's
-    # owner does it here, so that every rank holding rows of that matrix skips them
-    return ortho if group["algorithm"] in NORMALIZING_ALGORITHMS else rules.poison_nonfinite(ortho)
+    # NorMuon/Dion3 spread a bad matrix (not finite, or above rules.update_bound) over all its
+    # rows when they normalize them; Muon's owner does it here, so that every rank holding rows
+    # of that matrix skips them
+    if group["algorithm"] in NORMALIZING_ALGORITHMS:
+        return ortho
+    return rules.poison_nonfinite(ortho, rules.update_bound(group["ns_coefficients"]))
 
 
 def apply(bucket, update: Tensor, rows, group: dict, row_scale=None) -> None:

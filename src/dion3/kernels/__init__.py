@@ -240,15 +240,15 @@ def select_rows(scores, squares, k: int, norm_scale=None, eps: float = 0.0):
 
 
 def fused_row_normalization(ortho, variance, rows, beta2: float, epsilon: float):
-    """NorMuon's per-row factors [N, k] (float32) for O [N, k, C], updating the variance buffer
-    [N, R, 1] in place at rows [N, k] (None: all rows): O's row norms, then one launch for the
-    rest. None where the kernel does not run (the caller then takes the PyTorch path,
-    dion3.rules.row_normalization)."""
+    """(NorMuon's per-row factors [N, k], O's row norms [N, k]), both float32, for O [N, k, C],
+    updating the variance buffer [N, R, 1] in place at rows [N, k] (None: all rows): O's row
+    norms, then one launch for the rest. None where the kernel does not run (the caller then
+    takes the PyTorch path, dion3.rules.row_normalization)."""
     if not (_triton_ready(ortho.device) and _normalization_kernel is not None
             and _normalization_kernel.row_normalization_supported(ortho, variance, rows)):
         return None
     norms = torch.linalg.vector_norm(ortho, dim=-1, dtype=torch.float32)
-    return _normalization_kernel.row_normalization_triton(norms, variance, rows, beta2, epsilon, ortho.shape[-1])
+    return _normalization_kernel.row_normalization_triton(norms, variance, rows, beta2, epsilon, ortho.shape[-1]), norms
 
 
 def snapshot_rows(momentum, rows, mu: float, scale=None, out_dtype=None):

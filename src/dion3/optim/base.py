@@ -339,11 +339,14 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         ortho = rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"], norm, normalized)
         # NorMuon/Dion3: per-row factors, applied inside the fused post-update (no normalized
         # copy of O is written); the variance of the rows is updated in the bucket's buffer
+        # (a matrix above the bound no orthogonalization reaches is skipped like a non-finite one)
+        bound = rules.update_bound(group["ns_coefficients"])
         row_scale = None
         if cfg.normalize:
-            row_scale = rules.row_normalization_in_place(ortho, bucket.variance, rows, cfg.beta2, cfg.epsilon)
+            row_scale = rules.row_normalization_in_place(ortho, bucket.variance, rows, cfg.beta2, cfg.epsilon, bound)
         scale = rules.lr_scale(group["adjust_lr"], *bucket.shape)
-        rules.apply_update(bucket.views, ortho, rows, group["lr"], group["weight_decay"], scale, row_scale, bucket.skipped)
+        rules.apply_update(bucket.views, ortho, rows, group["lr"], group["weight_decay"], scale, row_scale, bucket.skipped,
+                           bound)
 
     def _partial_step(self, bucket: Bucket, keep: list[int], group: dict) -> None:
         """Only some entries of the bucket have gradients, or its state lives in parameter-shaped
