@@ -4,7 +4,7 @@
 #     each product's output NaN-filled before the kernels write it;
 #  2. four runs of the reported setting with every new tensor NaN-filled (DION3_TRACE_FILL_NAN);
 #  3. RUNS short eager runs, traced, keeping the whole batch of each bad call; then each kept
-#     batch replayed 20 times as recorded, with NaN-filled memory, on the Triton kernel alone
+#     batch replayed 10 times as recorded, with NaN-filled memory, on the Triton kernel alone
 #     (DION3_HOPPER_KERNEL=0) and without kernels (DION3_KERNELS=0).
 #
 #   benchmarks/nonfinite_isolate.sh OUTDIR [RUNS] [MINUTES]
@@ -28,13 +28,13 @@ for arm in fillnan eager; do
   echo "== $arm: $(grep -c . "$out/$arm/results.jsonl" 2>/dev/null || echo 0) runs finished; $(grep -c FAILED "$out/$arm.log") failed"
   grep -h nonfinite_step "$out/$arm/trace/"*.jsonl 2>/dev/null | cut -c1-400
 done
-for batch in $(ls "$out"/eager/trace/*-batch.pt 2>/dev/null | head -n 3); do
+for batch in $(ls "$out"/eager/trace/*-batch.pt 2>/dev/null | head -n 2); do
   [ -e "$batch" ] || continue
   echo "-- $batch"
   for setting in "" "--fill-nan"; do
-    python "$here/replay_step.py" "$batch" --device cuda --explain --repeats 20 $setting | grep -v product_max_abs | sed "s/^/[recorded $setting] /"
+    python "$here/replay_step.py" "$batch" --device cuda --explain --repeats 10 $setting | grep -v product_max_abs | sed "s/^/[recorded $setting] /"
   done
-  DION3_HOPPER_KERNEL=0 python "$here/replay_step.py" "$batch" --device cuda --explain --repeats 20 --fill-nan | grep bad_matrices | sed "s/^/[triton only] /"
-  DION3_KERNELS=0 python "$here/replay_step.py" "$batch" --device cuda --explain --repeats 20 --fill-nan | grep bad_matrices | sed "s/^/[no kernels] /"
+  DION3_HOPPER_KERNEL=0 python "$here/replay_step.py" "$batch" --device cuda --explain --repeats 10 --fill-nan | grep bad_matrices | sed "s/^/[triton only] /"
+  DION3_KERNELS=0 python "$here/replay_step.py" "$batch" --device cuda --explain --repeats 10 --fill-nan | grep bad_matrices | sed "s/^/[no kernels] /"
 done
 rm -f "$out"/eager/trace/*-batch.pt

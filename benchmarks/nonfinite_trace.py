@@ -177,7 +177,7 @@ def _traced_step(original, state: dict, folder: Path, run: str, write, full: boo
             for item in bad_calls[:2]:
                 found = state["ops"].first_bad(item["call"], item["matrix"])
                 line = {"op_trace_call": item["call"], "matrix": item["matrix"], "first_bad_op": found["first_bad_op"],
-                        "position": found.get("position"), "sizes": found["sizes"]}
+                        "position": found.get("position"), "sizes": found["sizes"], "audit": found["audit"]}
                 if found["record"] is not None:
                     line.update(state["ops"].rerun(found["record"], item["matrix"]))
                 write(line)

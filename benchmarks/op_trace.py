@@ -18,6 +18,11 @@ import torch
 LIMIT = 1e4  # |entry| no product of normalized Newton–Schulz reaches (Q stays below ~40)
 
 
+def _same(a, b) -> bool:
+    """Equal entry for entry, NaN matching NaN (a product gone bad is still traced)."""
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
 class _TorchWithTracedProducts:
     """The torch module as newton_schulz sees it, with bmm/baddbmm recorded."""
 
@@ -53,15 +58,73 @@ class OpRecorder:
         return recorded
 
     def first_bad(self, call: int, matrix: int) -> dict:
-        """The first recorded operation of `call` whose output for `matrix` is bad, and the sizes
-        of all of them (one host sync; after the step)."""
+        """For one bad matrix of `call` (after the step; a few host syncs): the size of every
+        recorded operation's output, the first output that is not finite or above LIMIT, and
+        the whole chain checked (audit)."""
         ops = [r for r in self.records if r[0] == call]
         sizes = [float(r[6][matrix]) if r[6].numel() > matrix else float(r[6].max()) for r in ops]
         sequence = [f"{r[1]}:{s:.3g}" for r, s in zip(ops, sizes)]
+        found = {"first_bad_op": None, "sizes": sequence, "record": None, "audit": self.audit(ops, matrix)}
         for position, (record, size) in enumerate(zip(ops, sizes)):
             if not math.isfinite(size) or size > LIMIT:
-                return {"first_bad_op": record[1], "position": position, "sizes": sequence, "record": record}
-        return {"first_bad_op": None, "sizes": sequence, "record": None}
+                found.update(first_bad_op=record[1], position=position, record=record)
+                break
+        return found
+
+    @staticmethod
+    def _slice(t, matrix: int):
+        return t.reshape(-1, *t.shape[-2:])[matrix] if t.dim() >= 2 and t.reshape(-1, *t.shape[-2:]).shape[0] > matrix else t
+
+    @staticmethod
+    def _source(operand, outputs: list):
+        """The latest earlier output this operand equals: its index, "i+aI" when it equals it
+        plus a constant on the diagonal (Gram NS builds Q = Z + a·I in Z's memory), its
+        transpose counting as itself; "input" when it equals none."""
+        for earlier in range(len(outputs) - 1, -1, -1):
+            candidate = outputs[earlier]
+            for view in (candidate, candidate.mT if candidate.dim() >= 2 else candidate):
+                if view.shape != operand.shape:
+                    continue
+                if _same(view, operand):
+                    return earlier
+                if operand.dim() >= 2 and operand.shape[-1] == operand.shape[-2]:
+                    off = ~torch.eye(operand.shape[-1], dtype=torch.bool, device=operand.device)
+                    mine = operand.diagonal(dim1=-2, dim2=-1).float()
+                    theirs = view.diagonal(dim1=-2, dim2=-1).float()
+                    shift = mine - theirs
+                    finite = torch.isfinite(shift)
+                    constant = False
+                    if bool(finite.any()):  # one a for every diagonal entry (absorbed where |Z| ≫ a)
+                        a = shift[finite].median()
+                        close = torch.isclose(mine, theirs + a, rtol=1e-2, atol=1e-3)
+                        constant = bool((close | (torch.isnan(mine) & torch.isnan(theirs + a))
+                                         | (torch.isinf(mine) & (mine == theirs))).all())
+                    if _same(operand[..., off], view[..., off]) and constant:
+                        return f"{earlier}+aI"
+        return "input"
+
+    def audit(self, ops: list, matrix: int) -> list:
+        """Per operation, in order: does running it again on its recorded operands give its
+        recorded output (for this matrix, to half-precision rounding)? And is each tensor operand
+        exactly an earlier operation's output (the index of the latest one it equals, "input" for
+        none among them, the call's input being the first operand of the first operation)? An
+        operation whose rerun differs computed wrongly at that moment; an operand that equals no
+        earlier output (where one should) changed between the operations."""
+        report = []
+        outputs = []
+        for position, (_, name, function, operands, kwargs, recorded, _) in enumerate(ops):
+            again = function(*[a.clone() if torch.is_tensor(a) else a for a in operands], **kwargs)
+            again = again[0] if isinstance(again, tuple) else again
+            mine, now = self._slice(recorded, matrix).float(), self._slice(again, matrix).float()
+            both = torch.isfinite(mine) & torch.isfinite(now)
+            scale = float(now[both].abs().max()) if bool(both.any()) else 1.0
+            difference = float((now - mine)[both].abs().max()) / (scale or 1.0) if bool(both.any()) else 0.0
+            if not torch.equal(torch.isfinite(mine), torch.isfinite(now)):
+                difference = math.inf  # not finite in one run only
+            sources = [self._source(operand, outputs) for operand in operands if torch.is_tensor(operand)]
+            report.append({"op": name, "rerun_relative_difference": difference, "operands_from": sources})
+            outputs.append(recorded)
+        return report
 
     @staticmethod
     def rerun(record, matrix: int, repeats: int = 8) -> dict:
