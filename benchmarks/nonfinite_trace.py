@@ -20,6 +20,8 @@ ready to replay (replay_step.py). Large (the whole model's state): for local deb
 DION3_TRACE_KEEP_BATCH=1 keeps the whole batch of each kept call too (<run>-<n>-batch.pt), and
 DION3_TRACE_FILL_NAN=1 makes every new tensor start as NaN (torch's deterministic mode with
 fill_uninitialized_memory): an output element that no kernel writes then shows up.
+DION3_TRACE_FULL_FP16_REDUCTION=1 turns off cuBLAS's reduced-precision reductions in half
+precision products (an arm of a stress test).
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ FULL_STEP_ENV = "DION3_TRACE_FULL_STEP"
 BATCH_ENV = "DION3_TRACE_KEEP_BATCH"  # also keep the whole batch of a bad call (<run>-<n>-batch.pt)
 FILL_NAN_ENV = "DION3_TRACE_FILL_NAN"  # new tensors start as NaN: output no kernel writes shows up
 OPS_ENV = "DION3_TRACE_OPS"  # record every operation inside Newton–Schulz (op_trace.py)
+# cuBLAS half-precision products with full-precision reductions (torch's default allows reduced)
+FULL_REDUCTION_ENV = "DION3_TRACE_FULL_FP16_REDUCTION"
 
 
 def _flag(name: str) -> bool:
@@ -73,6 +77,9 @@ def install(folder: Path, run: str) -> None:
         import op_trace  # beside this file
 
         state["ops"] = op_trace.OpRecorder()
+    if _flag(FULL_REDUCTION_ENV):
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     if _flag(FILL_NAN_ENV):
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = True
