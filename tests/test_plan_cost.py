@@ -93,6 +93,12 @@ def test_critical_path_and_imbalance():
     assert step.critical_path_s(overlap=True) == 2.0 + 3.0
     assert step.critical_path_s(overlap=False) == 2.0 + 3.0 + 2.5
     assert step.imbalance() == 3.0 / 2.0
+    # the device waits 1 s for the host: the collectives overlap compute and waits together
+    step = StepPlan(MUON, {0: a, 1: b}, {"rows": 2.5}, exposed_s=1.0)
+    assert step.critical_path_s(overlap=True) == 2.0 + 3.0 + 1.0
+    assert step.critical_path_s(overlap=False) == 2.0 + 3.0 + 2.5 + 1.0
+    step = StepPlan(MUON, {0: a, 1: b}, {"rows": 5.0}, exposed_s=1.0)
+    assert step.critical_path_s(overlap=True) == 2.0 + 5.0
 
 
 def test_device_waits_for_the_host_by_hand():
@@ -151,8 +157,10 @@ def test_step_adds_the_time_the_device_waits():
     assert step.host_s == pytest.approx(launches * 1e-3)
     # nanoseconds of device work: the device waits for nearly all the host time
     assert step.exposed_s == pytest.approx(launches * 1e-3, rel=1e-3)
-    without = plan_step([bucket], MUON, Hardware("test", 1e12, 1e12, 1e12, 1e12), Network())
-    assert step.critical_path_s(True) == pytest.approx(without.critical_path_s(True) + step.exposed_s)
+    # the waits outlast the collectives (tens of µs): memory passes + compute + waits
+    compute, memory = step.worst(lambda c: c.compute_s), step.worst(lambda c: c.memory_s)
+    assert step.communication_s < step.exposed_s
+    assert step.critical_path_s(True) == pytest.approx(memory + compute + step.exposed_s)
 
 
 def test_layouts_and_placements():

@@ -22,13 +22,13 @@ owns n_s of them; K rows of each matrix reach its owner, k_s of them from s):
 A collective takes latency + max over its members of max(bytes within the node / NVLink rate,
 bytes across nodes / fabric rate), each link class counting the larger of what a member sends
 and receives; a ring over more than one node runs at the fabric's rate.
-Critical path: the slowest rank's memory passes + max(the slowest owner's compute, the sum of
-all collectives) — the pipeline keeps buckets in flight, so collectives of one bucket overlap
-another's compute (overlap=False adds them instead) — + a fixed device time per distributed
-bucket (small copies and waits the bytes and FLOPs leave out; 0 on one device, where the step
-is captured) + the time the device waits for the host (total.exposed_host_s: stages issued in
-the pipeline's order by one host and run in that order by one device; a host sync makes the
-host wait for the device).
+Critical path: the slowest rank's memory passes + max(the slowest owner's compute + the time
+its device waits for the host, the sum of all collectives) — the pipeline keeps buckets in
+flight, so collectives of one bucket overlap another's compute and the host's launches
+(overlap=False adds them instead) — + a fixed device time per distributed bucket (small copies
+and waits the bytes and FLOPs leave out; 0 on one device, where the step is captured). The
+waits: total.exposed_host_s, stages issued in the pipeline's order by one host and run in that
+order by one device; a host sync makes the host wait for the device.
 """
 from __future__ import annotations
 

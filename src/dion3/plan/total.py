@@ -37,7 +37,9 @@ class StepPlan:
         memory = self.worst(lambda c: c.memory_s)
         compute = self.worst(lambda c: c.compute_s)
         comm = self.communication_s
-        return memory + (max(compute, comm) if overlap else compute + comm) + self.overhead_s + self.exposed_s
+        if overlap:  # collectives proceed while the device computes or waits for the host
+            return memory + max(compute + self.exposed_s, comm) + self.overhead_s
+        return memory + compute + comm + self.overhead_s + self.exposed_s
 
     def memory_per_rank(self, c: RankCost) -> float:
         return c.params + c.grads + c.state + c.transient + self.scalar_bytes
