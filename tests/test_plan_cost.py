@@ -163,6 +163,19 @@ def test_step_adds_the_time_the_device_waits():
     assert step.critical_path_s(True) == pytest.approx(memory + compute + step.exposed_s)
 
 
+def test_waits_of_a_rank_that_owns_nothing_hide_behind_the_owner():
+    # rank 0 owns both matrices of 4096×16: its orthogonalization outlasts rank 1's launches
+    bucket = rows_bucket(8, 4096, 2, [4, 4], [2, 0])
+    hw = Hardware("test", 1e9, 1e9, 1e12, 1e12, launch_s=1e-6)
+    step = plan_step([bucket], MUON, hw, Network())
+    owner, other = step.ranks[0], step.ranks[1]
+    assert owner.compute_s > sum(STAGE_LAUNCHES["muon"]) * 1e-6 > other.compute_s == 0.0
+    # rank 1 waits ~53 µs for its launches, hidden in rank 0's orthogonalization; rank 0 waits
+    # for its first two stages' 5 + 7 launches, less their momentum and half-copy passes
+    local = 2 * 4 * 4096
+    assert step.exposed_s == pytest.approx((5 + 7) * 1e-6 - (12 + 6) * local / 1e12)
+
+
 def test_layouts_and_placements():
     assert parse_layout("fsdp=64,tp=8").world_size == 512
     assert parse_layout("64").axes == (("fsdp", 64),)

@@ -16,7 +16,7 @@ class StepPlan:
     collectives: dict[str, float] = field(default_factory=dict)  # kind → seconds, summed over buckets
     scalar_bytes: float = 0.0  # AdamW parameters, gradients and state per rank
     overhead_s: float = 0.0  # fixed time of the distributed buckets (Hardware.bucket_overhead each)
-    exposed_s: float = 0.0  # the most time a rank's device waits for its host (exposed_host_s)
+    exposed_s: float = 0.0  # how much the slowest rank's device time + waits for its host exceed the slowest device time
     host_s: float = 0.0  # the most host time of a rank's launches (Hardware.launch_s each)
 
     @property
@@ -67,8 +67,12 @@ def plan_step(plans: list[BucketPlan], variant: Variant, hw: Hardware, net: Netw
         ranks[rank].transient = (peak_in_flight(entries, hw.capacity) if pipelined
                                  else max(t for _, t in entries))
     distributed = sum(1 for plan in plans if plan.kind != "local")
-    exposed = max((exposed_host_s(issue_order(entries, hw.capacity), hw.launch_s) for entries in stages.values()),
-                  default=0.0)
+    # the slowest rank's device time plus its waits, beyond the slowest device time of any rank (a
+    # rank that owns nothing waits for its host, but not beyond the owners' compute)
+    device = {rank: sum(s.device_s for _, bucket in entries for s in bucket) for rank, entries in stages.items()}
+    finish = {rank: device[rank] + exposed_host_s(issue_order(entries, hw.capacity), hw.launch_s)
+              for rank, entries in stages.items()}
+    exposed = max(max(finish.values(), default=0.0) - max(device.values(), default=0.0), 0.0)
     host = max((sum(s.launches for _, bucket in entries for s in bucket) * hw.launch_s for entries in stages.values()),
                default=0.0)
     return StepPlan(variant, ranks, collectives, scalar_bytes, distributed * hw.bucket_overhead, exposed, host)
