@@ -7,7 +7,9 @@
 #
 # ARMS (comma-separated, default all): default, no_hopper (DION3_HOPPER_KERNEL=0: Triton
 # kernels only), no_kernels (DION3_KERNELS=0: PyTorch/cuBLAS only), full_reduction (cuBLAS half
-# products with full-precision reductions). Each arm's runs use the same seeds.
+# products with full-precision reductions); also launch_blocking (CUDA_LAUNCH_BLOCKING=1: every
+# kernel waits for the one before to finish and for the host: a fault of timing between kernels
+# disappears). Each arm's runs use the same seeds.
 set -u
 out=${1:?OUTDIR}; runs=${2:-64}; minutes=${3:-6}; arms=${4:-default,no_hopper,no_kernels,full_reduction}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -21,6 +23,7 @@ for arm in $(echo "$arms" | tr ',' ' '); do
     no_hopper) env_arm="DION3_HOPPER_KERNEL=0";;
     no_kernels) env_arm="DION3_KERNELS=0";;
     full_reduction) env_arm="DION3_TRACE_FULL_FP16_REDUCTION=1";;
+    launch_blocking) env_arm="CUDA_LAUNCH_BLOCKING=1";;
     *) echo "unknown arm $arm" >&2; exit 2;;
   esac
   env DION3_TRACE_OPS=1 $env_arm python "$here/quality_study.py" --model llama-384 --optimizers dion3 \
