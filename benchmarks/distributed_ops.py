@@ -117,13 +117,7 @@ def main(argv=None) -> int:
         optimizer.step()
         optimizer.step()
         log.events.clear()
-        counter = eager_ops.OpCounter()
-        counter_ref[0] = counter
-        try:
-            with counter:
-                optimizer.step()
-        finally:
-            counter_ref[0] = None
+        counter = eager_ops.count_step(optimizer, counter_ref)
         out[name] = dict(ops=sum(counter.ops.values()), launches=counter.launching + sum(counter.triton.values()),
                          syncs=sum(1 for e in log.events if e.get("sync")), events=list(log.events))
         if rank == 0:

@@ -153,6 +153,12 @@ def count(name: str, warmup: int, counter_ref: list) -> OpCounter:
     _, optimizer = build(name, tiny=False)
     for _ in range(warmup):
         optimizer.step()
+    return count_step(optimizer, counter_ref)
+
+
+def count_step(optimizer, counter_ref: list) -> OpCounter:
+    """The operations and launches of one optimizer step (counter_ref[0] is the counter while
+    it runs, for hooks that report into it)."""
     counter = OpCounter()
     counter_ref[0] = counter
     try:
