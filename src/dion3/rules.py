@@ -227,7 +227,8 @@ def row_normalization(ortho: Tensor, variance: Tensor, beta2: float, epsilon: fl
 
 def finite_matrices(row_scale: Tensor) -> Tensor:
     """[N] bool: every per-row factor of matrix i is finite. A non-finite entry of O makes every
-    factor of its matrix NaN (‖O‖_F is not finite), so this is O's finiteness too."""
+    factor of its matrix NaN (‖O‖_F is not finite), and so does an O above the bound
+    (row_normalization), so this is O's verdict too."""
     return torch.isfinite(row_scale.flatten(1)).all(dim=1)
 
 

@@ -90,8 +90,9 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
 
     @property
     def nonfinite_updates(self) -> Tensor:
-        """How many matrix updates this rank skipped because they were not finite (a 0-d int64
-        tensor on the parameters' device, counted without host syncs; read it when you log).
+        """How many matrix updates this rank skipped because they were not finite, or larger
+        than any orthogonalization can be (rules.update_bound) (a 0-d int64 tensor on the
+        parameters' device, counted without host syncs; read it when you log).
         A skipped matrix keeps its value apart from weight decay, and its per-row variance;
         its momentum has absorbed that step's gradient (docs/training.md, "Non-finite updates")."""
         counters = list(self._skipped.values())
