@@ -12,6 +12,13 @@ and Q [B, n, n] (symmetric):
   final_padded  Xᵀ·Q with X stored in a [B, n, k'] buffer, k' = k rounded up to 64
   gram          X·Xᵀ                      dion3.kernels.symmetric_matmul (Triton/Gluon or cuBLAS)
   ortho         orthogonalize(Xᵀ, "gram")  the whole fp16 Gram NS of a tall [B, k, n] input
+  ns_torch      five steps of standard NS on X in fp16, torch.bmm/baddbmm only (no dion3 code)
+  add_chain     Y ← Y + 1 forty times on a float32 copy of X, a new tensor each time (no dion3,
+                no cuBLAS: an ordering fault between dependent kernels shows as a wrong count)
+  burn          a 4096² fp16 product (load for the GPU; its result is checked like the others)
+With fixed operands a product that reads its input before the previous launch finished writing
+it still sees the right values; only the chains (ortho, ns_torch, add_chain) can show a fault of
+ordering between dependent kernels.
 Each round launches every (operation, k) `--repeats` times; the host syncs once per round.
 """
 from __future__ import annotations
@@ -32,7 +39,9 @@ if SRC.is_dir() and str(SRC) not in sys.path:
 from dion3.kernels import symmetric_matmul  # noqa: E402
 from dion3.ortho import orthogonalize  # noqa: E402
 
-OPS = ("restart", "final", "final_padded", "gram", "ortho")
+OPS = ("restart", "final", "final_padded", "gram", "ortho", "ns_torch", "add_chain", "burn")
+DEFAULT_OPS = ("restart", "final", "final_padded", "gram", "ortho")
+_NS_STEP = (3.4445, -4.7750, 2.0315)  # a fixed quintic step (Jordan et al.'s Muon coefficients)
 
 
 def operands(batch: int, n: int, k: int, device: torch.device, seed: int) -> dict:
@@ -49,7 +58,24 @@ def operands(batch: int, n: int, k: int, device: torch.device, seed: int) -> dic
     padded_k = -(-k // 64) * 64
     store = torch.zeros(batch, n, padded_k, device=device, dtype=torch.float16)
     store[..., :k].copy_(wide)
-    return {"tall": tall, "x": wide, "q": q, "x_padded": store[..., :k]}
+    burn = torch.randn(4096, 4096, generator=g).to(device=device, dtype=torch.float16) / 64
+    return {"tall": tall, "x": wide, "q": q, "x_padded": store[..., :k], "burn": burn}
+
+
+def ns_torch(x: torch.Tensor) -> torch.Tensor:
+    a, b, c = _NS_STEP
+    for _ in range(5):
+        gram = torch.bmm(x, x.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a, alpha=1.0)
+    return x
+
+
+def add_chain(x: torch.Tensor) -> torch.Tensor:
+    y = x.float()
+    for _ in range(40):
+        y = y + 1.0
+    return y
 
 
 def run_op(op: str, t: dict) -> torch.Tensor:
@@ -63,6 +89,12 @@ def run_op(op: str, t: dict) -> torch.Tensor:
         return symmetric_matmul(t["x"], t["x"].mT)
     if op == "ortho":
         return orthogonalize(t["tall"], method="gram")
+    if op == "ns_torch":
+        return ns_torch(t["x"])
+    if op == "add_chain":
+        return add_chain(t["x"])
+    if op == "burn":
+        return torch.mm(t["burn"], t["burn"])
     raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
 
 
@@ -71,7 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="967,928", help="k values (rows of the tall input), comma-separated")
     ap.add_argument("--cols", type=int, default=384)
     ap.add_argument("--batch", type=int, default=24)
-    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--ops", default=",".join(DEFAULT_OPS), help=f"comma list of {OPS}")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--repeats", type=int, default=20, help="launches of each (op, k) per round")
     ap.add_argument("--seed", type=int, default=0)
