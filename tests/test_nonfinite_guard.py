@@ -218,3 +218,44 @@ def test_fsdp_ranks_skip_a_matrix_whose_nan_lives_on_one_rank(fsdp_results, kind
         assert got["error"] <= 1e-5
     assert got["bad_decayed_error"] <= 1e-6 and got["plain_bad_decayed_error"] <= 1e-6
     assert got["skipped_plain"] == 1 and got["skipped_by_rank"] == [1, 1]
+
+
+@pytest.mark.parametrize("ratio", [1.53, 133.5, float("nan")])
+def test_a_wrong_final_product_of_gram_newton_schulz_is_skipped(monkeypatch, ratio):
+    """The fault seen on a time-sliced H200 (benchmarks/results/nonfinite-h200-2026-12-02.md):
+    Gram NS's last product Xᵀ·Q came out wrong for a few matrices of a batch. The sizes here are
+    the ones recorded there (‖O‖_F/√n of 1.53 and 133.5, and NaN); 1.53 is finite and above
+    polar_express's bound of 1.5, so before the bound (8898f56) it was applied."""
+    armed = {}
+    plain_bmm = torch.bmm
+
+    def bmm(a, b, **kwargs):
+        out = plain_bmm(a, b, **kwargs)
+        # the final product of a tall result: Xᵀ [B, m, n] times the symmetric Q [B, n, n]
+        if armed and a.shape[-2] > a.shape[-1] and b.shape[-1] == b.shape[-2] == a.shape[-1]:
+            wrong = out.clone()
+            n = min(out.shape[-2:])
+            size = torch.linalg.vector_norm(out[1].double()) / n ** 0.5
+            wrong[1] = out[1] * (ratio / size) if ratio == ratio else float("nan")
+            armed.clear()  # one call only
+            return wrong
+        return out
+
+    monkeypatch.setattr(torch, "bmm", bmm)
+    shape = (24, 8)  # f = ½: k = 12 rows of 8 columns, tall, through Gram NS
+    clean, faulty = _params(shape=shape), _params(shape=shape)
+    options = dict(lr=LR, weight_decay=DECAY, fraction=0.5, orthogonalizer="gram")
+    reference, guarded = Dion3(clean, **options), Dion3(faulty, **options)
+    for step in range(3):
+        before = faulty[1].detach().clone()
+        for p, q, g in zip(clean, faulty, _grads(step, shape=shape)):
+            p.grad, q.grad = g.clone(), g.clone()
+        reference.step()
+        if step == 2:
+            armed["on"] = True
+        guarded.step()
+        assert not armed, "the final product of Gram NS was never called"
+    torch.testing.assert_close(faulty[1].detach(), before * (1 - LR * DECAY), rtol=0, atol=1e-7)
+    for i in (0, 2):
+        assert torch.equal(faulty[i].detach(), clean[i].detach())
+    assert int(guarded.nonfinite_updates) == 1 and int(reference.nonfinite_updates) == 0
