@@ -217,17 +217,22 @@ def group_coordinates(info: MeshInfo, axes: tuple[int, ...]) -> list[tuple[int, 
     rank), in group-rank order: a process group orders its members by global rank, which need
     not be the mesh's order along the axes."""
     mesh = info.device_mesh
+    ranks = mesh.mesh
     mine = coordinate_of(mesh, dist.get_rank())
+    free = sorted(set(axes))
+    # the members' global ranks: `axes` free, every other axis at this rank's coordinate (one
+    # tensor index, not one per member: a plan of 1024 ranks asks this for every parameter)
+    held = ranks[tuple(slice(None) if a in free else mine[a] for a in range(ranks.dim()))].reshape(-1)
+    grid = torch.cartesian_prod(*[torch.arange(ranks.shape[a]) for a in free]).reshape(-1, len(free))
     members = []
-    for index in torch.cartesian_prod(*[torch.arange(mesh.mesh.shape[a]) for a in axes]).reshape(-1, len(axes)).tolist():
+    for index in grid[torch.argsort(held)].tolist():  # by global rank: the group's order
         coordinate = list(mine)
-        for axis, value in zip(axes, index):
+        for axis, value in zip(free, index):
             coordinate[axis] = value
-        members.append((int(mesh.mesh[tuple(coordinate)]), tuple(coordinate)))
-    members.sort()
-    if members[info.rank][1] != mine:
+        members.append(tuple(coordinate))
+    if members[info.rank] != mine:
         raise RuntimeError(f"process group of mesh axes {axes} of {mesh} does not order its members by global rank")
-    return [coordinate for _, coordinate in members]
+    return members
 
 
 def is_dtensor(tensor: Tensor) -> bool:

@@ -133,18 +133,20 @@ class Stage:
 
 
 def bucket_stages(plan: BucketPlan, variant: Variant, member: int, cost: RankCost, hw: Hardware,
-                  piece_launches: int = 0) -> list[Stage]:
+                  piece_launches: int = 0, selected: Optional[tuple[list[float], int]] = None) -> list[Stage]:
     """One member's stages of a distributed bucket: launches and device time of each, in the
     order the step issues them. Device time: the member's memory passes split as the fused passes
     run (momentum 12 B per element in the pre-step; the half-precision copy of every row, 6 B, or
     Dion3's snapshot, 10 B per selected element, before the exchange; the owner's placement and
     NorMuon's read of O, 2 B, with the orthogonalization; the rest in the apply), plus its
     compute, plus Hardware.bucket_overhead spread evenly over the stages. piece_launches: launches
-    per matrix of the bucket in the pre-step (code that read each gradient with its own launch)."""
+    per matrix of the bucket in the pre-step (code that read each gradient with its own launch).
+    selected: selection(plan, variant) when the caller has it (it is the same for every member:
+    computing it once per bucket keeps a plan of W ranks linear in W)."""
     key = "dion3 global" if variant.algorithm == "dion3" and variant.scope == "global" else variant.algorithm
     launches = list(STAGE_LAUNCHES[key])
     launches[0] += piece_launches * plan.count
-    ks, K = selection(plan, variant)
+    ks, K = selected if selected is not None else selection(plan, variant)
     held, width = plan.held[member]
     local = plan.count * held * width
     pre = 12 * local

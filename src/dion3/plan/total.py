@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from .buckets import BucketPlan
 from .cost import (PIPELINE_BUDGET, PIPELINE_DEPTH, PIPELINE_MEMORY_SHARE, Hardware, Network, RankCost, Stage,
-                   Variant, bucket_costs, bucket_stages, collective_seconds)
+                   Variant, bucket_costs, bucket_stages, collective_seconds, selection)
 
 
 @dataclass
@@ -55,13 +55,14 @@ def plan_step(plans: list[BucketPlan], variant: Variant, hw: Hardware, net: Netw
         costs, links = bucket_costs(plan, variant, hw, net.node_size, wire_bytes)
         for kind, seconds in collective_seconds(plan, links, net).items():
             collectives[kind] = collectives.get(kind, 0.0) + seconds
+        selected = selection(plan, variant)
         for member, cost in enumerate(costs):
             total = ranks.setdefault(plan.ranks[member], RankCost())
             _add(total, cost)
             transients.setdefault(plan.ranks[member], []).append((cost.state, cost.transient))
             if plan.kind != "local" and hw.launch_s > 0:
                 stages.setdefault(plan.ranks[member], []).append(
-                    (cost.state, bucket_stages(plan, variant, member, cost, hw, piece_launches)))
+                    (cost.state, bucket_stages(plan, variant, member, cost, hw, piece_launches, selected)))
     pipelined = any(plan.kind != "local" for plan in plans)  # one device steps bucket after bucket
     for rank, entries in transients.items():
         ranks[rank].transient = (peak_in_flight(entries, hw.capacity) if pipelined
