@@ -22,10 +22,12 @@ from torch import Tensor, nn
 from ..optim import Dion3, FractionScheduler, FractionWarmup
 from ..optim.graph import CapturedStep
 from .data import TokenData, read_once_batches, train_batches, val_batches
+from .fractions import cost_allocated_groups, matrix_shapes, step_orthogonalize_flops
 from .groups import param_groups
 from .model import GPT, GPTConfig, padded_vocab
 
 TIMING_WARMUP = 5
+FRACTION_ALLOCATIONS = ("uniform", "cost")  # RunSpec.fraction_allocation
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class RunSpec:
     fraction: Optional[float] = None  # Dion3 only
     mu: Optional[float] = None  # momentum of the matrix group; None keeps the optimizer default
     fraction_warmup: int = 0  # Dion3 only: steps of a linear fraction warm-up from 1 to `fraction`
+    # Dion3 only: "uniform" (`fraction` on every matrix) or "cost" (one group per matrix shape, fractions
+    # from fractions.cost_allocated_fractions at the orthogonalization FLOPs of the uniform `fraction`)
+    fraction_allocation: str = "uniform"
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,8 @@ class RunResult:
     train_losses: list[float] = field(default_factory=list)
     optimizer_ms: float = math.nan  # mean optimizer step time after warm-up
     optimizer_ms_median: float = math.nan  # median of the same steps
-    average_fraction: Optional[float] = None  # Dion3: the fraction averaged over the steps
+    average_fraction: Optional[float] = None  # Dion3: the fraction averaged over the steps (and rows, see train)
+    optimizer_flops: float = 0.0  # executed orthogonalization FLOPs of all steps (fractions.step_orthogonalize_flops)
     total_ms: float = math.nan  # mean forward + backward + optimizer time after warm-up
     tokens_per_step: int = 0
     nonfinite_updates: int = 0  # matrix updates the optimizer skipped as not finite (optimizer.nonfinite_updates)
@@ -145,8 +151,19 @@ def set_lr_multiplier(optimizer: torch.optim.Optimizer, multiplier: float) -> No
 def build_optimizer(model: GPT, spec: RunSpec) -> Dion3:
     # Dion3, Muon and NorMuon share one front-end; each group names its algorithm, so the class
     # only supplies defaults that every group here overrides or does not read.
+    if spec.fraction_allocation not in FRACTION_ALLOCATIONS:
+        raise ValueError(f"fraction_allocation must be one of {FRACTION_ALLOCATIONS}, got {spec.fraction_allocation!r}")
     options = {key: value for key, value in (("fraction", spec.fraction), ("mu", spec.mu)) if value is not None}
-    return Dion3(param_groups(model, lm_head=model.lm_head, algorithm=spec.algorithm, lr=spec.lr, **options))
+    groups = param_groups(model, lm_head=model.lm_head, algorithm=spec.algorithm, lr=spec.lr, **options)
+    if spec.fraction_allocation == "cost":
+        if spec.algorithm != "dion3" or spec.fraction is None:
+            raise ValueError(f"fraction_allocation 'cost' needs a dion3 run with a fraction, got {spec.algorithm!r}")
+        if spec.fraction_warmup:
+            raise ValueError("fraction_allocation 'cost' needs a fixed fraction (fraction_warmup 0): a fraction "
+                             "warm-up sets one fraction on every group, which would undo the per-shape fractions")
+        # param_groups puts the hidden matrices first
+        groups = cost_allocated_groups(groups[0], spec.fraction) + groups[1:]
+    return Dion3(groups)
 
 
 @torch.no_grad()
@@ -188,7 +205,13 @@ def train(
     fraction_schedule = None
     if spec.fraction_warmup:
         fraction_schedule = FractionScheduler(optimizer, FractionWarmup(spec.fraction, spec.fraction_warmup))
-    fractions = []  # the Dion3 group's fraction at each step
+    # the fraction at each step, a mean over the Dion3 groups weighted by their matrix rows (one group: its fraction)
+    fractions = []
+    selecting = [(group, sum(s.rows * s.count for s in matrix_shapes(group["params"], group.get("flatten", False))))
+                 for group in optimizer.param_groups if group.get("algorithm") == "dion3"]
+    weights = [rows / sum(r for _, r in selecting) for _, rows in selecting]
+    # executed orthogonalization FLOPs of a step, by the groups' fractions then: counted on the host
+    step_flops: dict[tuple, float] = {}
     # Captured: lr lives in device tensors, and gradients are zeroed in place (not set to None)
     # so that each backward writes the buffers the graph reads, with no copy before a replay.
     optimizer_step = CapturedStep(optimizer) if captured else optimizer.step
@@ -227,8 +250,12 @@ def train(
         optimizer_start = clock.mark()
         optimizer_step()
         step_end = clock.mark()
-        if spec.algorithm == "dion3":
-            fractions.append(optimizer.param_groups[0]["fraction"])
+        if selecting:
+            fractions.append(sum(w * group["fraction"] for w, (group, _) in zip(weights, selecting)))
+        now = tuple(group.get("fraction") for group in optimizer.param_groups)
+        if now not in step_flops:
+            step_flops[now] = step_orthogonalize_flops(optimizer.param_groups)
+        result.optimizer_flops += step_flops[now]
         if fraction_schedule is not None:
             fraction_schedule.step()
         optimizer.zero_grad(set_to_none=not captured)

@@ -1,0 +1,168 @@
+"""Orthogonalization cost of parameter groups, and Dion3 fractions chosen per matrix shape by it.
+
+`cost_allocated_fractions` spends a uniform fraction's orthogonalization FLOPs where rows are
+cheapest; `cost_allocated_groups` splits a Dion3 group into one group per matrix shape with those
+fractions; `step_orthogonalize_flops` counts what one optimizer step orthogonalizes, on the host
+(parameter shapes and group settings only, no device work).
+
+Costs are the executed FLOPs of dion3.bench.flops (the model of `dion3 bench`'s tables). The
+symmetric-kernel assumption defaults to that of its H200 table, `h200_symmetric` (symmetric
+products from n ≥ SYMMETRIC_MIN_N, as dion3.kernels dispatches on a GPU with Triton), so the
+counts are the same whichever device a run trains on.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from torch import Tensor
+
+from ..algorithms import MATRIX_ALGORITHMS, SELECTING_ALGORITHMS
+from ..bench.flops import MatrixShape, Symmetric, h200_symmetric, orthogonalize_flops
+from ..rules import selected_row_count
+
+# cost(k, cols): executed FLOPs of orthogonalizing one k × cols matrix
+Cost = Callable[[int, int], float]
+BUDGET_TOLERANCE = 1e-9  # relative: sums of the same FLOPs in another order may differ in the last bits
+
+
+def orthogonalize_cost(method: str = "auto", symmetric: Symmetric = h200_symmetric,
+                       schedule: Any = "polar_express") -> Cost:
+    """cost(k, cols) from dion3.bench.flops' model with these orthogonalizer settings."""
+    return lambda k, cols: orthogonalize_flops(k, cols, method, symmetric, schedule)[1]
+
+
+def _check_shapes(shapes: Sequence) -> None:
+    if len(shapes) == 0:
+        raise ValueError("cost_allocated_fractions: shapes is empty; give at least one matrix shape")
+    for shape in shapes:
+        for name in ("rows", "cols", "count"):
+            value = getattr(shape, name, None)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"cost_allocated_fractions: shapes holds {shape!r} whose {name} is {value!r}, "
+                                 "not a positive integer")
+
+
+def cost_allocated_fractions(
+    shapes: Sequence[MatrixShape], fraction: float, floor: Optional[float] = None, method: str = "auto",
+    symmetric: Symmetric = h200_symmetric, schedule: Any = "polar_express", cost: Optional[Cost] = None,
+) -> list[float]:
+    """One fraction per shape (each k/rows, k the rows it selects) whose executed
+    orthogonalization FLOPs add up to at most those of `fraction` on every shape.
+
+    shapes: `count` matrices of rows × cols each (dion3.bench.flops.MatrixShape, or anything with
+        those three attributes). Shapes with equal rows and cols are one shape: they get one fraction.
+    floor: the least fraction of any shape, in (0, fraction]; None: fraction / 4.
+    method, symmetric, schedule: the cost model, as dion3.bench.flops.step_cost takes them;
+    cost: cost(k, cols), FLOPs of one k × cols matrix, instead of that model.
+
+    Rule (water-filling by cost): every shape starts at ⌈floor·rows⌉ rows; then, again and again,
+    the shape whose next row costs the fewest FLOPs (cost(k + 1) − cost(k), first in input order
+    among equals) gets one more row on each of its matrices, among the shapes below all their
+    rows whose additions still fit the budget, until none fits. Orthogonalizing k rows costs about
+    k²·cols, so a row is cheap where k and cols are small: short matrices (k/v projections) and
+    narrow ones get their rows first, and the budget they leave keeps a small fraction on the wide
+    MLP matrices. Any shape below 1 would then exceed the budget with one more row. With a cost
+    that grows with k, identical shapes get exactly `fraction`.
+    """
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+        raise ValueError(f"cost_allocated_fractions: fraction must lie in (0, 1], got {fraction!r}")
+    if floor is None:
+        floor = fraction / 4
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 < floor <= fraction:
+        raise ValueError(f"cost_allocated_fractions: floor must lie in (0, fraction] = (0, {fraction:g}], got {floor!r}")
+    _check_shapes(shapes)
+    cost = cost or orthogonalize_cost(method, symmetric, schedule)
+
+    # identical shapes are interchangeable: merge them, so they cannot end up with different k
+    merged: dict[tuple[int, int], int] = {}
+    for shape in shapes:
+        merged[(shape.rows, shape.cols)] = merged.get((shape.rows, shape.cols), 0) + shape.count
+    keys = list(merged)
+    cached: dict[tuple[int, int], float] = {}
+
+    def flops(k: int, cols: int) -> float:
+        if (k, cols) not in cached:
+            cached[(k, cols)] = float(cost(k, cols))
+        return cached[(k, cols)]
+
+    budget = sum(merged[(rows, cols)] * flops(selected_row_count(rows, fraction), cols) for rows, cols in keys)
+    limit = budget * (1 + BUDGET_TOLERANCE)
+    k = [selected_row_count(rows, floor) for rows, _ in keys]
+    total = sum(merged[key] * flops(k[i], key[1]) for i, key in enumerate(keys))
+    while True:
+        best, best_step = None, math.inf
+        for i, (rows, cols) in enumerate(keys):
+            if k[i] >= rows:
+                continue
+            step = flops(k[i] + 1, cols) - flops(k[i], cols)  # per row: each of the shape's matrices gets one
+            if total + merged[(rows, cols)] * step <= limit and step < best_step:
+                best, best_step = i, step
+        if best is None:
+            break
+        total += merged[keys[best]] * best_step
+        k[best] += 1
+    chosen = {key: k[i] / key[0] for i, key in enumerate(keys)}
+    return [chosen[(shape.rows, shape.cols)] for shape in shapes]
+
+
+def matrix_shapes(params: Iterable[Tensor], flatten: bool = False) -> list[MatrixShape]:
+    """The orthogonalized matrices of `params`, same shapes counted together in first-seen order:
+    a 2-D parameter is one matrix, a higher one a batch of [..., rows, cols] matrices, or with
+    `flatten` one [rows, numel/rows] matrix (as the optimizer views them, buckets.matrix_view)."""
+    counts: dict[tuple[int, int], int] = {}
+    for p in params:
+        if p.dim() < 2:
+            raise ValueError(f"matrix_shapes: a parameter of shape {tuple(p.shape)} is not a matrix")
+        if flatten:
+            rows, cols, count = p.shape[0], p.numel() // p.shape[0], 1
+        else:
+            rows, cols, count = p.shape[-2], p.shape[-1], math.prod(p.shape[:-2])
+        counts[(rows, cols)] = counts.get((rows, cols), 0) + count
+    return [MatrixShape(f"{rows}x{cols}", rows, cols, count) for (rows, cols), count in counts.items()]
+
+
+def _group_cost(group: dict, symmetric: Symmetric) -> Cost:
+    return orthogonalize_cost(group.get("orthogonalizer", "auto"), symmetric, group.get("ns_coefficients", "polar_express"))
+
+
+def _whole_matrices(group: dict, where: str) -> None:
+    if group.get("num_heads") is not None or group.get("split_sizes") is not None:
+        raise ValueError(f"{where}: groups split into blocks (num_heads, split_sizes) are not supported; "
+                         "the cost model counts whole matrices")
+
+
+def cost_allocated_groups(group: dict, fraction: float, floor: Optional[float] = None,
+                          symmetric: Symmetric = h200_symmetric) -> list[dict]:
+    """`group` (a Dion3 parameter group) split into one group per matrix shape, each with its
+    fraction from cost_allocated_fractions at the uniform `fraction`, costed with the group's
+    orthogonalizer and ns_coefficients (defaults where it names none). Other settings are copied."""
+    _whole_matrices(group, "cost_allocated_groups")
+    params = list(group["params"])
+    flatten = bool(group.get("flatten", False))
+    shapes = matrix_shapes(params, flatten)
+    fractions = cost_allocated_fractions(shapes, fraction, floor, cost=_group_cost(group, symmetric))
+    by_shape = {(s.rows, s.cols): f for s, f in zip(shapes, fractions)}
+    members: dict[tuple[int, int], list[Tensor]] = {key: [] for key in by_shape}
+    for p in params:
+        (shape,) = matrix_shapes([p], flatten)
+        members[(shape.rows, shape.cols)].append(p)
+    return [dict(group, params=members[key], fraction=by_shape[key]) for key in by_shape]
+
+
+def step_orthogonalize_flops(groups: Sequence[dict], symmetric: Symmetric = h200_symmetric) -> float:
+    """Executed orthogonalization FLOPs of one optimizer step over these parameter groups, at
+    their fractions now: Dion3/Dion2 groups ⌈f·rows⌉ rows of each matrix, Muon/NorMuon every
+    row, scalar (AdamW, Lion) groups nothing."""
+    total = 0.0
+    for group in groups:
+        algorithm = group.get("algorithm")
+        if algorithm not in MATRIX_ALGORITHMS:
+            continue
+        _whole_matrices(group, "step_orthogonalize_flops")
+        cost = _group_cost(group, symmetric)
+        selecting = algorithm in SELECTING_ALGORITHMS
+        for shape in matrix_shapes(group["params"], bool(group.get("flatten", False))):
+            k = selected_row_count(shape.rows, group["fraction"]) if selecting else shape.rows
+            total += shape.count * cost(k, shape.cols)
+    return total

@@ -1,0 +1,185 @@
+"""dion3.train.fractions: per-shape fractions by orthogonalization cost (hand-computed cases and
+the budget property), and the host-side FLOP count of a step."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from dion3.bench.flops import MatrixShape, h200_symmetric, orthogonalize_flops
+from dion3.ortho.coefficients import get_schedule
+from dion3.rules import selected_row_count
+from dion3.train import trainer
+from dion3.train.fractions import (
+    cost_allocated_fractions, cost_allocated_groups, matrix_shapes, step_orthogonalize_flops,
+)
+
+STEPS = len(get_schedule("polar_express"))
+
+
+def ns_flops(rows: int, cols: int) -> int:
+    """Standard Newton–Schulz on dense GEMMs, per step on a wide n×m matrix (n ≤ m): XXᵀ (2n²m),
+    A² (2n³), (bA + cA²)·X (2n²m), as the orthogonalize_flops docstring counts them."""
+    n, m = min(rows, cols), max(rows, cols)
+    return STEPS * (4 * n * n * m + 2 * n ** 3)
+
+
+def test_linear_cost_fills_the_narrow_matrix_first():
+    """cost = k·C²: a row of A (C = 2) costs 4, of B (C = 4) 16. Uniform ½: 4·4 + 4·16 = 80.
+    Floor ⅛: 1 row each, 4 + 16 = 20; A takes its 7 rows (48), B 2 more at 16 (80)."""
+    shapes = [MatrixShape("a", 8, 2, 1), MatrixShape("b", 8, 4, 1)]
+    fractions = cost_allocated_fractions(shapes, 0.5, floor=0.125, cost=lambda k, c: k * c * c)
+    assert fractions == [1.0, 3 / 8]
+
+
+def test_convex_cost_stops_when_no_row_fits():
+    """cost = k²·C, A 4×1, B 4×3: uniform ½ (k = 2) costs 4 + 12 = 16. From a ¼ floor (1 + 3 = 4)
+    A's rows cost 3, 5 (total 12), then A's next 7 and B's next 9 both pass 16: A ¾, B ¼."""
+    shapes = [MatrixShape("a", 4, 1, 1), MatrixShape("b", 4, 3, 1)]
+    assert cost_allocated_fractions(shapes, 0.5, floor=0.25, cost=lambda k, c: k * k * c) == [0.75, 0.25]
+
+
+def test_counts_weigh_the_budget_and_a_cheaper_row_can_still_fit():
+    """cost = k·C. A 4×1 ×3 matrices, B 4×2 ×1: uniform ¼ (k = 1): 3·1 + 2 = 5, the floor too;
+    A's next row (1 per row, 3 matrices) would make 8, B's 7: both pass 5, the floor stays. At ½
+    (k = 2): budget 6 + 4 = 10; from 5, A's cheaper row first (8), then A's next would make 11
+    while B's dearer one fits (10)."""
+    shapes = [MatrixShape("a", 4, 1, 3), MatrixShape("b", 4, 2, 1)]
+    assert cost_allocated_fractions(shapes, 0.25, floor=0.25, cost=lambda k, c: k * c) == [0.25, 0.25]
+    assert cost_allocated_fractions(shapes, 0.5, floor=0.25, cost=lambda k, c: k * c) == [0.5, 0.5]
+
+
+def test_newton_schulz_flops_by_hand():
+    """Dense standard NS (per step 4n²m + 2n³, n ≤ m). A 4×8: k = 1, 2: 34, 144; B 8×2: k = 2..8:
+    48, 64, 80, ... (past k = 2 it is 16k + 16). Uniform ½: 144 + 80 = 224. Floor ¼: 34 + 48 = 82;
+    B's rows (16 each) come first, all six (178); A's next (110) would pass 224."""
+    assert [ns_flops(k, 8) for k in (1, 2)] == [STEPS * 34, STEPS * 144]
+    assert [ns_flops(k, 2) for k in (2, 3, 8)] == [STEPS * 48, STEPS * 64, STEPS * 144]
+    shapes = [MatrixShape("a", 4, 8, 1), MatrixShape("b", 8, 2, 1)]
+    fractions = cost_allocated_fractions(shapes, 0.5, floor=0.25, method="newton_schulz", symmetric=False)
+    assert fractions == [0.25, 1.0]
+    # the model counts as the docstring does
+    assert orthogonalize_flops(1, 8, "newton_schulz", False)[1] == ns_flops(1, 8)
+
+
+def _total(shapes, fractions) -> float:
+    return sum(s.count * orthogonalize_flops(selected_row_count(s.rows, f), s.cols, "auto", h200_symmetric)[1]
+               for s, f in zip(shapes, fractions))
+
+
+LLAMA_384 = [MatrixShape("q", 384, 384, 12), MatrixShape("k", 128, 384, 12), MatrixShape("v", 128, 384, 12),
+             MatrixShape("o", 384, 384, 12), MatrixShape("gate", 1024, 384, 12), MatrixShape("up", 1024, 384, 12),
+             MatrixShape("down", 384, 1024, 12)]
+
+
+@pytest.mark.parametrize("fraction", [0.125, 0.25, 0.5])
+def test_budget_is_spent_down_to_one_row(fraction):
+    fractions = cost_allocated_fractions(LLAMA_384, fraction)
+    budget = _total(LLAMA_384, [fraction] * len(LLAMA_384))
+    assert _total(LLAMA_384, fractions) <= budget * (1 + 1e-12)
+    assert all(fraction / 4 <= f <= 1.0 for f in fractions)
+    for i, shape in enumerate(LLAMA_384):
+        k = selected_row_count(shape.rows, fractions[i])
+        assert k == round(fractions[i] * shape.rows)  # whole rows
+        if k < shape.rows:
+            more = list(fractions)
+            more[i] = (k + 1) / shape.rows
+            assert _total(LLAMA_384, more) > budget
+    # same shape, same fraction; the short k/v matrices get their rows before the wide MLP ones
+    assert fractions[0] == fractions[3] and fractions[1] == fractions[2] and fractions[4] == fractions[5]
+    assert fractions[1] >= fraction and fractions[4] <= fraction
+
+
+def test_identical_shapes_get_the_uniform_fraction():
+    for rows, cols, fraction in ((384, 384, 0.25), (1024, 384, 0.3), (10, 7, 0.5)):
+        shapes = [MatrixShape("a", rows, cols, 3), MatrixShape("b", rows, cols, 5), MatrixShape("c", rows, cols, 1)]
+        expected = selected_row_count(rows, fraction) / rows
+        assert cost_allocated_fractions(shapes, fraction) == [expected] * 3
+    assert cost_allocated_fractions([MatrixShape("a", 384, 384, 2)], 0.25) == [0.25]
+
+
+def test_errors_name_the_argument():
+    shapes = [MatrixShape("a", 8, 8, 1)]
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="fraction must lie in"):
+            cost_allocated_fractions(shapes, bad)
+    for bad in (0.0, 0.5):
+        with pytest.raises(ValueError, match="floor must lie in"):
+            cost_allocated_fractions(shapes, 0.25, floor=bad)
+    with pytest.raises(ValueError, match="shapes is empty"):
+        cost_allocated_fractions([], 0.25)
+    for bad in (MatrixShape("a", 0, 8, 1), MatrixShape("a", 8, -1, 1), MatrixShape("a", 8, 8, 0)):
+        with pytest.raises(ValueError, match="not a positive integer"):
+            cost_allocated_fractions([bad], 0.25)
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4, bias=False)  # 4×8
+        self.b = nn.Linear(2, 8, bias=False)  # 8×2
+        self.c = nn.Linear(8, 4, bias=False)  # 4×8 again
+        self.lm_head = nn.Linear(2, 5, bias=False)
+        self.norm = nn.LayerNorm(2)
+
+
+def test_matrix_shapes_and_groups_per_shape():
+    model = Tiny()
+    params = [model.a.weight, model.b.weight, model.c.weight]
+    assert [(s.rows, s.cols, s.count) for s in matrix_shapes(params)] == [(4, 8, 2), (8, 2, 1)]
+    assert [(s.rows, s.cols, s.count) for s in matrix_shapes([torch.zeros(3, 4, 6)])] == [(4, 6, 3)]
+    assert [(s.rows, s.cols, s.count) for s in matrix_shapes([torch.zeros(3, 4, 6)], flatten=True)] == [(3, 24, 1)]
+    group = {"params": params, "algorithm": "dion3", "lr": 0.1, "orthogonalizer": "newton_schulz"}
+    split = cost_allocated_groups(group, 0.5, floor=0.25, symmetric=False)
+    # as test_newton_schulz_flops_by_hand, with two 4×8 matrices: budget 2·144 + 80 = 368, floor
+    # 2·34 + 48 = 116, B's six rows at 16 (212), then A's next row adds 2·110 and passes 368
+    assert [[id(p) for p in g["params"]] for g in split] == [[id(model.a.weight), id(model.c.weight)], [id(model.b.weight)]]
+    assert [g["fraction"] for g in split] == [0.25, 1.0]
+    assert all(g["lr"] == 0.1 and g["algorithm"] == "dion3" for g in split)
+
+
+def test_step_flops_by_hand():
+    """Dion3 ½ of a 4×8 (2 rows: 144 per NS step) and a 8×2 (4 rows: 80), Muon on a 8×2 (all 8
+    rows: 144), AdamW nothing."""
+    model = Tiny()
+    groups = [
+        {"params": [model.a.weight, model.b.weight], "algorithm": "dion3", "fraction": 0.5, "orthogonalizer": "newton_schulz"},
+        {"params": [model.b.weight], "algorithm": "muon", "orthogonalizer": "newton_schulz"},
+        {"params": [model.lm_head.weight], "algorithm": "adamw"},
+    ]
+    assert step_orthogonalize_flops(groups, symmetric=False) == STEPS * (144 + 80 + 144)
+
+
+def test_training_run_counts_its_optimizer_flops():
+    """A 3-step run of the tiny GPT: Dion3 by cost keeps within the uniform run's FLOPs and the
+    per-step count is the same every step (fixed fractions); AdamW counts none."""
+    from dion3.train import data
+    from dion3.train.model import GPTConfig
+
+    config = GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=32)
+    tokens = torch.tensor(list((b"def f(x):\n    return x + 1\n" * 200)[:3000]))
+    corpus = data.TokenData(tokens[:2500], tokens[2500:], 256, "periodic")
+    schedule = trainer.Schedule(steps=3, batch_size=2, eval_every=3, eval_batches=1)
+    run = {allocation: trainer.train(trainer.RunSpec("d", "dion3", 0.04, 0.25, 0.3, fraction_allocation=allocation), config,
+                                     schedule, corpus, torch.device("cpu"))
+           for allocation in ("uniform", "cost")}
+    # d = 32: q, k, v, proj 32×32 (8 rows at ¼), fc 128×32 (32 rows), proj 32×128 (8 rows), by the per-matrix model
+    per_step = sum(orthogonalize_flops(k, cols, "auto", h200_symmetric)[1] for k, cols in [(8, 32)] * 4 + [(32, 32), (8, 128)])
+    assert orthogonalize_flops(32, 32, "auto", h200_symmetric)[1] == ns_flops(32, 32)  # square: standard NS
+    assert run["uniform"].optimizer_flops == 3 * per_step and run["uniform"].average_fraction == 0.25
+    # cost: the same fractions every step, so the average is the row-weighted mean of the groups' fractions
+    groups = trainer.build_optimizer(trainer.GPT(dataclasses.replace(config, vocab_size=256)),
+                                     trainer.RunSpec("d", "dion3", 0.04, 0.25, fraction_allocation="cost")).param_groups
+    dion3 = [g for g in groups if g["algorithm"] == "dion3"]
+    rows = [sum(p.shape[0] for p in g["params"]) for g in dion3]
+    assert len(dion3) == 3 and sum(rows) == 4 * 32 + 128 + 32
+    assert run["cost"].average_fraction == pytest.approx(sum(r * g["fraction"] for r, g in zip(rows, dion3)) / sum(rows))
+    assert run["cost"].optimizer_flops == pytest.approx(3 * step_orthogonalize_flops(groups))
+    assert 0 < run["cost"].optimizer_flops <= run["uniform"].optimizer_flops
+    adamw = trainer.train(trainer.RunSpec("a", "adamw", 0.01), config, schedule, corpus, torch.device("cpu"))
+    assert adamw.optimizer_flops == 0.0
+    with pytest.raises(ValueError, match="fixed fraction"):
+        trainer.build_optimizer(trainer.GPT(config), trainer.RunSpec("d", "dion3", 0.04, 0.25, fraction_warmup=5,
+                                                                     fraction_allocation="cost"))
