@@ -15,7 +15,7 @@ memorization: such a study says so in its summary).
 Every run is a separate process (several at once with --jobs: small models leave most of an
 H200 idle), trains from its seed on the same batches as every other run of that seed, and when
 it finishes appends one JSON line to OUT/results.jsonl: its settings, seed, horizon, final
-validation loss, average fraction and step times. A study that is stopped keeps what finished,
+validation loss, average fraction, step times and optimizer FLOPs. A study that is stopped keeps what finished,
 and running it again skips those runs. OUT/summary.md gets the table: mean ± standard
 deviation over seeds per setting and horizon; a run whose loss is not finite is never averaged:
 the table counts it in its own column. Step times are measured with --jobs runs sharing the
@@ -27,6 +27,11 @@ Models: gpt-25m (`dion3 compare --preset gpu-small`'s GPT, 8 × 512, context 102
 class, 12 × 384, GQA 6/2 heads, SwiGLU 1024, batch 32 × 512), gpt-tiny (--smoke). All train
 with bf16 autocast on CUDA, an lr warm-up (--lr-warmup) and a linear decay to zero over the last
 share of the steps (--cooldown).
+
+`--fraction-allocation uniform,cost` adds Dion3 runs whose fraction is chosen per matrix shape by
+orthogonalization cost at the FLOPs of the uniform --fraction (dion3.train.fractions; fixed
+fractions only). Every record carries `optimizer_tflop`, the executed orthogonalization FLOPs of
+its steps, so settings can be compared at equal optimizer FLOPs as well as at equal steps.
 """
 from __future__ import annotations
 
@@ -76,6 +81,7 @@ FAMILIES = {"adamw": ("0.003", None), "muon": ("0.02", "0.95"), "normuon": ("0.0
 SMOKE = dict(model="gpt-tiny", horizons="8", seeds="0,1", optimizers="normuon,dion3", normuon_lr="0.02", normuon_mu="0.6",
              dion3_lr="0.04", dion3_mu="0.3", fraction_warmup="0,4", lr_warmup=2, eval_batches=2, device="cpu", jobs=2,
              data=["stdlib"])
+FRACTION_ALLOCATIONS = ("uniform", "cost")  # Dion3's fractions: dion3.train.trainer.FRACTION_ALLOCATIONS
 TRACE_ENV = "DION3_TRACE_ORTHOGONALIZE"  # a run writes what nonfinite_trace.py records there
 
 
@@ -98,22 +104,28 @@ class Run:
     read_once: bool = True  # disjoint windows (data.read_once_batches); False: random, may repeat
     repeat: int = 0  # the same run again (--repeats: GPU runs are not bit-reproducible; stress tests)
     captured: bool = False  # optimizer steps through CapturedStep (CUDA only)
+    fraction_allocation: str = "uniform"  # dion3 only: "uniform" or "cost" (per matrix shape, trainer.RunSpec)
 
     @property
     def setting(self) -> tuple:
         """What the seeds of one setting share (the summary averages over seeds)."""
-        return (self.model, self.horizon, self.optimizer, self.fraction, self.fraction_warmup, self.lr, self.mu)
+        return (self.model, self.horizon, self.optimizer, self.fraction, self.fraction_warmup, self.lr, self.mu,
+                self.fraction_allocation)
 
     @property
     def key(self) -> str:
-        return hashlib.sha1(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        fields = dataclasses.asdict(self)
+        if fields["fraction_allocation"] == "uniform":  # the keys of runs from before the field stay valid
+            del fields["fraction_allocation"]
+        return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def label(self) -> str:
         if self.optimizer != "dion3":
             name = self.optimizer
         else:
-            name = f"dion3-f{self.fraction:g}" + (f"-warm{self.fraction_warmup}" if self.fraction_warmup else "")
+            name = (f"dion3-f{self.fraction:g}" + ("-cost" if self.fraction_allocation != "uniform" else "")
+                    + (f"-warm{self.fraction_warmup}" if self.fraction_warmup else ""))
         return f"{name} lr={self.lr:g} mu={self.mu:g} h={self.horizon} seed={self.seed}" + (f" #{self.repeat}" if self.repeat else "")
 
 
@@ -156,6 +168,10 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
             raise SystemExit(f"quality_study: --optimizers: unknown {family!r}; expected some of {tuple(FAMILIES)}")
     if not 0.0 < args.fraction <= 1.0:
         raise SystemExit(f"quality_study: --fraction must lie in (0, 1], got {args.fraction}")
+    allocations = list(dict.fromkeys(a.strip() for a in args.fraction_allocation.split(",") if a.strip()))
+    if not allocations or any(a not in FRACTION_ALLOCATIONS for a in allocations):
+        raise SystemExit(f"quality_study: --fraction-allocation expects some of {FRACTION_ALLOCATIONS}, "
+                         f"got {args.fraction_allocation!r}")
     model = MODELS[args.model]
     common = dict(model=args.model, batch_size=args.batch_size or model.batch_size, lr_warmup=args.lr_warmup,
                   cooldown=args.cooldown, eval_batches=args.eval_batches, data=tuple(args.data) if args.data else None,
@@ -171,10 +187,15 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
                 runs.append(Run(optimizer=family, lr=lr, mu=mu, fraction=None, fraction_warmup=0, horizon=horizon, seed=seed, **common))
         if "dion3" in families:
             warmups = [warmup_steps(w, horizon) for w in args.fraction_warmup.split(",") if w.strip()]
-            for lr, mu, warm in itertools.product(_floats(args.dion3_lr, "--dion3-lr"), _floats(args.dion3_mu, "--dion3-mu"),
-                                                  dict.fromkeys(warmups)):
+            if "cost" in allocations and any(warmups):
+                # FractionScheduler sets one fraction on every group: it would undo the per-shape fractions
+                raise SystemExit("quality_study: --fraction-allocation cost needs fixed fractions: add "
+                                 f"--fraction-warmup 0 (got warm-ups {sorted(set(warmups))} at horizon {horizon})")
+            for lr, mu, warm, allocation in itertools.product(
+                    _floats(args.dion3_lr, "--dion3-lr"), _floats(args.dion3_mu, "--dion3-mu"), dict.fromkeys(warmups),
+                    allocations):
                 runs.append(Run(optimizer="dion3", lr=lr, mu=mu, fraction=args.fraction, fraction_warmup=warm,
-                                horizon=horizon, seed=seed, **common))
+                                horizon=horizon, seed=seed, fraction_allocation=allocation, **common))
     return [dataclasses.replace(run, repeat=r) for run in runs for r in range(args.repeats)]
 
 
@@ -232,7 +253,7 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
                         warmup_steps=run.lr_warmup, cooldown_fraction=run.cooldown, read_once=run.read_once)
     # AdamW has no μ (its betas stay the defaults)
     run_spec = RunSpec(run.label, run.optimizer, run.lr, run.fraction, run.mu if run.optimizer != "adamw" else None,
-                       run.fraction_warmup)
+                       run.fraction_warmup, run.fraction_allocation)
     started = time.perf_counter()
     result = train(run_spec, config, schedule, data, device, run.seed, bf16=True, model_factory=factory, captured=run.captured)
     return {
@@ -243,6 +264,10 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
         "average_fraction": result.average_fraction if run.optimizer == "dion3" else 1.0,
         "optimizer_ms_median": result.optimizer_ms_median, "optimizer_ms_mean": result.optimizer_ms,
         "total_ms_mean": result.total_ms, "minutes": (time.perf_counter() - started) / 60,
+        # executed orthogonalization FLOPs of all steps at each step's fractions, counted on the host with
+        # `dion3 bench`'s H200 model (symmetric kernels from n ≥ SYMMETRIC_MIN_N, flops.h200_symmetric)
+        # whatever the device: AdamW 0, Muon/NorMuon every row, Dion3 ⌈f·rows⌉ rows per matrix
+        "optimizer_tflop": result.optimizer_flops / 1e12,
         "device": str(device), "torch": torch.__version__, "data": data.description,
         # the first step whose training loss was not finite (None: every step finite)
         "first_nonfinite_step": next((i for i, v in enumerate(result.train_losses) if not math.isfinite(v)), None),
@@ -333,9 +358,11 @@ def run_study(runs: Sequence[Run], out: Path, jobs: int, devices: Sequence[str],
 
 
 def _setting_label(setting: tuple) -> tuple[str, str]:
-    _, _, optimizer, fraction, warmup, _, _ = setting
+    _, _, optimizer, fraction, warmup, _, _, allocation = setting
     if optimizer != "dion3":
         return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[optimizer], "—"
+    if allocation == "cost":
+        return f"Dion3 f={fraction:g}", "by cost"
     return f"Dion3 f={fraction:g}", (f"1 → {fraction:g} over {warmup} steps" if warmup else "fixed")
 
 
@@ -347,8 +374,8 @@ def summary_table(records: Sequence[dict]) -> str:
         groups.setdefault(Run(**{**record["config"], "data": None}).setting, []).append(record)
     lines = [
         "| model | horizon | optimizer | fraction schedule | lr | μ | seeds | non-finite | skipped updates | final val loss "
-        "| train loss, last 50 steps | average fraction | optimizer ms (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| train loss, last 50 steps | average fraction | optimizer ms (median) | optimizer TFLOP / run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
     for setting, members in groups.items():
@@ -360,13 +387,16 @@ def summary_table(records: Sequence[dict]) -> str:
         loss_text = f"{mean:.4f} ± {statistics.stdev(losses) if len(losses) > 1 else 0.0:.4f}" if losses else "—"
         train = [m["final_train_loss"] for m in finite if "final_train_loss" in m]  # absent in older records
         train_text = f"{statistics.fmean(train):.4f}" if train and len(train) == len(finite) else "—"
+        flops = [m["optimizer_tflop"] for m in members if "optimizer_tflop" in m]  # absent in older records
+        flops_text = f"{statistics.fmean(flops):.4g}" if flops and len(flops) == len(members) else "—"
         rows.append((setting[0], setting[1], mean, setting, len(members), len(members) - len(finite), skipped, loss_text, train_text,
                      statistics.fmean(m["average_fraction"] for m in members),
-                     statistics.median(m["optimizer_ms_median"] for m in members)))
-    for model, horizon, _, setting, count, bad, skipped, loss_text, train_text, fraction, step_ms in sorted(rows, key=lambda r: r[:3]):
+                     statistics.median(m["optimizer_ms_median"] for m in members), flops_text))
+    for (model, horizon, _, setting, count, bad, skipped, loss_text, train_text, fraction, step_ms,
+         flops_text) in sorted(rows, key=lambda r: r[:3]):
         name, schedule = _setting_label(setting)
         lines.append(f"| {model} | {horizon} | {name} | {schedule} | {setting[5]:g} | {setting[6]:g} | {count} | {bad} | {skipped} | "
-                     f"{loss_text} | {train_text} | {fraction:.3f} | {step_ms:.2f} |")
+                     f"{loss_text} | {train_text} | {fraction:.3f} | {step_ms:.2f} | {flops_text} |")
     return "\n".join(lines)
 
 
@@ -375,7 +405,8 @@ def write_summary(out: Path, jobs: int) -> str:
     table = summary_table(records)
     note = (f"Final validation loss (nats per byte), mean ± standard deviation over seeds; optimizer step "
             f"time: median over each run's steps after the first 5, median over seeds, measured with up to "
-            f"{jobs} runs sharing the device. {len(records)} runs in results.jsonl.")
+            f"{jobs} runs sharing the device; optimizer TFLOP: executed orthogonalization FLOPs of a run's steps "
+            f"(mean over seeds; H200 cost model of `dion3 bench`). {len(records)} runs in results.jsonl.")
     repeated = sum(1 for r in records if not r["config"].get("read_once", False))
     if repeated:
         note += (f"\n\n**{repeated} runs drew random windows that may read data more than once** (--allow-repeat, or "
@@ -398,6 +429,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--fraction", type=float, default=0.25, help="Dion3's (final) fraction")
     parser.add_argument("--fraction-warmup", default="0,200",
                         help="Dion3 fraction warm-ups from 1, comma-separated: steps, or P%% of the horizon; 0 = fixed fraction")
+    parser.add_argument("--fraction-allocation", default="uniform",
+                        help="Dion3 fractions, comma-separated: uniform (--fraction on every matrix) and/or cost (per "
+                             "matrix shape, by orthogonalization cost at the same FLOPs; needs --fraction-warmup 0)")
     parser.add_argument("--captured", action="store_true", help="optimizer steps through CapturedStep (CUDA graphs)")
     parser.add_argument("--repeats", type=int, default=1, help="run each setting and seed this many times (default 1)")
     parser.add_argument("--batch-size", type=int, help="sequences per step (default: the model's, 16)")

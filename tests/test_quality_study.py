@@ -2,6 +2,7 @@
 smoke mode end to end: runs in separate processes, one JSON line each, a rerun skips them."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -46,13 +47,43 @@ def test_plan_covers_the_grid_short_horizons_first(study):
     assert all(r.read_once for r in every) and len({r.key for r in every}) == len(every)
 
 
-def _record(study, optimizer, loss, seed, fraction=None, warmup=0, average=1.0, ms=2.0, train=None):
-    run = study.Run("gpt-tiny", optimizer, 0.02, 0.6, fraction, warmup, 400, seed, 16, 20, 0.4, 4, None)
+def test_cost_allocation_runs_beside_uniform_ones_with_fixed_fractions_only(study):
+    args = ["--horizons", "100", "--seeds", "0", "--optimizers", "dion3", "--dion3-lr", "0.04", "--dion3-mu", "0.3"]
+    runs = study.plan_runs(study.parse_args(args + ["--fraction-warmup", "0", "--fraction-allocation", "uniform,cost"]))
+    assert [(r.fraction_allocation, r.label) for r in runs] == [
+        ("uniform", "dion3-f0.25 lr=0.04 mu=0.3 h=100 seed=0"), ("cost", "dion3-f0.25-cost lr=0.04 mu=0.3 h=100 seed=0")]
+    assert runs[0].setting != runs[1].setting and runs[0].key != runs[1].key
+    # a uniform run's key is the hash of its settings without the allocation, as before the field existed
+    fields = {k: v for k, v in json.loads(json.dumps(runs[0].__dict__)).items() if k != "fraction_allocation"}
+    assert runs[0].key == hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    with pytest.raises(SystemExit, match="--fraction-warmup 0"):
+        study.plan_runs(study.parse_args(args + ["--fraction-warmup", "0,50", "--fraction-allocation", "cost"]))
+    with pytest.raises(SystemExit, match="--fraction-allocation"):
+        study.plan_runs(study.parse_args(args + ["--fraction-allocation", "cheap"]))
+
+
+def _record(study, optimizer, loss, seed, fraction=None, warmup=0, average=1.0, ms=2.0, train=None, allocation="uniform",
+            tflop=None):
+    run = study.Run("gpt-tiny", optimizer, 0.02, 0.6, fraction, warmup, 400, seed, 16, 20, 0.4, 4, None,
+                    fraction_allocation=allocation)
     record = {"key": run.key, "config": json.loads(json.dumps(run.__dict__)), "seed": seed, "horizon": 400,
               "final_val_loss": loss, "average_fraction": average, "optimizer_ms_median": ms}
     if train is not None:
         record["final_train_loss"] = train
+    if tflop is not None:
+        record["optimizer_tflop"] = tflop
     return record
+
+
+def test_summary_names_cost_allocation_and_averages_optimizer_flops(study):
+    records = [_record(study, "dion3", 1.40, 0, 0.25, allocation="cost", tflop=2.0),
+               _record(study, "dion3", 1.42, 1, 0.25, allocation="cost", tflop=3.0),
+               _record(study, "dion3", 1.50, 0, 0.25, tflop=4.0),
+               _record(study, "dion3", 1.60, 0, 0.25)]  # an older record without optimizer FLOPs
+    del records[3]["config"]["fraction_allocation"]
+    cost, fixed = study.summary_table(records).splitlines()[2:]
+    assert "| Dion3 f=0.25 | by cost |" in cost and cost.endswith("| 2.5 |")
+    assert "| Dion3 f=0.25 | fixed |" in fixed and fixed.endswith("| — |")  # one of its two records has no count
 
 
 def test_summary_is_mean_and_standard_deviation_over_seeds(study):
@@ -93,6 +124,7 @@ def test_smoke_study_writes_one_line_per_run_and_skips_finished_runs(study, tmp_
         assert record["horizon"] == 8 and record["seed"] == 0 and record["config"]["model"] == "gpt-tiny"
         assert record["final_val_loss"] < math.log(256) and record["optimizer_ms_median"] > 0  # below the uniform loss
         assert 0 < record["final_train_loss"] < math.log(256)
+        assert record["optimizer_tflop"] > 0  # NorMuon and Dion3 both orthogonalize
     fractions = sorted(r["average_fraction"] for r in first)
     # fixed ¼; warm-up 1 → ¼ over 4 steps then ¼: (1 + 0.8125 + 0.625 + 0.4375 + 4·0.25)/8; NorMuon: every row
     assert fractions == [0.25, pytest.approx((1 + 0.8125 + 0.625 + 0.4375 + 1.0) / 8), 1.0]
