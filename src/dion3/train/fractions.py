@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from torch import Tensor
 
 from ..algorithms import MATRIX_ALGORITHMS, SELECTING_ALGORITHMS
+from ..buckets import matrix_view
 from ..bench.flops import MatrixShape, Symmetric, h200_symmetric, orthogonalize_flops
 from ..rules import selected_row_count
 
@@ -114,10 +115,8 @@ def matrix_shapes(params: Iterable[Tensor], flatten: bool = False) -> list[Matri
     for p in params:
         if p.dim() < 2:
             raise ValueError(f"matrix_shapes: a parameter of shape {tuple(p.shape)} is not a matrix")
-        if flatten:
-            rows, cols, count = p.shape[0], p.numel() // p.shape[0], 1
-        else:
-            rows, cols, count = p.shape[-2], p.shape[-1], math.prod(p.shape[:-2])
+        view = matrix_view(p.detach(), flatten)  # the optimizer's own view rule; a view, no copy
+        rows, cols, count = view.shape[-2], view.shape[-1], math.prod(view.shape[:-2])
         counts[(rows, cols)] = counts.get((rows, cols), 0) + count
     return [MatrixShape(f"{rows}x{cols}", rows, cols, count) for (rows, cols), count in counts.items()]
 
