@@ -105,18 +105,22 @@ class Run:
     repeat: int = 0  # the same run again (--repeats: GPU runs are not bit-reproducible; stress tests)
     captured: bool = False  # optimizer steps through CapturedStep (CUDA only)
     fraction_allocation: str = "uniform"  # dion3 only: "uniform" or "cost" (per matrix shape, trainer.RunSpec)
+    compiled: bool = False  # forward and backward through torch.compile (trainer.train)
 
     @property
     def setting(self) -> tuple:
         """What the seeds of one setting share (the summary averages over seeds)."""
         return (self.model, self.horizon, self.optimizer, self.fraction, self.fraction_warmup, self.lr, self.mu,
-                self.fraction_allocation)
+                self.fraction_allocation, self.compiled)
 
     @property
     def key(self) -> str:
         fields = dataclasses.asdict(self)
-        if fields["fraction_allocation"] == "uniform":  # the keys of runs from before the field stay valid
+        # the keys of runs from before these fields stay valid
+        if fields["fraction_allocation"] == "uniform":
             del fields["fraction_allocation"]
+        if not fields["compiled"]:
+            del fields["compiled"]
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
@@ -175,7 +179,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     model = MODELS[args.model]
     common = dict(model=args.model, batch_size=args.batch_size or model.batch_size, lr_warmup=args.lr_warmup,
                   cooldown=args.cooldown, eval_batches=args.eval_batches, data=tuple(args.data) if args.data else None,
-                  read_once=not args.allow_repeat, captured=args.captured)
+                  read_once=not args.allow_repeat, captured=args.captured, compiled=args.compile)
     if args.repeats < 1:
         raise SystemExit(f"quality_study: --repeats must be ≥ 1, got {args.repeats}")
     runs = []
@@ -255,7 +259,8 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
     run_spec = RunSpec(run.label, run.optimizer, run.lr, run.fraction, run.mu if run.optimizer != "adamw" else None,
                        run.fraction_warmup, run.fraction_allocation)
     started = time.perf_counter()
-    result = train(run_spec, config, schedule, data, device, run.seed, bf16=True, model_factory=factory, captured=run.captured)
+    result = train(run_spec, config, schedule, data, device, run.seed, bf16=True, model_factory=factory, captured=run.captured,
+                   compiled=run.compiled)
     return {
         "key": run.key, "config": dataclasses.asdict(run), "seed": run.seed, "horizon": run.horizon,
         "final_val_loss": result.final_val_loss,
@@ -358,7 +363,7 @@ def run_study(runs: Sequence[Run], out: Path, jobs: int, devices: Sequence[str],
 
 
 def _setting_label(setting: tuple) -> tuple[str, str]:
-    _, _, optimizer, fraction, warmup, _, _, allocation = setting
+    _, _, optimizer, fraction, warmup, _, _, allocation, _ = setting
     if optimizer != "dion3":
         return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[optimizer], "—"
     if allocation == "cost":
@@ -395,6 +400,7 @@ def summary_table(records: Sequence[dict]) -> str:
     for (model, horizon, _, setting, count, bad, skipped, loss_text, train_text, fraction, step_ms,
          flops_text) in sorted(rows, key=lambda r: r[:3]):
         name, schedule = _setting_label(setting)
+        model = f"{model} (compiled)" if setting[8] else model
         lines.append(f"| {model} | {horizon} | {name} | {schedule} | {setting[5]:g} | {setting[6]:g} | {count} | {bad} | {skipped} | "
                      f"{loss_text} | {train_text} | {fraction:.3f} | {step_ms:.2f} | {flops_text} |")
     return "\n".join(lines)
@@ -433,6 +439,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="Dion3 fractions, comma-separated: uniform (--fraction on every matrix) and/or cost (per "
                              "matrix shape, by orthogonalization cost at the same FLOPs; needs --fraction-warmup 0)")
     parser.add_argument("--captured", action="store_true", help="optimizer steps through CapturedStep (CUDA graphs)")
+    parser.add_argument("--compile", action="store_true",
+                        help="the model's forward and backward through torch.compile (same math, fused kernels; the "
+                             "summary lists compiled runs as their own settings)")
     parser.add_argument("--repeats", type=int, default=1, help="run each setting and seed this many times (default 1)")
     parser.add_argument("--batch-size", type=int, help="sequences per step (default: the model's, 16)")
     parser.add_argument("--lr-warmup", type=int, default=20, help="lr warm-up steps (default 20)")

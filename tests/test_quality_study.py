@@ -53,13 +53,31 @@ def test_cost_allocation_runs_beside_uniform_ones_with_fixed_fractions_only(stud
     assert [(r.fraction_allocation, r.label) for r in runs] == [
         ("uniform", "dion3-f0.25 lr=0.04 mu=0.3 h=100 seed=0"), ("cost", "dion3-f0.25-cost lr=0.04 mu=0.3 h=100 seed=0")]
     assert runs[0].setting != runs[1].setting and runs[0].key != runs[1].key
-    # a uniform run's key is the hash of its settings without the allocation, as before the field existed
-    fields = {k: v for k, v in json.loads(json.dumps(runs[0].__dict__)).items() if k != "fraction_allocation"}
+    # a uniform eager run's key is the hash of its settings without the allocation and compile fields,
+    # as before those fields existed
+    fields = {k: v for k, v in json.loads(json.dumps(runs[0].__dict__)).items()
+              if k not in ("fraction_allocation", "compiled")}
     assert runs[0].key == hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     with pytest.raises(SystemExit, match="--fraction-warmup 0"):
         study.plan_runs(study.parse_args(args + ["--fraction-warmup", "0,50", "--fraction-allocation", "cost"]))
     with pytest.raises(SystemExit, match="--fraction-allocation"):
         study.plan_runs(study.parse_args(args + ["--fraction-allocation", "cheap"]))
+
+
+def test_compiled_runs_are_their_own_settings_and_old_keys_stay_valid(study):
+    args = ["--horizons", "100", "--seeds", "0", "--optimizers", "normuon", "--normuon-mu", "0.6"]
+    eager, = study.plan_runs(study.parse_args(args))
+    compiled, = study.plan_runs(study.parse_args(args + ["--compile"]))
+    assert compiled.compiled and not eager.compiled
+    assert compiled.setting != eager.setting and compiled.key != eager.key and compiled.label == eager.label
+    # a record written before the field existed (quality-study-llama-384, 2026-12-02) keeps its key
+    config = {"model": "llama-384", "optimizer": "dion3", "lr": 0.06, "mu": 0.6, "fraction": 0.25, "fraction_warmup": 200,
+              "horizon": 1500, "seed": 0, "batch_size": 32, "lr_warmup": 50, "cooldown": 0.3, "eval_batches": 16,
+              "data": None, "read_once": True, "repeat": 0, "captured": False}
+    assert study.Run(**config).key == "c02a86927e070607"
+    rows = study.summary_table([{**_record(study, "normuon", 1.5, 0), "config": json.loads(json.dumps(compiled.__dict__))},
+                                {**_record(study, "normuon", 1.6, 0), "config": json.loads(json.dumps(eager.__dict__))}])
+    assert "| gpt-25m (compiled) | 100 | NorMuon |" in rows and "| gpt-25m | 100 | NorMuon |" in rows
 
 
 def _record(study, optimizer, loss, seed, fraction=None, warmup=0, average=1.0, ms=2.0, train=None, allocation="uniform",
