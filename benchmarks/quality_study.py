@@ -81,7 +81,7 @@ FAMILIES = {"adamw": ("0.003", None), "muon": ("0.02", "0.95"), "normuon": ("0.0
 SMOKE = dict(model="gpt-tiny", horizons="8", seeds="0,1", optimizers="normuon,dion3", normuon_lr="0.02", normuon_mu="0.6",
              dion3_lr="0.04", dion3_mu="0.3", fraction_warmup="0,4", lr_warmup=2, eval_batches=2, device="cpu", jobs=2,
              data=["stdlib"])
-FRACTION_ALLOCATIONS = ("uniform", "cost")  # Dion3's fractions: dion3.train.trainer.FRACTION_ALLOCATIONS
+FRACTION_ALLOCATIONS = ("uniform", "cost")  # Dion3's fractions: dion3.train.groups.FRACTION_ALLOCATIONS
 TRACE_ENV = "DION3_TRACE_ORTHOGONALIZE"  # a run writes what nonfinite_trace.py records there
 
 

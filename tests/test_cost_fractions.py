@@ -140,6 +140,38 @@ def test_matrix_shapes_and_groups_per_shape():
     assert all(g["lr"] == 0.1 and g["algorithm"] == "dion3" for g in split)
 
 
+def test_param_groups_split_the_matrices_by_cost():
+    """param_groups(..., fraction_allocation="cost"): the matrix group becomes one group per shape
+    with the allocated fractions (allocation itself: the hand-computed cases above), the other
+    groups stay as with "uniform", and Dion3 takes the groups as they are."""
+    from dion3 import Dion3, param_groups
+
+    model = Tiny()
+    options = dict(lm_head="lm_head", lr=0.1, fraction=0.5, mu=0.6, orthogonalizer="newton_schulz")
+    uniform = param_groups(model, **options)
+    cost = param_groups(model, fraction_allocation="cost", **options)
+    fractions = cost_allocated_fractions([MatrixShape("a", 4, 8, 2), MatrixShape("b", 8, 2, 1)], 0.5,
+                                         cost=lambda k, cols: orthogonalize_flops(k, cols, "newton_schulz", h200_symmetric)[1])
+    assert [[id(p) for p in g["params"]] for g in cost[:2]] == [[id(model.a.weight), id(model.c.weight)], [id(model.b.weight)]]
+    assert [g["fraction"] for g in cost[:2]] == fractions and fractions != [0.5, 0.5]
+    assert all(g["lr"] == 0.1 and g["mu"] == 0.6 and "algorithm" not in g for g in cost[:2])
+    assert [{k: v for k, v in g.items() if k != "params"} for g in cost[2:]] == [
+        {k: v for k, v in g.items() if k != "params"} for g in uniform[1:]]
+    assert step_orthogonalize_flops([dict(g, algorithm="dion3") for g in cost[:2]]) <= \
+        step_orthogonalize_flops([dict(uniform[0], algorithm="dion3")])
+    optimizer = Dion3(cost)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    with pytest.raises(ValueError, match="fraction_allocation must be one of"):
+        param_groups(model, fraction_allocation="cheap", **options)
+    with pytest.raises(ValueError, match="needs fraction="):
+        param_groups(model, lm_head="lm_head", fraction_allocation="cost")
+    with pytest.raises(ValueError, match="row-selecting algorithm"):
+        param_groups(model, algorithm="muon", fraction_allocation="cost", **options)
+
+
 def test_step_flops_by_hand():
     """Dion3 ½ of a 4×8 (2 rows: 144 per NS step) and a 8×2 (4 rows: 80), Muon on a 8×2 (all 8
     rows: 144), AdamW nothing."""

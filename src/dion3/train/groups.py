@@ -19,6 +19,9 @@ from typing import Any, Optional, Union
 from torch import nn
 
 from ..optim.validation import ALIASES, MATRIX_ALGORITHMS, SCALAR_ALGORITHMS
+from .fractions import cost_allocated_groups
+
+FRACTION_ALLOCATIONS = ("uniform", "cost")  # param_groups(fraction_allocation=...)
 
 # AdamW learning rates for the non-matrix groups, tuned on the `cpu-tiny` preset of
 # `dion3 compare` (docs/training.md). The head gets a lower lr than the embedding: its gradient is
@@ -37,6 +40,7 @@ def param_groups(
     embed_lr: float = EMBED_LR,
     scalar_lr: float = SCALAR_LR,
     scalar_algorithm: str = "adamw",
+    fraction_allocation: str = "uniform",
     **options: Any,
 ) -> list[dict[str, Any]]:
     """Parameter groups for `Dion3`, `Muon` or `NorMuon`.
@@ -52,6 +56,14 @@ def param_groups(
         mixing algorithms across groups is a supported use (docs/training.md).
     lr: learning rate of the matrix group; None keeps the optimizer's default.
     head_lr, embed_lr, scalar_lr: learning rates of the AdamW (or Lion) groups.
+    fraction_allocation: Dion3's fractions. "uniform" (default): one matrix group, `fraction` (or
+        the optimizer's default) on every matrix. "cost": one matrix group per matrix shape, each
+        with its own fraction, chosen by orthogonalization cost at the FLOPs of `fraction` on every
+        matrix (dion3.train.fractions.cost_allocated_fractions): short and narrow matrices (k/v
+        projections) keep more of their rows, wide MLP matrices fewer. Needs `fraction`, a Dion3 or
+        Dion2 group (or `algorithm` None with the Dion3 class) and whole matrices (no num_heads or
+        split_sizes). A FractionScheduler sets one fraction on every group it schedules, so it
+        would undo these fractions: use fixed fractions with "cost".
     options: further settings of the matrix group (fraction, mu, weight_decay, ...).
 
     Every trainable parameter lands in exactly one group; empty groups are left out.
@@ -64,6 +76,15 @@ def param_groups(
         )
     if scalar_algorithm not in SCALAR_ALGORITHMS:
         raise ValueError(f"scalar_algorithm must be one of {SCALAR_ALGORITHMS}, got {scalar_algorithm!r}")
+    if fraction_allocation not in FRACTION_ALLOCATIONS:
+        raise ValueError(f"param_groups: fraction_allocation must be one of {FRACTION_ALLOCATIONS}, got {fraction_allocation!r}")
+    if fraction_allocation == "cost":
+        if options.get("fraction") is None:
+            raise ValueError("param_groups: fraction_allocation='cost' needs fraction=..., the uniform fraction "
+                             "whose orthogonalization FLOPs the per-shape fractions share")
+        if algorithm is not None and algorithm not in ("dion3", "dion2"):
+            raise ValueError(f"param_groups: fraction_allocation='cost' needs a row-selecting algorithm (dion3, "
+                             f"dion2), got algorithm={algorithm!r}")
     head_ids = _head_parameter_ids(model, lm_head)
     embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
@@ -88,8 +109,11 @@ def param_groups(
         matrix_group["algorithm"] = algorithm
     if lr is not None:
         matrix_group["lr"] = lr
+    matrix_groups = [matrix_group]
+    if fraction_allocation == "cost" and matrix_group["params"]:
+        matrix_groups = cost_allocated_groups(matrix_group, options["fraction"])
     groups = [
-        matrix_group,
+        *matrix_groups,
         {"params": buckets["head"], "algorithm": scalar_algorithm, "lr": head_lr},
         {"params": buckets["embed"], "algorithm": scalar_algorithm, "lr": embed_lr},
         # No weight decay on norm gains and biases: decaying a gain towards 0 only fights the norm.

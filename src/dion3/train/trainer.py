@@ -22,12 +22,11 @@ from torch import Tensor, nn
 from ..optim import Dion3, FractionScheduler, FractionWarmup
 from ..optim.graph import CapturedStep
 from .data import TokenData, read_once_batches, train_batches, val_batches
-from .fractions import cost_allocated_groups, matrix_shapes, step_orthogonalize_flops
-from .groups import param_groups
+from .fractions import matrix_shapes, step_orthogonalize_flops
+from .groups import FRACTION_ALLOCATIONS, param_groups  # noqa: F401 (RunSpec.fraction_allocation takes these)
 from .model import GPT, GPTConfig, padded_vocab
 
 TIMING_WARMUP = 5
-FRACTION_ALLOCATIONS = ("uniform", "cost")  # RunSpec.fraction_allocation
 
 
 @dataclass(frozen=True)
@@ -151,19 +150,12 @@ def set_lr_multiplier(optimizer: torch.optim.Optimizer, multiplier: float) -> No
 def build_optimizer(model: GPT, spec: RunSpec) -> Dion3:
     # Dion3, Muon and NorMuon share one front-end; each group names its algorithm, so the class
     # only supplies defaults that every group here overrides or does not read.
-    if spec.fraction_allocation not in FRACTION_ALLOCATIONS:
-        raise ValueError(f"fraction_allocation must be one of {FRACTION_ALLOCATIONS}, got {spec.fraction_allocation!r}")
+    if spec.fraction_allocation == "cost" and spec.fraction_warmup:
+        raise ValueError("fraction_allocation 'cost' needs a fixed fraction (fraction_warmup 0): a fraction "
+                         "warm-up sets one fraction on every group, which would undo the per-shape fractions")
     options = {key: value for key, value in (("fraction", spec.fraction), ("mu", spec.mu)) if value is not None}
-    groups = param_groups(model, lm_head=model.lm_head, algorithm=spec.algorithm, lr=spec.lr, **options)
-    if spec.fraction_allocation == "cost":
-        if spec.algorithm != "dion3" or spec.fraction is None:
-            raise ValueError(f"fraction_allocation 'cost' needs a dion3 run with a fraction, got {spec.algorithm!r}")
-        if spec.fraction_warmup:
-            raise ValueError("fraction_allocation 'cost' needs a fixed fraction (fraction_warmup 0): a fraction "
-                             "warm-up sets one fraction on every group, which would undo the per-shape fractions")
-        # param_groups puts the hidden matrices first
-        groups = cost_allocated_groups(groups[0], spec.fraction) + groups[1:]
-    return Dion3(groups)
+    return Dion3(param_groups(model, lm_head=model.lm_head, algorithm=spec.algorithm, lr=spec.lr,
+                              fraction_allocation=spec.fraction_allocation, **options))
 
 
 @torch.no_grad()
