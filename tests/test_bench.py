@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from dion3 import cli
 from dion3.bench import flops, step
 from dion3.bench.presets import PRESETS, MatrixShape, parse_shapes
+from dion3.train.fractions import cost_allocated_fractions
 
 
 # ------------------------------------------------------------------------ presets
@@ -110,6 +112,17 @@ def test_step_cost_sums_shapes_and_scales_with_fraction():
         flops.step_cost(shapes, "muon", fraction=0.5)
 
 
+def test_step_cost_takes_one_fraction_per_shape():
+    shapes = [MatrixShape("a", 64, 32, 3), MatrixShape("b", 16, 32, 2)]
+    # per shape: a at 1/8 → 8 rows of 32, b at 1/2 → 8 rows of 32: five 8×32 NS orthogonalizations
+    per_shape = flops.step_cost(shapes, "dion3", [0.125, 0.5], method="newton_schulz")
+    assert per_shape.dense_flops == 5 * 5 * (4 * 8 * 8 * 32 + 2 * 8 ** 3)
+    assert per_shape.bytes_moved == 3 * (20 * 64 * 32 + 14 * 8 * 32) + 2 * (20 * 16 * 32 + 14 * 8 * 32)
+    assert flops.step_cost(shapes, "dion3", (0.25, 0.25), world_size=4) == flops.step_cost(shapes, "dion3", 0.25, world_size=4)
+    with pytest.raises(ValueError, match="2 matrix shapes"):
+        flops.step_cost(shapes, "dion3", [0.25])
+
+
 def test_bytes_sent_hand_count():
     shape = MatrixShape("x", 8, 16, 3)
     assert flops.sent_bytes(shape, None, 1) == 0
@@ -140,6 +153,103 @@ def test_variant_names():
     for bad in ("dion3-0", "dion3-3/2", "dion3-x", "sgd"):
         with pytest.raises(ValueError, match="--optimizers"):
             step.parse_variant(bad)
+
+
+def test_cost_variant_names():
+    cost = step.parse_variant("dion3-1/4-cost")
+    assert (cost.name, cost.algorithm, cost.fraction, cost.allocation) == ("dion3-1/4-cost", "dion3", 0.25, "cost")
+    assert step.parse_variant("dion3-0.125-cost").fraction == 0.125
+    assert step.parse_variant("dion3-1-cost").fraction == 1.0
+    assert step.parse_variant("dion3-1/4").allocation == "uniform"
+    assert step.parse_variant("muon").allocation == "uniform"
+    for bad in ("dion3-0-cost", "dion3-3/2-cost", "dion3-x-cost", "dion3-cost", "dion3--cost", "dion3-1/4-costs",
+                "dion3-1/4-cost-cost", "dion3-1/0-cost", "muon-cost"):
+        with pytest.raises(ValueError, match=r"--optimizers: unknown optimizer " + re.escape(repr(bad))):
+            step.parse_variant(bad)
+
+
+# llama-like: square (q, o, twice), short (k/v), tall (gate/up) and wide (down) matrices
+COST_SHAPES = "32x32,8x32:2,32x32,64x32:2,32x64"
+
+
+def cost_optimizer():
+    matrices, _ = step.make_parameters(parse_shapes(COST_SHAPES), torch.device("cpu"), False)
+    return matrices, step.make_optimizer(step.parse_variant("dion3-1/4-cost"), matrices, [], torch.device("cpu"), graph=False)
+
+
+def test_cost_variant_builds_one_group_per_shape_at_the_cost_fractions():
+    torch.manual_seed(0)
+    matrices, optimizer = cost_optimizer()
+    distinct = [MatrixShape("", r, c, n) for (r, c), n in {(32, 32): 2, (8, 32): 2, (64, 32): 2, (32, 64): 1}.items()]
+    expected = dict(zip([(s.rows, s.cols) for s in distinct], cost_allocated_fractions(distinct, 0.25)))
+    groups = optimizer.param_groups
+    assert len(groups) == 4
+    got = {}
+    for group in groups:
+        shapes = {tuple(p.shape) for p in group["params"]}
+        assert len(shapes) == 1, shapes  # one shape per group
+        got[shapes.pop()] = group["fraction"]
+    assert got == expected
+    assert sum(len(g["params"]) for g in groups) == len(matrices) == 7
+    assert len({f for f in got.values()}) > 1 and any(f != 0.25 for f in got.values())
+    # the step moves ⌈f·rows⌉ rows of each matrix, f its shape's fraction
+    before = [p.detach().clone() for p in matrices]
+    optimizer.step()
+    decay = 1 - 0.01 * 0.01
+    for p, old in zip(matrices, before):
+        moved = (p.detach() - old * decay).abs().amax(dim=1) > 1e-6
+        assert int(moved.sum()) == round(expected[tuple(p.shape)] * p.shape[0])
+
+
+def hand_flops(fractions: dict, symmetric=False) -> tuple[float, float]:
+    """(dense, executed) FLOPs of COST_SHAPES at {(rows, cols): fraction}, summed entry by entry."""
+    dense = executed = 0.0
+    for shape in parse_shapes(COST_SHAPES).matrices:
+        k = math.ceil(fractions[(shape.rows, shape.cols)] * shape.rows - 1e-9)
+        d, e = flops.orthogonalize_flops(k, shape.cols, "auto", symmetric)
+        dense, executed = dense + shape.count * d, executed + shape.count * e
+    return dense, executed
+
+
+def test_cpu_run_of_the_cost_variant_reports_the_flops_it_executes(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    code = cli.main(["bench", "--device", "cpu", "--no-graph", "--shapes", COST_SHAPES, "--steps", "1", "--warmup", "1",
+                     "--optimizers", "dion3-1/4,dion3-1/4-cost", "--json", str(path)])
+    assert code == 0
+    out, err = capsys.readouterr()
+    uniform, cost = json.loads(path.read_text())["results"]
+    assert "error" not in uniform and "error" not in cost, (uniform.get("error"), cost.get("error"))
+    assert cost["name"] == "dion3-1/4-cost" and cost["variant"]["allocation"] == "cost" and "dion3-1/4-cost" in out
+    assert cost["device_ms"] > 0 and cost["tflops"] is not None
+    # the fractions the optimizer's groups really run at (read from a built optimizer, not from the cost model)
+    torch.manual_seed(0)
+    _, optimizer = cost_optimizer()
+    ran = {tuple(g["params"][0].shape): g["fraction"] for g in optimizer.param_groups}
+    dense, executed = hand_flops(ran)
+    assert cost["model"]["dense_flops"] == int(dense)
+    assert cost["model"]["executed_flops"] == pytest.approx(executed, rel=1e-12)
+    assert uniform["model"]["executed_flops"] == pytest.approx(hand_flops(dict.fromkeys(ran, 0.25))[1], rel=1e-12)
+    assert cost["model"]["executed_flops"] <= uniform["model"]["executed_flops"]
+    assert cost["model"]["executed_flops"] != uniform["model"]["executed_flops"]  # other rows, so other FLOPs
+    assert cost["model"]["bytes_moved"] != uniform["model"]["bytes_moved"]
+    assert cost["tflops"] == pytest.approx(cost["model"]["dense_flops"] / (cost["device_ms"] / 1e3) / 1e12)
+
+
+def test_cost_variant_on_a_llama_preset_keeps_the_uniform_budget():
+    """At H200 dispatch (the cost model the fractions are chosen under) the cost variant executes
+    no more FLOPs than dion3-1/4, and its figure is the sum over the preset's shapes."""
+    preset = PRESETS["llama-8b"]
+    variant = step.parse_variant("dion3-1/4-cost")
+    fractions = cost_allocated_fractions(preset.matrices, 0.25)
+    executed = 0.0
+    for shape, f in zip(preset.matrices, fractions):
+        k = math.ceil(f * shape.rows - 1e-9)
+        executed += shape.count * flops.orthogonalize_flops(k, shape.cols, "auto", flops.h200_symmetric)[1]
+    by_cost = flops.step_cost(preset.matrices, "dion3", step.shape_fractions(variant, preset), symmetric=flops.h200_symmetric)
+    uniform = flops.step_cost(preset.matrices, "dion3", 0.25, symmetric=flops.h200_symmetric)
+    assert by_cost.executed_flops == pytest.approx(executed, rel=1e-12)
+    assert by_cost.executed_flops <= uniform.executed_flops * (1 + 1e-9)
+    assert any(f != 0.25 for f in fractions)
 
 
 def test_dion3_variant_moves_only_its_fraction_of_rows():

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from ..kernels import SYMMETRIC_MIN_N
 from ..ortho.cost import (  # noqa: F401 (the per-matrix model, re-exported for callers of this module)
@@ -99,27 +99,38 @@ def sent_bytes(
 
 
 def step_cost(
-    matrices: Sequence[MatrixShape], algorithm: str, fraction: Optional[float] = None,
+    matrices: Sequence[MatrixShape], algorithm: str, fraction: Union[None, float, Sequence[float]] = None,
     method: str = "auto", symmetric: Symmetric = False, schedule="polar_express",
     restarts: Optional[Sequence[int]] = None, scalar_numel: int = 0,
     world_size: int = 1, layout: str = "fsdp", scope: str = "local",
 ) -> StepCost:
-    """Cost of one step over the given matrices (and `scalar_numel` AdamW elements)."""
+    """Cost of one step over the given matrices (and `scalar_numel` AdamW elements).
+
+    fraction (Dion3 only): one fraction for every matrix, or one per entry of `matrices`
+    (per-shape fractions, e.g. from dion3.train.fractions.cost_allocated_fractions).
+    """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if (fraction is not None) != (algorithm == "dion3"):
         raise ValueError(f"fraction is required for dion3 and meaningless for {algorithm!r}, got {fraction!r}")
+    if fraction is None or isinstance(fraction, (int, float)):
+        fractions = [fraction] * len(matrices)
+    else:
+        fractions = list(fraction)
+        if len(fractions) != len(matrices):
+            raise ValueError(f"fraction: {len(fractions)} per-shape fractions for {len(matrices)} matrix shapes; "
+                             "give one fraction, or one per shape")
     dense = executed = 0.0
     moved, sent = 28.0 * scalar_numel, 0.0
-    for shape in matrices:
-        k = shape.rows if fraction is None else selected_row_count(shape.rows, fraction)
+    for shape, f in zip(matrices, fractions):
+        k = shape.rows if f is None else selected_row_count(shape.rows, f)
         moved += shape.count * elementwise_bytes(algorithm, shape.rows, shape.cols, k)
         if algorithm == "adamw":
             continue
         d, e = orthogonalize_flops(k, shape.cols, method, symmetric, schedule, restarts)
         dense += shape.count * d
         executed += shape.count * e
-        sent += sent_bytes(shape, fraction, world_size, layout, scope)
+        sent += sent_bytes(shape, f, world_size, layout, scope)
     return StepCost(int(dense), executed, moved, sent)
 
 

@@ -1,12 +1,13 @@
 """`dion3 bench`: time one optimizer step on model-shaped fp32 parameters.
 
 Each variant (AdamW, the standard-NS Muon baseline, Muon with kernels and Gram NS, NorMuon,
-Dion3 at several fractions) runs alone, eager and graph-captured, on fixed random gradients;
-memory is freed between runs and a failing variant reports its error in its row. Reported per
-row: median device ms (CUDA events; perf_counter on CPU), median host ms (time for the step
-call to return), first step s (optimizer construction to the end of the first step, including
-compilation and autotuning), ready s (to the end of warm-up, capture included), effective
-TFLOP/s and GB/s from the cost model in flops.py, bytes sent per step, speedup vs the baseline.
+Dion3 at several fractions, uniform or per shape by cost) runs alone, eager and graph-captured,
+on fixed random gradients; memory is freed between runs and a failing variant reports its error
+in its row. Reported per row: median device ms (CUDA events; perf_counter on CPU), median host
+ms (time for the step call to return), first step s (optimizer construction to the end of the
+first step, including compilation and autotuning), ready s (to the end of warm-up, capture
+included), effective TFLOP/s and GB/s from the cost model in flops.py, bytes sent per step,
+speedup vs the baseline.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 
 from .. import kernels
 from ..optim import Dion3, Muon, NorMuon
+from ..train.fractions import cost_allocated_fractions, cost_allocated_groups
 from . import flops
 from .presets import PRESETS, Preset, get_preset, parse_shapes
 
@@ -41,6 +43,9 @@ class Variant:
     fraction: Optional[float] = None
     orthogonalizer: str = "auto"
     kernels: bool = True  # Triton kernels enabled (dion3.kernels.set_kernels_enabled)
+    # dion3: "uniform" (`fraction` on every matrix) or "cost" (one fraction per matrix shape, by
+    # orthogonalization cost at the FLOPs of `fraction` on every matrix: dion3.train.fractions)
+    allocation: str = "uniform"
 
 
 NAMED_VARIANTS = {
@@ -53,19 +58,22 @@ DEFAULT_OPTIMIZERS = "adamw,muon,muon-gram,normuon,dion3-1/2,dion3-1/4,dion3-1/8
 
 
 def parse_variant(name: str) -> Variant:
-    """A named variant, or dion3-F with F a fraction in (0, 1] such as 1/4 or 0.25."""
+    """A named variant, dion3-F with F a fraction in (0, 1] such as 1/4 or 0.25, or dion3-F-cost:
+    per-shape fractions by orthogonalization cost at the FLOPs of dion3-F."""
     if name in NAMED_VARIANTS:
         return NAMED_VARIANTS[name]
     if name.startswith("dion3-"):
+        spec = name[len("dion3-"):]
+        allocation = "cost" if spec.endswith("-cost") else "uniform"
         try:
-            fraction = float(Fraction(name[len("dion3-"):]))
+            fraction = float(Fraction(spec.removesuffix("-cost")))
         except (ValueError, ZeroDivisionError):
             fraction = -1.0
         if 0.0 < fraction <= 1.0:
-            return Variant(name, "dion3", fraction=fraction)
+            return Variant(name, "dion3", fraction=fraction, allocation=allocation)
     raise ValueError(
-        f"--optimizers: unknown optimizer {name!r}; expected one of {sorted(NAMED_VARIANTS)} "
-        "or dion3-F with a fraction F in (0, 1], e.g. dion3-1/4"
+        f"--optimizers: unknown optimizer {name!r}; expected one of {sorted(NAMED_VARIANTS)}, "
+        "dion3-F with a fraction F in (0, 1], e.g. dion3-1/4, or dion3-F-cost, e.g. dion3-1/4-cost"
     )
 
 
@@ -87,6 +95,8 @@ def make_optimizer(variant: Variant, matrices, scalars, device: torch.device, gr
         mode = {"fused": True} if device.type == "cuda" else {"foreach": True}
         return torch.optim.AdamW(matrices + scalars, lr=1e-3, weight_decay=0.01, capturable=graph, **mode)
     groups = [{"params": matrices}]
+    if variant.allocation == "cost":  # one group per shape, each with its fraction by cost
+        groups = cost_allocated_groups({"params": matrices, "orthogonalizer": variant.orthogonalizer}, variant.fraction)
     if scalars:
         groups.append({"params": scalars, "algorithm": "adamw", "lr": 1e-3})
     common = dict(lr=0.01, weight_decay=0.01, orthogonalizer=variant.orthogonalizer)
@@ -173,12 +183,21 @@ def measure(variant: Variant, graph: bool, preset: Preset, args, device: torch.d
     return result
 
 
+def shape_fractions(variant: Variant, preset: Preset):
+    """The fraction the variant runs at: variant.fraction, or for allocation "cost" one per entry
+    of preset.matrices, as make_optimizer's cost_allocated_groups gives them to its groups (chosen
+    under the H200 dispatch of dion3.train.fractions, as for training, whatever the bench's device)."""
+    if variant.allocation == "cost":
+        return cost_allocated_fractions(preset.matrices, variant.fraction, method=variant.orthogonalizer)
+    return variant.fraction
+
+
 def cost_of(variant: Variant, preset: Preset, device: torch.device, with_scalars: bool) -> flops.StepCost:
     def symmetric(n: int) -> bool:  # the dispatch rule of dion3.kernels, asked as the run will ask it
         return variant.kernels and kernels.symmetric_kernels_available(device, n)
 
     return flops.step_cost(
-        preset.matrices, variant.algorithm, variant.fraction, variant.orthogonalizer, symmetric,
+        preset.matrices, variant.algorithm, shape_fractions(variant, preset), variant.orthogonalizer, symmetric,
         scalar_numel=preset.scalar_numel if with_scalars else 0,
     )
 
@@ -273,7 +292,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=sorted(PRESETS), default="llama-1b", help="model shapes (default llama-1b)")
     source.add_argument("--shapes", help="custom matrices ROWSxCOLS[:COUNT],... e.g. 4096x4096:32,1024x4096:64")
-    parser.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS, help=f"comma list (default {DEFAULT_OPTIMIZERS})")
+    parser.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS,
+                        help=f"comma list (default {DEFAULT_OPTIMIZERS}); dion3-F takes any fraction F in (0, 1], "
+                        "dion3-F-cost (e.g. dion3-1/4-cost) fractions per matrix shape by orthogonalization cost "
+                        "at dion3-F's FLOPs")
     parser.add_argument("--skip", default="", help="comma list of optimizers to leave out (e.g. adamw on llama-8b)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run (median reported; default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first, the first step included (default 5)")
