@@ -23,7 +23,7 @@ from ..optim import Dion3, FractionScheduler, FractionWarmup
 from ..optim.graph import CapturedStep
 from .data import TokenData, read_once_batches, train_batches, val_batches
 from .fractions import matrix_shapes, step_orthogonalize_flops
-from .groups import FRACTION_ALLOCATIONS, param_groups  # noqa: F401 (RunSpec.fraction_allocation takes these)
+from .groups import param_groups
 from .model import GPT, GPTConfig, padded_vocab
 
 TIMING_WARMUP = 5
@@ -39,8 +39,8 @@ class RunSpec:
     fraction: Optional[float] = None  # Dion3 only
     mu: Optional[float] = None  # momentum of the matrix group; None keeps the optimizer default
     fraction_warmup: int = 0  # Dion3 only: steps of a linear fraction warm-up from 1 to `fraction`
-    # Dion3 only: "uniform" (`fraction` on every matrix) or "cost" (one group per matrix shape, fractions
-    # from fractions.cost_allocated_fractions at the orthogonalization FLOPs of the uniform `fraction`)
+    # Dion3 only: param_groups' fraction_allocation, "uniform" (`fraction` on every matrix) or "cost" (one
+    # group per matrix shape, fractions by orthogonalization cost at the FLOPs of the uniform `fraction`)
     fraction_allocation: str = "uniform"
 
 
