@@ -170,8 +170,9 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     for family in families:
         if family not in FAMILIES:
             raise SystemExit(f"quality_study: --optimizers: unknown {family!r}; expected some of {tuple(FAMILIES)}")
-    if not 0.0 < args.fraction <= 1.0:
-        raise SystemExit(f"quality_study: --fraction must lie in (0, 1], got {args.fraction}")
+    fractions = list(dict.fromkeys(_floats(args.fraction, "--fraction")))
+    if any(not 0.0 < f <= 1.0 for f in fractions):
+        raise SystemExit(f"quality_study: --fraction values must lie in (0, 1], got {args.fraction!r}")
     allocations = list(dict.fromkeys(a.strip() for a in args.fraction_allocation.split(",") if a.strip()))
     if not allocations or any(a not in FRACTION_ALLOCATIONS for a in allocations):
         raise SystemExit(f"quality_study: --fraction-allocation expects some of {FRACTION_ALLOCATIONS}, "
@@ -195,10 +196,10 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
                 # FractionScheduler sets one fraction on every group: it would undo the per-shape fractions
                 raise SystemExit("quality_study: --fraction-allocation cost needs fixed fractions: add "
                                  f"--fraction-warmup 0 (got warm-ups {sorted(set(warmups))} at horizon {horizon})")
-            for lr, mu, warm, allocation in itertools.product(
-                    _floats(args.dion3_lr, "--dion3-lr"), _floats(args.dion3_mu, "--dion3-mu"), dict.fromkeys(warmups),
-                    allocations):
-                runs.append(Run(optimizer="dion3", lr=lr, mu=mu, fraction=args.fraction, fraction_warmup=warm,
+            for fraction, lr, mu, warm, allocation in itertools.product(
+                    fractions, _floats(args.dion3_lr, "--dion3-lr"), _floats(args.dion3_mu, "--dion3-mu"),
+                    dict.fromkeys(warmups), allocations):
+                runs.append(Run(optimizer="dion3", lr=lr, mu=mu, fraction=fraction, fraction_warmup=warm,
                                 horizon=horizon, seed=seed, fraction_allocation=allocation, **common))
     return [dataclasses.replace(run, repeat=r) for run in runs for r in range(args.repeats)]
 
@@ -432,7 +433,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.add_argument(f"--{family}-lr", default=lr, help=f"{family} matrix learning rates (default {lr})")
         if mu:
             parser.add_argument(f"--{family}-mu", default=mu, help=f"{family} momenta (default {mu})")
-    parser.add_argument("--fraction", type=float, default=0.25, help="Dion3's (final) fraction")
+    parser.add_argument("--fraction", default="0.25",
+                        help="Dion3's (final) fractions, comma-separated (with --fraction-allocation cost: the uniform "
+                             "fraction whose orthogonalization FLOPs the per-shape fractions share)")
     parser.add_argument("--fraction-warmup", default="0,200",
                         help="Dion3 fraction warm-ups from 1, comma-separated: steps, or P%% of the horizon; 0 = fixed fraction")
     parser.add_argument("--fraction-allocation", default="uniform",

@@ -64,6 +64,19 @@ def test_cost_allocation_runs_beside_uniform_ones_with_fixed_fractions_only(stud
         study.plan_runs(study.parse_args(args + ["--fraction-allocation", "cheap"]))
 
 
+def test_fraction_grid_plans_each_fraction_and_keeps_the_single_fraction_keys(study):
+    args = ["--horizons", "100", "--seeds", "0", "--optimizers", "dion3", "--dion3-lr", "0.03", "--dion3-mu", "0.6",
+            "--fraction-warmup", "0"]
+    single, = study.plan_runs(study.parse_args(args))
+    grid = study.plan_runs(study.parse_args(args + ["--fraction", "0.25,0.125", "--fraction-allocation", "uniform,cost"]))
+    assert [(r.fraction, r.fraction_allocation) for r in grid] == [
+        (0.25, "uniform"), (0.25, "cost"), (0.125, "uniform"), (0.125, "cost")]
+    assert single.fraction == 0.25 and grid[0].key == single.key and len({r.key for r in grid}) == 4
+    for bad in ("0", "0.25,1.5", "a"):
+        with pytest.raises(SystemExit, match="--fraction"):
+            study.plan_runs(study.parse_args(args + ["--fraction", bad]))
+
+
 def test_compiled_runs_are_their_own_settings_and_old_keys_stay_valid(study):
     args = ["--horizons", "100", "--seeds", "0", "--optimizers", "normuon", "--normuon-mu", "0.6"]
     eager, = study.plan_runs(study.parse_args(args))
