@@ -310,9 +310,15 @@ def test_compare_run_spec_names_with_a_fraction_warmup():
     spec = compare.run_spec("dion3-f0.25-warm50", preset, {"dion3-f0.25-warm50": 0.05}, {"dion3-f0.25": 0.6})
     assert (spec.lr, spec.mu, spec.fraction_warmup) == (0.05, 0.6, 50)
     assert compare.run_spec("dion3-f0.25", preset, {}, {}).fraction_warmup == 0
-    for bad in ("dion3-f0.25-warm", "dion3-f0.25-warm0", "dion3-f0.25-warmx", "dion3-f2-warm10"):
+    for bad in ("dion3-f0.25-warm", "dion3-f0.25-warm0", "dion3-f0.25-warmx", "dion3-f2-warm10",
+                "dion3-f0.25-warm10-cost", "dion3-f-cost", "dion3-f0-cost"):
         with pytest.raises(ValueError, match="--optimizers"):
             compare.run_spec(bad, preset, {}, {})
+    # by cost: fixed per-shape fractions at f's FLOPs, with f's lr and μ unless named itself
+    spec = compare.run_spec("dion3-f0.25-cost", preset, {}, {"dion3-f0.25-cost": 0.6})
+    assert (spec.fraction, spec.fraction_allocation, spec.fraction_warmup) == (0.25, "cost", 0)
+    assert (spec.lr, spec.mu) == (preset.lrs["dion3-f0.25"], 0.6)
+    assert compare.run_spec("dion3-f0.25", preset, {}, {}).fraction_allocation == "uniform"
 
 
 def test_schedule_warmup_and_cooldown():

@@ -68,15 +68,19 @@ PRESETS: dict[str, Preset] = {
 
 
 def run_spec(name: str, preset: Preset, lr_overrides: dict, mu_overrides: dict) -> RunSpec:
-    """"adamw", "muon", "normuon", "dion3-f<fraction>" or "dion3-f<fraction>-warm<steps>" (the
-    fraction warmed up linearly from 1 over the first <steps> steps). A Dion3 run without its own
+    """"adamw", "muon", "normuon", "dion3-f<fraction>", "dion3-f<fraction>-warm<steps>" (the
+    fraction warmed up linearly from 1 over the first <steps> steps) or "dion3-f<fraction>-cost"
+    (fixed fractions per matrix shape by orthogonalization cost at <fraction>'s FLOPs,
+    param_groups' fraction_allocation="cost"). A Dion3 run without its own
     lr/momentum takes those of its fraction without warm-up, else the f=¼ lr scaled by the 1/√f
     rule of thumb (and the f=¼ momentum)."""
     lrs, mus = {**preset.lrs, **lr_overrides}, {**preset.mus, **mu_overrides}
     if name in ("adamw", "muon", "normuon"):
         return RunSpec(name, name, lrs[name], mu=mus.get(name))
     if name.startswith("dion3-f"):
-        fraction_text, _, warmup_text = name[len("dion3-f"):].partition("-warm")
+        rest = name[len("dion3-f"):]
+        allocation = "cost" if rest.endswith("-cost") else "uniform"
+        fraction_text, _, warmup_text = rest.removesuffix("-cost").partition("-warm")
         try:
             fraction = float(fraction_text)
         except ValueError:
@@ -88,19 +92,22 @@ def run_spec(name: str, preset: Preset, lr_overrides: dict, mu_overrides: dict) 
             if not warmup_text.isdigit() or int(warmup_text) < 1:
                 raise ValueError(f"--optimizers: {name!r} needs a positive number of warm-up steps, e.g. dion3-f0.25-warm200")
             warmup = int(warmup_text)
+        if warmup and allocation == "cost":  # a warm-up sets one fraction on every group
+            raise ValueError(f"--optimizers: {name!r}: fractions by cost are fixed, they take no -warm<steps>")
         base = f"dion3-f{fraction_text}"
         lr = lrs.get(name, lrs.get(base, preset.lrs["dion3-f0.25"] * math.sqrt(0.25 / fraction)))
         mu = mus.get(name, mus.get(base, preset.mus.get("dion3-f0.25")))
-        return RunSpec(name, "dion3", lr, fraction, mu, warmup)
-    raise ValueError(
-        f"--optimizers: unknown optimizer {name!r}; use adamw, muon, normuon, dion3-f<fraction> or dion3-f<fraction>-warm<steps>")
+        return RunSpec(name, "dion3", lr, fraction, mu, warmup, allocation)
+    raise ValueError(f"--optimizers: unknown optimizer {name!r}; use adamw, muon, normuon, dion3-f<fraction>, "
+                     "dion3-f<fraction>-warm<steps> or dion3-f<fraction>-cost")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dion3 compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="cpu-tiny", choices=sorted(PRESETS), help="model size, steps, lrs (default cpu-tiny)")
     parser.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
-                        help="comma-separated; dion3-f<f>-warm<steps> warms the fraction up from 1 (default: %(default)s)")
+                        help="comma-separated; dion3-f<f>-warm<steps> warms the fraction up from 1, dion3-f<f>-cost "
+                             "sets fractions per matrix shape by cost at f's FLOPs (default: %(default)s)")
     parser.add_argument("--steps", type=int, help="training steps per optimizer (preset default otherwise)")
     parser.add_argument("--batch-size", type=int, help="sequences per step")
     parser.add_argument("--eval-every", type=int, help="steps between validation evaluations")
