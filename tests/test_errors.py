@@ -11,7 +11,7 @@ import pathlib
 import pytest
 import torch
 
-from dion3 import Dion3, FractionScheduler, Muon, NorMuon, orthogonalize
+from dion3 import Dion3, FractionScheduler, Muon, NorMuon, orthogonalize, param_groups
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 
@@ -83,6 +83,15 @@ CASES = [
     ("fraction-above-one", lambda: Dion3([param(4, 4)], fraction=1.5), ValueError, "fraction must lie in (0.0, 1.0]"),
     ("fraction-schedule-out-of-range", lambda: FractionScheduler(Dion3([param(4, 4)]), lambda step: 1.5), ValueError,
      "parameter group 0 (fraction schedule at step 0): fraction must lie in (0.0, 1.0]"),
+    ("fraction-schedule-over-different-fractions",
+     lambda: FractionScheduler(Dion3([{"params": [param(4, 4)], "fraction": 0.5}, {"params": [param(8, 4)], "fraction": 0.25}]),
+                               lambda step: 0.5),
+     ValueError, "the Dion3 groups hold different fractions (group 0: 0.5, group 1: 0.25)"),
+    ("fraction-allocation-unknown", lambda: param_groups(torch.nn.Linear(4, 4), lm_head="weight", fraction_allocation="cheap"),
+     ValueError, "fraction_allocation must be one of ('uniform', 'cost')"),
+    ("fraction-allocation-cost-without-fraction",
+     lambda: param_groups(torch.nn.Linear(4, 4), lm_head="weight", fraction_allocation="cost"),
+     ValueError, "fraction_allocation='cost' needs fraction="),
     ("fraction-set-between-steps", fraction_set_between_steps, ValueError, "parameter group 0: fraction must lie in (0.0, 1.0]"),
     ("unknown-algorithm", lambda: Dion3([{"params": [param(4, 4)], "algorithm": "sgd"}]), ValueError, "unknown algorithm 'sgd'"),
     ("unknown-coefficients", lambda: Muon([param(4, 4)], ns_coefficients="fast"), ValueError, "unknown ns_coefficients 'fast'"),

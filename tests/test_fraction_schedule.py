@@ -152,6 +152,25 @@ def test_fraction_outside_range_raises_naming_the_group():
         opt.step()
 
 
+def test_groups_of_different_fractions_are_scheduled_only_when_named():
+    """Per-shape fractions (param_groups(fraction_allocation="cost")) would all be replaced by one
+    schedule: the default group choice refuses them, an explicit `groups` schedules on purpose."""
+    from dion3 import param_groups
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(4, 16, bias=False),
+                                torch.nn.Linear(16, 4, bias=False))
+    opt = Dion3(param_groups(model, lm_head="2", fraction=0.5, fraction_allocation="cost"))
+    fractions = [g["fraction"] for g in opt.param_groups[:2]]
+    assert len(set(fractions)) == 2
+    with pytest.raises(ValueError, match=r"different fractions \(group 0: .*, group 1: .*\).*groups=\[\.\.\.\]"):
+        FractionScheduler(opt, FractionWarmup(0.5, 4))
+    assert [g["fraction"] for g in opt.param_groups[:2]] == fractions  # the refused scheduler set nothing
+    scheduler = FractionScheduler(opt, FractionWarmup(0.5, 4), groups=[1])
+    assert scheduler.get_last_fraction() == [1.0] and opt.param_groups[0]["fraction"] == fractions[0]
+    # equal fractions (one fraction on every group) are scheduled as before
+    FractionScheduler(Dion3(param_groups(model, lm_head="2", fraction=0.5)), FractionWarmup(0.5, 4))
+
+
 def _build(params):
     opt = Dion3(params, lr=0.05, mu=0.6, weight_decay=0.1)
     return opt, FractionScheduler(opt, FractionWarmup(0.25, 6))

@@ -88,6 +88,14 @@ class FractionScheduler:
             groups = [i for i, g in enumerate(optimizer.param_groups) if g.get("algorithm") in SELECTING_ALGORITHMS]
             if not groups:
                 raise ValueError("FractionScheduler: the optimizer has no parameter group with algorithm 'dion3' or 'dion2'")
+            # one schedule for groups built with different fractions (e.g. per shape by cost) would erase them
+            held = {i: optimizer.param_groups[i].get("fraction") for i in groups}
+            if len(set(held.values())) > 1:
+                listed = ", ".join(f"group {i}: {f}" for i, f in held.items())
+                raise ValueError(f"FractionScheduler: the Dion3 groups hold different fractions ({listed}); a schedule "
+                                 "sets one fraction on every group it schedules and would replace them (per-shape "
+                                 "fractions such as param_groups(fraction_allocation='cost') are fixed). Pass "
+                                 "groups=[...] to schedule chosen groups on purpose")
         groups = list(groups)
         for index in groups:
             if not isinstance(index, int) or not 0 <= index < len(optimizer.param_groups):

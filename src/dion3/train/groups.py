@@ -62,8 +62,8 @@ def param_groups(
         matrix (dion3.train.fractions.cost_allocated_fractions): short and narrow matrices (k/v
         projections) keep more of their rows, wide MLP matrices fewer. Needs `fraction`, a Dion3 or
         Dion2 group (or `algorithm` None with the Dion3 class) and whole matrices (no num_heads or
-        split_sizes). A FractionScheduler sets one fraction on every group it schedules, so it
-        would undo these fractions: use fixed fractions with "cost".
+        split_sizes). The fractions are fixed: a FractionScheduler sets one fraction on every
+        group it schedules, so it refuses these groups unless `groups=` names them.
     options: further settings of the matrix group (fraction, mu, weight_decay, ...).
 
     Every trainable parameter lands in exactly one group; empty groups are left out.
