@@ -5,7 +5,9 @@ ConfigManager, and its optimizer and LR-scheduler configs train torchtitan's Lla
 on 4 gloo ranks (tests/torchtitan_worker.py): FSDP2 + TP (dp=2, tp=2) against the one-process
 model, then DCP save → resume on the same layout and on FSDP2 over 4 ranks against the
 uninterrupted run. Group assignment by FQN is checked on the debug models (meta device) of
-Llama 3 and of Qwen 3 MoE.
+Llama 3 and of Qwen 3 MoE. Per-shape fractions by cost (fraction_allocation="cost") are checked
+against cost_allocated_fractions of the global weight shapes, and trained on FSDP2 over 2 ranks
+(save → resume included) against the one-process model.
 
 Everything but the first test needs torchtitan installed (`pip install 'dion3[torchtitan]'`); CI
 does not install it (the docs say why), so there these tests are skipped.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections import Counter
 import os
 import re
 import subprocess
@@ -207,3 +210,120 @@ def test_resume_on_fsdp_over_four_ranks_continues_the_trajectory(runs):
     tail = slice(worker.SAVE_AT, None)
     assert _relative(runs["c"]["losses"], runs["a"]["losses"][tail]) < 1e-5
     assert runs["c"]["fractions"] == runs["a"]["fractions"][tail]
+
+
+# --- per-shape fractions by cost (fraction_allocation="cost") ---------------------------------
+
+def _expected_cost_fractions(model, fraction: float) -> dict[str, float]:
+    """FQN → fraction for the Dion3 parameters of the debug model under "cost", from its global
+    weight shapes: cost_allocated_fractions over the orthogonal group's shapes; the fused wqkv
+    (per-head blocks) keeps `fraction`."""
+    from dion3.bench.flops import MatrixShape
+    from dion3.train.fractions import cost_allocated_fractions
+
+    orthogonal = {n: tuple(p.shape) for n, p in model.named_parameters()
+                  if p.dim() == 2 and not re.search(r"(tok_embeddings|output|lm_head)\.|wqkv", n)}
+    counts = Counter(orthogonal.values())
+    shapes = [MatrixShape(f"{r}x{c}", r, c, count) for (r, c), count in counts.items()]
+    by_shape = dict(zip(counts, cost_allocated_fractions(shapes, fraction)))
+    expected = {n: by_shape[shape] for n, shape in orthogonal.items()}
+    expected.update({n: fraction for n, _ in model.named_parameters() if n.endswith("wqkv.weight")})
+    return expected
+
+
+def _cost_config(fraction: float = 0.25):
+    from torchtitan.models.llama3 import model_registry
+
+    from dion3.integrations.torchtitan import dion3_optimizer
+
+    return dion3_optimizer(model_registry("debugmodel").model, lr=0.02, adamw_lr=3e-3, fraction=fraction,
+                           selection_scope="global", fraction_allocation="cost")
+
+
+@needs_torchtitan
+def test_cost_allocation_splits_the_orthogonal_group_by_shape():
+    from torchtitan.models.llama3 import model_registry
+
+    spec = model_registry("debugmodel")
+    model = _meta_model(spec)
+    container = _cost_config(0.25).build(model_parts=[model])
+    dion3_groups = [g for o in container.optimizers if type(o).__name__ == "Dion3" for g in o.param_groups]
+    built = {name: g["fraction"] for g in dion3_groups for name in g["param_names"]}
+    expected = _expected_cost_fractions(model, 0.25)
+    assert built == expected
+    params = dict(model.named_parameters())
+    for group in dion3_groups:  # one group per shape (wqkv: its own group, by pattern)
+        assert len({tuple(params[n].shape) for n in group["param_names"]}) == 1
+        assert [params[n] for n in group["param_names"]] == list(group["params"])
+    others = {f for n, f in expected.items() if not n.endswith("wqkv.weight")}
+    assert len(others) == 3 and 0.25 not in others  # wo 256×256, w1/w3 768×256, w2 256×768
+    # "uniform" (the default) keeps one fraction on both orthogonal groups, as before
+    from dion3.integrations.torchtitan import dion3_optimizer
+
+    uniform = dion3_optimizer(spec.model, lr=0.02, fraction=0.25).build(model_parts=[model])
+    groups = [g for o in uniform.optimizers if type(o).__name__ == "Dion3" for g in o.param_groups]
+    assert len(groups) == 2 and {g["fraction"] for g in groups} == {0.25}
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("kwargs, message", [
+    ({"fraction_allocation": "cost"}, "needs fraction="),
+    ({"fraction_allocation": "cost", "fraction": 0.25, "algorithm": "Muon"}, "needs algorithm='Dion3'"),
+    ({"fraction_allocation": "cost", "fraction": 0.25, "fraction_schedule": "warmup"},
+     "fraction_schedule cannot be combined"),
+    ({"fraction_allocation": "by_cost", "fraction": 0.25}, "fraction_allocation must be one of"),
+])
+def test_dion3_optimizer_refuses_bad_cost_settings(kwargs, message):
+    from torchtitan.models.llama3 import model_registry
+
+    from dion3 import FractionWarmup
+    from dion3.integrations.torchtitan import dion3_optimizer
+
+    if kwargs.get("fraction_schedule") == "warmup":
+        kwargs = dict(kwargs, fraction_schedule=FractionWarmup(target=0.25, steps=4))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dion3_optimizer(model_registry("debugmodel").model, **kwargs)
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("algorithm, options, schedule, message", [
+    ("Muon", {"fraction": 0.25}, False, "no parameter group runs Dion3 or Dion2"),
+    ("Dion3", {}, False, "needs a fraction in the group of pattern '.*'"),
+    ("Dion3", {"fraction": 0.25}, True, "fraction_schedule cannot be combined"),
+])
+def test_container_refuses_bad_cost_settings(algorithm, options, schedule, message):
+    from torchtitan.models.llama3 import model_registry
+
+    from dion3 import FractionWarmup
+    from dion3.integrations.torchtitan import Dion3OptimizersContainer, param_group_configs
+
+    spec = model_registry("debugmodel")
+    config = Dion3OptimizersContainer.Config(
+        param_groups=param_group_configs(algorithm, **options), implementation="foreach",
+        fraction_allocation="cost", fraction_schedule=FractionWarmup(target=0.25, steps=4) if schedule else None)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config.build(model_parts=[_meta_model(spec)])
+
+
+@pytest.fixture(scope="module")
+def cost_runs(job_config, tmp_path_factory):
+    return gloo.spawn_and_read(worker.cost_worker, 2, tmp_path_factory.mktemp("torchtitan_cost") / "results.json",
+                               _cost_config(0.25), job_config.lr_scheduler)
+
+
+@needs_torchtitan
+def test_cost_fractions_on_fsdp_match_one_process_and_resume(cost_runs):
+    from torchtitan.models.llama3 import model_registry
+
+    a, b, ref = cost_runs["a"], cost_runs["b"], cost_runs["reference"]
+    # the groups come from global shapes: the same on FSDP2 (dim-0 shards), on one process and
+    # after loading the checkpoint (each parameter's group settings are saved under its FQN)
+    expected = _expected_cost_fractions(_meta_model(model_registry("debugmodel")), 0.25)
+    assert a["fraction_by_fqn"] == ref["fraction_by_fqn"] == b["fraction_by_fqn"] == pytest.approx(expected)
+    assert all(math.isfinite(x) for x in a["losses"]) and a["losses"][-1] < a["losses"][0] - 0.2
+    # global selection: the same update on any layout up to the order of float32 sums, which a
+    # fixed fraction 0.25 from step 1 amplifies more than the docs' warmup from 1.0 (measured
+    # 2.7e-6; with bf16 Newton–Schulz 1.2e-5, and 4e-6 for the uniform fraction); cost against
+    # uniform fractions moves the losses by about 8e-4
+    assert _relative(a["losses"], ref["losses"]) < 5e-5
+    assert b["losses"] == a["losses"][worker.SAVE_AT:]

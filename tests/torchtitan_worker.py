@@ -14,6 +14,8 @@ Runs: "a" trains STEPS steps on (dp=2, tp=2) and saves a checkpoint at SAVE_AT; 
 a different initialization on the same layout, loads that checkpoint and trains the remaining
 steps; "c" does the same on FSDP2 over 4 ranks (dp=4, tp=1); rank 0 also trains the plain
 one-process model ("reference") on the same global batches from the same weights.
+`cost_worker` (2 ranks) does "a" and "b" on FSDP2 (dp=2) and the reference for a config with
+per-shape fractions by cost; every run records the fraction of each Dion3 parameter's group.
 """
 from __future__ import annotations
 
@@ -137,8 +139,15 @@ def train(optimizer_config, scheduler_config, dp: int, tp: int, seed: int, folde
         dist.all_reduce(total)
         record["losses"].append(total.item() / tp)  # the tp ranks of a dp rank hold the same loss
     record["kinds"] = sorted({type(o).__name__ for o in optimizers})
+    record["fraction_by_fqn"] = _fraction_by_fqn(optimizers)
     checkpointer.close()
     return record, initial
+
+
+def _fraction_by_fqn(optimizers) -> dict:
+    """FQN → the fraction of its group, over the Dion3 groups (after loading: as restored)."""
+    return {name: group["fraction"] for o in optimizers for group in o.param_groups
+            if group.get("algorithm") == "dion3" for name in group["param_names"]}
 
 
 def _dion3_group(optimizers) -> dict:
@@ -167,7 +176,7 @@ def reference(optimizer_config, scheduler_config, initial: dict) -> dict:
         optimizers.step()
         schedulers.step()
         losses.append(loss.item())
-    return {"losses": losses}
+    return {"losses": losses, "fraction_by_fqn": _fraction_by_fqn(optimizers)}
 
 
 def worker(rank: int, world: int, out_path: str, optimizer_config, scheduler_config) -> None:
@@ -183,6 +192,26 @@ def worker(rank: int, world: int, out_path: str, optimizer_config, scheduler_con
         c, _ = train(optimizer_config, scheduler_config, 4, 1, seed=2, folder=f"{folder}/a",
                      first=SAVE_AT + 1, load_step=SAVE_AT)
         results = {"a": a, "b": b, "c": c}
+        if rank == 0:
+            results["reference"] = reference(optimizer_config, scheduler_config, initial)
+        return results
+
+    gloo.run_and_report(rank, world, out_path, scenarios)
+
+
+def cost_worker(rank: int, world: int, out_path: str, optimizer_config, scheduler_config) -> None:
+    """FSDP2 over 2 ranks: "a" saves at SAVE_AT, "b" resumes from it on the same layout; rank 0
+    also trains the one-process reference."""
+    folder = os.path.dirname(out_path)
+    torch.set_num_threads(1)
+
+    def scenarios() -> dict:
+        use_cpu()
+        a, initial = train(optimizer_config, scheduler_config, 2, 1, seed=0, folder=f"{folder}/a",
+                           first=1, save_at=SAVE_AT)
+        b, _ = train(optimizer_config, scheduler_config, 2, 1, seed=1, folder=f"{folder}/a",
+                     first=SAVE_AT + 1, load_step=SAVE_AT)
+        results = {"a": a, "b": b}
         if rank == 0:
             results["reference"] = reference(optimizer_config, scheduler_config, initial)
         return results

@@ -24,6 +24,11 @@ and placements (`distributed_mesh=None`). The container's flat, FQN-keyed state 
 torchtitan's checkpointer saves through DCP; dion3's state entries are DTensors with the
 parameters' placements, so a checkpoint resumes on another layout. The fraction schedule's
 position is saved beside them (`FRACTION_STEP_KEY`).
+
+With `fraction_allocation="cost"` the container splits every Dion3/Dion2 group of whole matrices
+into one group per global matrix shape, with fractions by orthogonalization cost
+(dion3.train.fractions.cost_allocated_groups, the rule of `param_groups(fraction_allocation=
+"cost")`); groups split into blocks (the fused `wqkv`'s heads) keep their one fraction.
 """
 from __future__ import annotations
 
@@ -37,10 +42,13 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "dion3.integrations.torchtitan needs torchtitan 0.3: pip install 'dion3[torchtitan]'"
     ) from error
 
+import torch
+from torch import nn
 from torch.optim import Optimizer
 
-from ..algorithms import SELECTING_ALGORITHMS
+from ..algorithms import ALIASES, SELECTING_ALGORITHMS
 from ..optim import Dion3, FractionScheduler, FractionWarmup, Muon, NorMuon
+from ..train.fractions import cost_allocated_groups
 
 __all__ = [
     "Dion3OptimizersContainer", "FRACTION_STEP_KEY", "OPTIMIZERS", "dion3_optimizer",
@@ -61,6 +69,51 @@ NO_DECAY_PATTERN = r"(norm\.weight|\.bias)$"
 ADAMW_PATTERN = r"(^|\.)(tok_embeddings|output|lm_head)\.|\.router\.gate\."
 FUSED_QKV_PATTERN = r"\.wqkv\.weight$"
 
+FRACTION_ALLOCATIONS = ("uniform", "cost")  # Dion3OptimizersContainer.Config.fraction_allocation
+
+
+def _check_allocation(where: str, fraction_allocation: str, fraction_schedule: Any) -> None:
+    if fraction_allocation not in FRACTION_ALLOCATIONS:
+        raise ValueError(f"{where}: fraction_allocation must be one of {FRACTION_ALLOCATIONS}, "
+                         f"got {fraction_allocation!r}")
+    if fraction_allocation == "cost" and fraction_schedule is not None:
+        raise ValueError(f"{where}: fraction_schedule cannot be combined with fraction_allocation='cost': a "
+                         "schedule sets one fraction on every Dion3 group, the per-shape fractions by cost "
+                         "are fixed; drop one of them")
+
+
+def _is_cost_split(group: dict) -> bool:
+    """A Dion3-optimizer group that fraction_allocation='cost' splits by shape: row-selecting
+    (dion3, dion2) and of whole matrices (no num_heads, no split_sizes)."""
+    algorithm = group.get("algorithm", "dion3")
+    return (ALIASES.get(algorithm, algorithm) in SELECTING_ALGORITHMS
+            and group.get("num_heads") is None and group.get("split_sizes") is None)
+
+
+def _split_by_cost(group: dict, settings: dict[str, Any], pattern: str) -> list[dict]:
+    """`group` split into one group per global matrix shape with fractions by cost, `params` and
+    `param_names` split alike. settings: the group's settings with the constructor's beneath
+    (fraction, flatten, orthogonalizer and ns_coefficients price the rows).
+
+    The shapes are the parameters' global ones (a DTensor's `.shape`): stand-ins on the meta
+    device with those shapes go through cost_allocated_groups, so no local shard is read and no
+    collective runs, and every rank derives the same groups from the same model."""
+    fraction = settings.get("fraction")
+    if fraction is None:
+        raise ValueError(f"Dion3OptimizersContainer: fraction_allocation='cost' needs a fraction in the group of "
+                         f"pattern {pattern!r} (its uniform fraction, whose orthogonalization FLOPs the "
+                         "per-shape fractions share)")
+    params, names = list(group["params"]), list(group["param_names"])
+    stand_ins = [torch.empty(tuple(p.shape), device="meta") for p in params]
+    index = {id(s): i for i, s in enumerate(stand_ins)}
+    parts = cost_allocated_groups(dict(settings, params=stand_ins), fraction)
+    out = []
+    for part in parts:
+        members = [index[id(s)] for s in part["params"]]
+        out.append(dict(group, params=[params[i] for i in members],
+                        param_names=[names[i] for i in members], fraction=part["fraction"]))
+    return out
+
 
 def _builder(cls: type[Optimizer]) -> Callable[..., Optimizer]:
     def build(param_groups, **kwargs) -> Optimizer:
@@ -78,6 +131,13 @@ class Dion3OptimizersContainer(OptimizersContainer):
     stepped after the optimizers in `step()` — the trainer calls `optimizers.step()` and then
     `lr_schedulers.step()`, so the fraction and the learning rate advance together — and saved
     in the state dict under FRACTION_STEP_KEY.
+    Config.fraction_allocation: "uniform" (default) keeps each group's `fraction`; "cost" splits
+    every "Dion3" group of row-selecting whole matrices (algorithm dion3/dion2, no num_heads or
+    split_sizes) into one group per global matrix shape, with fractions by orthogonalization cost
+    at the FLOPs of the group's fraction (`_split_by_cost`). The split is a function of the
+    model's global shapes and FQN order, so every rank and every reload builds the same groups,
+    and each parameter's group settings (its fraction) are saved under its FQN. Under pipeline
+    parallelism each model part shares its own budget. Refused with a fraction schedule.
     `optimizer_factory_kwargs_by_name={"Dion3": {...}}` passes constructor arguments that are
     not group settings (orthogonalizer, check_finite).
     """
@@ -87,8 +147,19 @@ class Dion3OptimizersContainer(OptimizersContainer):
         fraction_schedule: Optional[FractionWarmup] = None
         """Dion3's row fraction as a function of the step (None: each group's `fraction`)."""
 
+        fraction_allocation: str = "uniform"
+        """"uniform": each group's `fraction`; "cost": per-shape fractions by orthogonalization cost."""
+
     def __init__(self, config: Config, *, model_parts) -> None:
+        _check_allocation("Dion3OptimizersContainer", config.fraction_allocation, config.fraction_schedule)
+        # read by _build_param_groups, which the base class calls while it builds the optimizers
+        self._fraction_allocation = config.fraction_allocation
+        self._dion3_factory_kwargs = dict(config.optimizer_factory_kwargs_by_name.get("Dion3", {}))
+        self._cost_split_groups = 0
         super().__init__(config, model_parts=model_parts)
+        if config.fraction_allocation == "cost" and self._cost_split_groups == 0:
+            raise ValueError("Dion3OptimizersContainer: fraction_allocation='cost' but no parameter group runs "
+                             "Dion3 or Dion2 on whole matrices (optimizer_name 'Dion3', no num_heads/split_sizes)")
         self.fraction_schedulers: list[FractionScheduler] = []
         if config.fraction_schedule is not None:
             selecting = [o for o in self.optimizers
@@ -97,6 +168,25 @@ class Dion3OptimizersContainer(OptimizersContainer):
                 raise ValueError("Dion3OptimizersContainer: fraction_schedule is set but no parameter group "
                                  "runs Dion3 (optimizer_name 'Dion3')")
             self.fraction_schedulers = [FractionScheduler(o, config.fraction_schedule) for o in selecting]
+
+    def _build_param_groups(self, model: nn.Module, param_group_configs: list[ParamGroupConfig],
+                            impl_kwargs: dict[str, Any]) -> tuple[dict[str, list[dict]], dict[str, list[str]]]:
+        groups, patterns = OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
+        if self._fraction_allocation != "cost" or "Dion3" not in groups:
+            return groups, patterns
+        split_groups, split_patterns = [], []
+        for group, pattern in zip(groups["Dion3"], patterns["Dion3"], strict=True):
+            settings = {**self._dion3_factory_kwargs, **group}
+            if not _is_cost_split(settings):
+                split_groups.append(group)
+                split_patterns.append(pattern)
+                continue
+            self._cost_split_groups += 1
+            for part in _split_by_cost(group, settings, pattern):
+                split_groups.append(part)
+                split_patterns.append(f"{pattern} (fraction {part['fraction']:.4g} by cost)")
+        groups["Dion3"], patterns["Dion3"] = split_groups, split_patterns
+        return groups, patterns
 
     @staticmethod
     def _resolve_optimizer_factory(name: str) -> Callable[..., Optimizer]:
@@ -183,17 +273,32 @@ def dion3_optimizer(
     algorithm: str = "Dion3",
     fraction_schedule: Optional[FractionWarmup] = None,
     implementation: str = "foreach",
+    fraction_allocation: str = "uniform",
     **settings: Any,
 ) -> Dion3OptimizersContainer.Config:
     """The `optimizer` field of a torchtitan Trainer.Config that trains with dion3.
 
     model_config: the model's config (`config.model_spec.model`), read for a fused QKV weight
     (`fused_qkv_heads`); None: no per-head blocks. implementation: torchtitan's setting for its
-    AdamW groups ("foreach" runs on CPU and GPU; "fused" is CUDA-only). settings: as
-    `param_group_configs` (lr, adamw_lr, weight_decay, fraction, selection_scope, ...)."""
+    AdamW groups ("foreach" runs on CPU and GPU; "fused" is CUDA-only).
+    fraction_allocation: "uniform" (default): `fraction` on every orthogonal matrix. "cost": the
+    orthogonal group splits, when the container is built, into one group per global matrix shape
+    with fractions by orthogonalization cost at the FLOPs of `fraction` on every matrix (as
+    `dion3.param_groups(..., fraction_allocation="cost")`); the fused `wqkv` group (per-head
+    blocks) keeps `fraction`. Needs algorithm "Dion3" and `fraction`; no fraction_schedule.
+    settings: as `param_group_configs` (lr, adamw_lr, weight_decay, fraction, selection_scope, ...)."""
+    _check_allocation("dion3_optimizer", fraction_allocation, fraction_schedule)
+    if fraction_allocation == "cost":
+        if algorithm != "Dion3":
+            raise ValueError(f"dion3_optimizer: fraction_allocation='cost' needs algorithm='Dion3' (row selection), "
+                             f"got algorithm={algorithm!r}")
+        if settings.get("fraction") is None:
+            raise ValueError("dion3_optimizer: fraction_allocation='cost' needs fraction=..., the uniform fraction "
+                             "whose orthogonalization FLOPs the per-shape fractions share")
     heads = fused_qkv_heads(model_config) if model_config is not None else None
     return Dion3OptimizersContainer.Config(
         param_groups=param_group_configs(algorithm, qkv_heads=heads, **settings),
         implementation=implementation,
         fraction_schedule=fraction_schedule,
+        fraction_allocation=fraction_allocation,
     )
