@@ -204,6 +204,48 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     return [dataclasses.replace(run, repeat=r) for run in runs for r in range(args.repeats)]
 
 
+def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Run]:
+    """The best setting of each family (and of each Dion3 variant: fraction, warm-up, allocation)
+    among `records` at horizon --best-at, compiled or not as --compile says, run again at
+    --horizons with --seeds; every other field (lr, μ, batch, schedules, data) is the best run's
+    own. Best: the lowest mean final validation loss over the seeds that every setting of the
+    variant has (a seed-0 sweep whose winner then ran more seeds is judged on seed 0), or over
+    each setting's own seeds when they share none. Families: --optimizers; Dion3 variants: those
+    of --fraction, --fraction-warmup (in steps) and --fraction-allocation."""
+    families = [f.strip() for f in args.optimizers.split(",") if f.strip()]
+    fractions = set(_floats(args.fraction, "--fraction"))
+    warmups = set(_ints(args.fraction_warmup, "--fraction-warmup"))
+    allocations = {a.strip() for a in args.fraction_allocation.split(",") if a.strip()}
+    by_setting: dict[tuple, list[dict]] = {}
+    for record in records:
+        run = Run(**{**record["config"], "data": tuple(record["config"]["data"]) if record["config"]["data"] else None})
+        if (run.model != args.model or run.horizon != args.best_at or run.optimizer not in families
+                or run.compiled != args.compile):
+            continue
+        if run.optimizer == "dion3" and (run.fraction not in fractions or run.fraction_warmup not in warmups
+                                         or run.fraction_allocation not in allocations):
+            continue
+        if math.isfinite(record["final_val_loss"]) and not record.get("nonfinite_parameters"):
+            by_setting.setdefault(run.setting, (run, {}))[1][run.seed] = record["final_val_loss"]
+    variants: dict[tuple, list[tuple[Run, dict[int, float]]]] = {}
+    for run, losses in by_setting.values():
+        variants.setdefault((run.optimizer, run.fraction, run.fraction_warmup, run.fraction_allocation), []).append((run, losses))
+    best: dict[tuple, tuple[float, Run]] = {}
+    for variant, settings in variants.items():
+        shared = set.intersection(*(set(losses) for _, losses in settings))
+        scored = [(statistics.fmean(loss for seed, loss in losses.items() if not shared or seed in shared), run)
+                  for run, losses in settings]
+        best[variant] = min(scored, key=lambda item: item[0])
+    if not best:
+        raise SystemExit(f"quality_study: --best-from holds no finite {args.model} run at horizon {args.best_at} "
+                         f"of {families} (and the Dion3 variants asked for)")
+    horizons, seeds = sorted(set(_ints(args.horizons, "--horizons"))), _ints(args.seeds, "--seeds")
+    ranked = sorted(best.values(), key=lambda item: item[0])
+    for mean, run in ranked:
+        print(f"best at {args.best_at} steps: {run.label.rsplit(' h=', 1)[0]} (mean {mean:.4f})", flush=True)
+    return [dataclasses.replace(run, horizon=h, seed=s, repeat=0) for h in horizons for s in seeds for _, run in ranked]
+
+
 # ----------------------------------------------------------------------------- one run (child process)
 def build_llama(spec: ModelSpec):
     """A factory for the trainer: Hugging Face LlamaForCausalLM of `spec`'s shape, mapping
@@ -445,6 +487,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true",
                         help="the model's forward and backward through torch.compile (same math, fused kernels; the "
                              "summary lists compiled runs as their own settings)")
+    parser.add_argument("--best-from", type=Path, metavar="RESULTS",
+                        help="a study's results.jsonl (or its folder): instead of the lr/μ grids, run the best setting "
+                             "of each family and Dion3 variant there (at --best-at steps) at --horizons with --seeds")
+    parser.add_argument("--best-at", type=int, default=1500, help="the horizon whose losses pick the best (default 1500)")
     parser.add_argument("--repeats", type=int, default=1, help="run each setting and seed this many times (default 1)")
     parser.add_argument("--batch-size", type=int, help="sequences per step (default: the model's, 16)")
     parser.add_argument("--lr-warmup", type=int, default=20, help="lr warm-up steps (default 20)")
@@ -494,7 +540,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.trace:
             args.trace.mkdir(parents=True, exist_ok=True)
             os.environ[TRACE_ENV] = str(args.trace.resolve())
-        failures = run_study(plan_runs(args), out, args.jobs, devices, threads, args.stop_after)
+        if args.best_from:
+            runs = plan_best_runs(args, read_results(args.best_from / "results.jsonl" if args.best_from.is_dir() else args.best_from))
+        else:
+            runs = plan_runs(args)
+        failures = run_study(runs, out, args.jobs, devices, threads, args.stop_after)
     else:
         failures = 0
     table = write_summary(out, args.jobs)

@@ -93,6 +93,37 @@ def test_compiled_runs_are_their_own_settings_and_old_keys_stay_valid(study):
     assert "| gpt-25m (compiled) | 100 | NorMuon |" in rows and "| gpt-25m | 100 | NorMuon |" in rows
 
 
+def test_best_of_each_family_is_judged_on_shared_seeds_and_rerun_with_its_own_fields(study):
+    def record(optimizer, lr, seed, loss, allocation="uniform", compiled=True, fraction=None, horizon=1500):
+        run = study.Run("llama-384", optimizer, lr, 0.6, fraction, 0, horizon, seed, 32, 50, 0.3, 16, None,
+                        fraction_allocation=allocation, compiled=compiled)
+        return {"config": json.loads(json.dumps(run.__dict__)), "final_val_loss": loss}
+
+    records = [
+        # NorMuon: lr 0.02 ran seeds 1 and 2 as well and has the lower mean over all its seeds, but on
+        # the one seed both settings share (0) lr 0.01 is better
+        record("normuon", 0.01, 0, 1.00), record("normuon", 0.02, 0, 1.10),
+        record("normuon", 0.02, 1, 0.50), record("normuon", 0.02, 2, 0.50),
+        # Dion3: one best per allocation; a non-finite run never counts
+        record("dion3", 0.03, 0, 1.20, fraction=0.25), record("dion3", 0.06, 0, float("nan"), fraction=0.25),
+        record("dion3", 0.03, 0, 1.30, "cost", fraction=0.25), record("dion3", 0.06, 0, 1.25, "cost", fraction=0.25),
+        # another horizon, and an eager run, are not candidates
+        record("normuon", 0.04, 0, 0.10, horizon=400), record("normuon", 0.08, 0, 0.10, compiled=False),
+    ]
+    args = study.parse_args(["--model", "llama-384", "--optimizers", "normuon,dion3", "--fraction-warmup", "0",
+                             "--fraction-allocation", "uniform,cost", "--horizons", "6000", "--seeds", "0,1", "--compile"])
+    runs = study.plan_best_runs(args, records)
+    assert [(r.optimizer, r.lr, r.fraction_allocation, r.horizon, r.seed) for r in runs] == [
+        ("normuon", 0.01, "uniform", 6000, 0), ("dion3", 0.03, "uniform", 6000, 0), ("dion3", 0.06, "cost", 6000, 0),
+        ("normuon", 0.01, "uniform", 6000, 1), ("dion3", 0.03, "uniform", 6000, 1), ("dion3", 0.06, "cost", 6000, 1)]
+    assert all(r.compiled and r.batch_size == 32 and r.lr_warmup == 50 and r.cooldown == 0.3 for r in runs)
+    # without --compile only eager runs are candidates: the eager NorMuon alone
+    eager = study.parse_args(["--model", "llama-384", "--optimizers", "normuon", "--horizons", "1500", "--seeds", "1"])
+    assert [(r.lr, r.compiled) for r in study.plan_best_runs(eager, records)] == [(0.08, False)]
+    with pytest.raises(SystemExit, match="no finite llama-384 run at horizon 1500"):
+        study.plan_best_runs(study.parse_args(["--model", "llama-384", "--optimizers", "muon"]), records)
+
+
 def _record(study, optimizer, loss, seed, fraction=None, warmup=0, average=1.0, ms=2.0, train=None, allocation="uniform",
             tflop=None):
     run = study.Run("gpt-tiny", optimizer, 0.02, 0.6, fraction, warmup, 400, seed, 16, 20, 0.4, 4, None,
