@@ -487,9 +487,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true",
                         help="the model's forward and backward through torch.compile (same math, fused kernels; the "
                              "summary lists compiled runs as their own settings)")
-    parser.add_argument("--best-from", type=Path, metavar="RESULTS",
-                        help="a study's results.jsonl (or its folder): instead of the lr/μ grids, run the best setting "
-                             "of each family and Dion3 variant there (at --best-at steps) at --horizons with --seeds")
+    parser.add_argument("--best-from", type=Path, nargs="+", metavar="RESULTS",
+                        help="studies' results.jsonl files (or their folders): instead of the lr/μ grids, run the best "
+                             "setting of each family and Dion3 variant there (at --best-at steps) at --horizons with --seeds")
     parser.add_argument("--best-at", type=int, default=1500, help="the horizon whose losses pick the best (default 1500)")
     parser.add_argument("--repeats", type=int, default=1, help="run each setting and seed this many times (default 1)")
     parser.add_argument("--batch-size", type=int, help="sequences per step (default: the model's, 16)")
@@ -541,7 +541,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.trace.mkdir(parents=True, exist_ok=True)
             os.environ[TRACE_ENV] = str(args.trace.resolve())
         if args.best_from:
-            runs = plan_best_runs(args, read_results(args.best_from / "results.jsonl" if args.best_from.is_dir() else args.best_from))
+            records = [record for path in args.best_from
+                       for record in read_results(path / "results.jsonl" if path.is_dir() else path)]
+            runs = plan_best_runs(args, records)
         else:
             runs = plan_runs(args)
         failures = run_study(runs, out, args.jobs, devices, threads, args.stop_after)
