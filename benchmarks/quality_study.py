@@ -216,7 +216,7 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
     fractions = set(_floats(args.fraction, "--fraction"))
     warmups = set(_ints(args.fraction_warmup, "--fraction-warmup"))
     allocations = {a.strip() for a in args.fraction_allocation.split(",") if a.strip()}
-    by_setting: dict[tuple, list[dict]] = {}
+    by_setting: dict[tuple, tuple[Run, dict[int, float]]] = {}  # setting → (a run of it, loss per seed)
     for record in records:
         run = Run(**{**record["config"], "data": tuple(record["config"]["data"]) if record["config"]["data"] else None})
         if (run.model != args.model or run.horizon != args.best_at or run.optimizer not in families
