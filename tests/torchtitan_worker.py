@@ -179,41 +179,34 @@ def reference(optimizer_config, scheduler_config, initial: dict) -> dict:
     return {"losses": losses, "fraction_by_fqn": _fraction_by_fqn(optimizers)}
 
 
-def worker(rank: int, world: int, out_path: str, optimizer_config, scheduler_config) -> None:
+def _run_scenarios(rank: int, world: int, out_path: str, optimizer_config, scheduler_config,
+                   layout: tuple[int, int], resumes: dict[str, tuple[int, int]]) -> None:
+    """"a" trains on `layout` (dp, tp) and saves at SAVE_AT; each of `resumes` (name → layout)
+    resumes from that checkpoint; rank 0 also trains the one-process reference."""
     folder = os.path.dirname(out_path)
     torch.set_num_threads(1)
 
     def scenarios() -> dict:
         use_cpu()
-        a, initial = train(optimizer_config, scheduler_config, 2, 2, seed=0, folder=f"{folder}/a",
+        a, initial = train(optimizer_config, scheduler_config, *layout, seed=0, folder=f"{folder}/a",
                            first=1, save_at=SAVE_AT)
-        b, _ = train(optimizer_config, scheduler_config, 2, 2, seed=1, folder=f"{folder}/a",
-                     first=SAVE_AT + 1, load_step=SAVE_AT)
-        c, _ = train(optimizer_config, scheduler_config, 4, 1, seed=2, folder=f"{folder}/a",
-                     first=SAVE_AT + 1, load_step=SAVE_AT)
-        results = {"a": a, "b": b, "c": c}
+        results = {"a": a}
+        for seed, (name, (dp, tp)) in enumerate(resumes.items(), start=1):
+            results[name], _ = train(optimizer_config, scheduler_config, dp, tp, seed=seed, folder=f"{folder}/a",
+                                     first=SAVE_AT + 1, load_step=SAVE_AT)
         if rank == 0:
             results["reference"] = reference(optimizer_config, scheduler_config, initial)
         return results
 
     gloo.run_and_report(rank, world, out_path, scenarios)
+
+
+def worker(rank: int, world: int, out_path: str, optimizer_config, scheduler_config) -> None:
+    """FSDP2 + TP (dp=2, tp=2) saves; "b" resumes on the same layout, "c" on FSDP2 over 4 ranks."""
+    _run_scenarios(rank, world, out_path, optimizer_config, scheduler_config, (2, 2), {"b": (2, 2), "c": (4, 1)})
 
 
 def cost_worker(rank: int, world: int, out_path: str, optimizer_config, scheduler_config) -> None:
     """FSDP2 over 2 ranks: "a" saves at SAVE_AT, "b" resumes from it on the same layout; rank 0
     also trains the one-process reference."""
-    folder = os.path.dirname(out_path)
-    torch.set_num_threads(1)
-
-    def scenarios() -> dict:
-        use_cpu()
-        a, initial = train(optimizer_config, scheduler_config, 2, 1, seed=0, folder=f"{folder}/a",
-                           first=1, save_at=SAVE_AT)
-        b, _ = train(optimizer_config, scheduler_config, 2, 1, seed=1, folder=f"{folder}/a",
-                     first=SAVE_AT + 1, load_step=SAVE_AT)
-        results = {"a": a, "b": b}
-        if rank == 0:
-            results["reference"] = reference(optimizer_config, scheduler_config, initial)
-        return results
-
-    gloo.run_and_report(rank, world, out_path, scenarios)
+    _run_scenarios(rank, world, out_path, optimizer_config, scheduler_config, (2, 1), {"b": (2, 1)})
