@@ -338,11 +338,11 @@ def read_results(path: Path) -> list[dict]:
     return records
 
 
-def _launch(run: Run, device: str, threads: Optional[int], out: Path) -> subprocess.Popen:
+def _launch(run: Run, device: str, threads: Optional[int], out: Path, jobs: int) -> subprocess.Popen:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(Path(__file__).resolve()), "--run-one", json.dumps(dataclasses.asdict(run)),
-               "--device", device, "--result", str(logs / f"{run.key}.json")]
+               "--device", device, "--result", str(logs / f"{run.key}.json"), "--runs-at-once", str(jobs)]
     if threads:
         command += ["--threads", str(threads)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])))
@@ -371,7 +371,7 @@ def run_study(runs: Sequence[Run], out: Path, jobs: int, devices: Sequence[str],
             while todo and len(running) < jobs and not late:
                 run = todo.pop(0)
                 device = devices[next(slot) % len(devices)]
-                running[_launch(run, device, threads, out)] = (run, time.perf_counter())
+                running[_launch(run, device, threads, out, jobs)] = (run, time.perf_counter())
                 print(f"started {run.label} on {device}", flush=True)
             if late and todo:
                 print(f"--stop-after {stop_after:g} min reached: {len(todo)} runs not started (run again to do them)", flush=True)
@@ -449,12 +449,23 @@ def summary_table(records: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_summary(out: Path, jobs: int) -> str:
+def _sharing_note(records: Sequence[dict]) -> str:
+    """How many runs shared the device while the step times were measured, from the records (each
+    run records its study's --jobs; records written before that field say nothing)."""
+    counts = [r["runs_at_once"] for r in records if "runs_at_once" in r]
+    if not counts:
+        return "with an unrecorded number of runs sharing the device"
+    unrecorded = len(records) - len(counts)
+    return (f"with up to {max(counts)} runs of one study sharing the device"
+            + (f" ({unrecorded} older records do not say how many)" if unrecorded else ""))
+
+
+def write_summary(out: Path) -> str:
     records = read_results(out / "results.jsonl")
     table = summary_table(records)
     note = (f"Final validation loss (nats per byte), mean ± standard deviation over seeds; optimizer step "
-            f"time: median over each run's steps after the first 5, median over seeds, measured with up to "
-            f"{jobs} runs sharing the device; optimizer TFLOP: executed orthogonalization FLOPs of a run's steps "
+            f"time: median over each run's steps after the first 5, median over seeds, measured "
+            f"{_sharing_note(records)}; optimizer TFLOP: executed orthogonalization FLOPs of a run's steps "
             f"(mean over seeds; H200 cost model of `dion3 bench`). {len(records)} runs in results.jsonl.")
     repeated = sum(1 for r in records if not r["config"].get("read_once", False))
     if repeated:
@@ -512,6 +523,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--summary-only", action="store_true", help="rewrite summary.md from results.jsonl and stop")
     parser.add_argument("--run-one", help=argparse.SUPPRESS)  # internal: one run's settings, as JSON
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)  # internal: where --run-one writes
+    parser.add_argument("--runs-at-once", type=int, help=argparse.SUPPRESS)  # internal: the launching study's --jobs
     args = parser.parse_args(argv)
     if args.smoke:
         defaults = {action.dest: action.default for action in parser._actions}
@@ -529,7 +541,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.run_one:
         settings = json.loads(args.run_one)
         settings["data"] = tuple(settings["data"]) if settings["data"] else None
-        args.result.write_text(json.dumps(run_one(Run(**settings), args.device, args.threads)))
+        record = run_one(Run(**settings), args.device, args.threads)
+        if args.runs_at_once:  # not part of the setting: the same run alone or in a crowd has one key
+            record["runs_at_once"] = args.runs_at_once
+        args.result.write_text(json.dumps(record))
         return 0
     out = args.out or HERE / "results" / f"quality-study-{args.model}"
     if not args.summary_only:
@@ -549,7 +564,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         failures = run_study(runs, out, args.jobs, devices, threads, args.stop_after)
     else:
         failures = 0
-    table = write_summary(out, args.jobs)
+    table = write_summary(out)
     print(f"\n{table}\n\nwrote {out / 'summary.md'}")
     return 1 if failures else 0
 

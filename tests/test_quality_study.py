@@ -201,3 +201,17 @@ def test_smoke_study_writes_one_line_per_run_and_skips_finished_runs(study, tmp_
     assert len(records) == 6 and records[:3] == first
     summary = (out / "summary.md").read_text()
     assert summary.count("| gpt-tiny | 8 |") == 3 and summary.count("| 2 |") == 3
+    # each run records how many of the study's runs shared the device (--jobs, 2 in smoke mode)
+    assert {r["runs_at_once"] for r in records} == {2} and "with up to 2 runs of one study sharing" in summary
+
+
+def test_summary_says_how_many_runs_shared_the_device_from_the_records(study, tmp_path):
+    old = {**_record(study, "normuon", 1.5, 0)}
+    crowd = [{**_record(study, "normuon", 1.6, seed), "runs_at_once": jobs} for seed, jobs in ((1, 16), (2, 4))]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [old, *crowd]))
+    study.write_summary(tmp_path)
+    assert "with up to 16 runs of one study sharing the device (1 older records do not say how many)" \
+        in (tmp_path / "summary.md").read_text()
+    (tmp_path / "results.jsonl").write_text(json.dumps(old) + "\n")
+    study.write_summary(tmp_path)
+    assert "with an unrecorded number of runs sharing the device" in (tmp_path / "summary.md").read_text()
