@@ -320,6 +320,7 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
         # the first step whose training loss was not finite (None: every step finite)
         "first_nonfinite_step": next((i for i, v in enumerate(result.train_losses) if not math.isfinite(v)), None),
         "nonfinite_updates": result.nonfinite_updates,
+        "skipped_update_steps": result.skipped_update_steps,
         "nonfinite_parameters": result.nonfinite_parameters,
     }
 

@@ -286,6 +286,32 @@ def test_compiled_run_follows_the_eager_run():
     assert compiled.val_losses[-1] < compiled.val_losses[0]
 
 
+@pytest.mark.parametrize("algorithm", ["dion3", "muon"])
+def test_a_run_records_the_steps_whose_updates_were_skipped(algorithm, monkeypatch):
+    """Orthogonalizations return NaN during steps 2 and 4 only: the guard skips those matrices and the
+    run records exactly those steps, with the counter's total."""
+    from dion3 import rules
+
+    original, faulty_steps, step = rules.orthogonalize, {2, 4}, [0]
+
+    def faulty(x, *args, **kwargs):
+        out = original(x, *args, **kwargs)
+        return torch.full_like(out, float("nan")) if step[0] in faulty_steps else out
+
+    def count_step():
+        step[0] += 1
+
+    monkeypatch.setattr(rules, "orthogonalize", faulty)
+    tokens = _periodic_text(3000)
+    corpus = data.TokenData(tokens[:2500], tokens[2500:], 256, "periodic")
+    schedule = Schedule(steps=6, batch_size=4, eval_every=6, eval_batches=1)
+    result = train(RunSpec("r", algorithm, 0.02, 0.5 if algorithm == "dion3" else None), TINY, schedule, corpus,
+                   torch.device("cpu"), on_step=count_step)
+    matrices = 2 * 6  # per block: q, k, v, o, two MLP matrices; every one of them skipped at each faulty step
+    assert result.skipped_update_steps == [2, 4] and result.nonfinite_updates == 2 * matrices
+    assert result.nonfinite_parameters == 0 and all(math.isfinite(v) for v in result.train_losses)
+
+
 def test_fraction_warmup_run_logs_its_average_fraction_and_step_times():
     """dion3 with a 2-step fraction warm-up to ¼ over 4 steps sets f = 1, ⅝, ¼, ¼ (mean 0.53125);
     the first losses match the fixed-fraction run's and the later ones do not."""

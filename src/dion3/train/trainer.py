@@ -80,6 +80,7 @@ class RunResult:
     total_ms: float = math.nan  # mean forward + backward + optimizer time after warm-up
     tokens_per_step: int = 0
     nonfinite_updates: int = 0  # matrix updates the optimizer skipped as not finite (optimizer.nonfinite_updates)
+    skipped_update_steps: list[int] = field(default_factory=list)  # the steps (0-based) that skipped any
     nonfinite_parameters: int = 0  # parameters with a non-finite entry at the end of the run
 
     @property
@@ -227,6 +228,9 @@ def train(
                        tokens_per_step=schedule.batch_size * config.seq_len)
     clock = _StepClock(device)
     elapsed = 0.0  # seconds of training so far, evaluations excluded
+    # the skip counter after each step, copied on the device (no host sync): which steps skipped
+    # updates is read once at the end, so a skipped update can be traced to its step
+    skip_counts = torch.zeros(schedule.steps, dtype=torch.int64, device=device)
 
     def record_eval(step: int) -> None:
         result.eval_steps.append(step)
@@ -247,6 +251,9 @@ def train(
         optimizer_start = clock.mark()
         optimizer_step()
         step_end = clock.mark()
+        skipped = optimizer.nonfinite_updates
+        if skipped.device == skip_counts.device:  # else no group has a counter yet: nothing was skipped
+            skip_counts[step].copy_(skipped)
         if selecting:
             fractions.append(sum(w * group["fraction"] for w, (group, _) in zip(weights, selecting)))
         now = tuple(group.get("fraction") for group in optimizer.param_groups)
@@ -271,6 +278,8 @@ def train(
 
     result.train_losses = [float(v) for v in result.train_losses]
     result.nonfinite_updates = int(optimizer.nonfinite_updates)
+    counts = skip_counts.tolist()
+    result.skipped_update_steps = [step for step, count in enumerate(counts) if count > (counts[step - 1] if step else 0)]
     result.nonfinite_parameters = sum(1 for p in model.parameters() if not bool(torch.isfinite(p).all()))
     if fractions:
         result.average_fraction = sum(fractions) / len(fractions)
