@@ -54,7 +54,7 @@ class Counting(torch.utils.data.Dataset):
 
 def make_trainer(model: LlamaForCausalLM, output_dir: str, steps: int = STEPS) -> Trainer:
     # Matrices: Dion3 (the class picks the rule); embeddings, head and norms: AdamW groups.
-    optimizer = dion3.Dion3(dion3.param_groups(model, lm_head="lm_head", lr=0.02), fraction=0.25)
+    optimizer = dion3.Dion3(dion3.param_groups(model, lm_head="lm_head", lr=0.02, mu=0.6), fraction=0.25)
     lr_schedule = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=steps)
     fractions = dion3.FractionScheduler(optimizer, dion3.FractionWarmup(target=0.25, steps=6))  # f: 1 → ¼
     args = TrainingArguments(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=8,
