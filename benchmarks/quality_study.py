@@ -522,6 +522,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="output directory (default benchmarks/results/quality-study-<model>)")
     parser.add_argument("--smoke", action="store_true", help="tiny GPT on the CPU, a few steps: checks the machinery in seconds")
     parser.add_argument("--summary-only", action="store_true", help="rewrite summary.md from results.jsonl and stop")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="list the planned runs (done or to run, with --best-from's choices) and stop: plan device time")
     parser.add_argument("--run-one", help=argparse.SUPPRESS)  # internal: one run's settings, as JSON
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)  # internal: where --run-one writes
     parser.add_argument("--runs-at-once", type=int, help=argparse.SUPPRESS)  # internal: the launching study's --jobs
@@ -549,8 +551,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     out = args.out or HERE / "results" / f"quality-study-{args.model}"
     if not args.summary_only:
-        if MODELS[args.model].kind == "llama-hf" and importlib.util.find_spec("transformers") is None:
-            raise SystemExit("quality_study: --model llama-hf needs transformers: pip install 'dion3[study]'")
         devices = [d.strip() for d in args.device.split(",") if d.strip()]
         threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
         if args.trace:
@@ -562,6 +562,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             runs = plan_best_runs(args, records)
         else:
             runs = plan_runs(args)
+        if args.dry_run:
+            done = {record["key"] for record in read_results(out / "results.jsonl")}
+            for run in runs:
+                print(f"{'done  ' if run.key in done else 'to run'}  {run.label}")
+            todo = sum(run.key not in done for run in runs)
+            print(f"{len(runs)} runs, {len(runs) - todo} already in {out / 'results.jsonl'}, {todo} to run, "
+                  f"{sum(run.horizon for run in runs if run.key not in done)} steps in all")
+            return 0
+        if MODELS[args.model].kind == "llama-hf" and importlib.util.find_spec("transformers") is None:
+            raise SystemExit("quality_study: --model llama-hf needs transformers: pip install 'dion3[study]'")
         failures = run_study(runs, out, args.jobs, devices, threads, args.stop_after)
     else:
         failures = 0

@@ -215,3 +215,17 @@ def test_summary_says_how_many_runs_shared_the_device_from_the_records(study, tm
     (tmp_path / "results.jsonl").write_text(json.dumps(old) + "\n")
     study.write_summary(tmp_path)
     assert "with an unrecorded number of runs sharing the device" in (tmp_path / "summary.md").read_text()
+
+
+def test_dry_run_lists_the_plan_against_the_results_and_runs_nothing(study, tmp_path, capsys):
+    args = ["--model", "gpt-tiny", "--horizons", "8", "--seeds", "0,1", "--optimizers", "normuon", "--normuon-lr", "0.02",
+            "--normuon-mu", "0.6", "--out", str(tmp_path)]
+    planned = study.plan_runs(study.parse_args(args))
+    finished = {**_record(study, "normuon", 1.5, 0), "key": planned[0].key}
+    (tmp_path / "results.jsonl").write_text(json.dumps(finished) + "\n")
+    before = (tmp_path / "results.jsonl").read_text()
+    assert study.main(args + ["--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [f"done    {planned[0].label}", f"to run  {planned[1].label}"]
+    assert lines[2].startswith("2 runs, 1 already in") and lines[2].endswith("1 to run, 8 steps in all")
+    assert (tmp_path / "results.jsonl").read_text() == before and not (tmp_path / "logs").exists()
