@@ -339,6 +339,12 @@ def read_results(path: Path) -> list[dict]:
     return records
 
 
+def pending(runs: Sequence[Run], results_path: Path) -> list[Run]:
+    """The runs whose results are not in results_path yet, in plan order."""
+    done = {record["key"] for record in read_results(results_path)}
+    return [run for run in runs if run.key not in done]
+
+
 def _launch(run: Run, device: str, threads: Optional[int], out: Path, jobs: int) -> subprocess.Popen:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -359,8 +365,7 @@ def run_study(runs: Sequence[Run], out: Path, jobs: int, devices: Sequence[str],
     if results_path.exists() and not results_path.read_bytes().endswith(b"\n") and results_path.stat().st_size:
         with open(results_path, "a") as handle:  # a line cut short by a kill: end it, so the next one is whole
             handle.write("\n")
-    done = {record["key"] for record in read_results(results_path)}
-    todo = [run for run in runs if run.key not in done]
+    todo = pending(runs, results_path)
     print(f"quality study: {len(runs)} runs, {len(runs) - len(todo)} already in {results_path}, {len(todo)} to run, "
           f"{jobs} at a time on {', '.join(devices)}", flush=True)
     started, failures, finished = time.perf_counter(), 0, 0
@@ -563,12 +568,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             runs = plan_runs(args)
         if args.dry_run:
-            done = {record["key"] for record in read_results(out / "results.jsonl")}
+            todo = pending(runs, out / "results.jsonl")
             for run in runs:
-                print(f"{'done  ' if run.key in done else 'to run'}  {run.label}")
-            todo = sum(run.key not in done for run in runs)
-            print(f"{len(runs)} runs, {len(runs) - todo} already in {out / 'results.jsonl'}, {todo} to run, "
-                  f"{sum(run.horizon for run in runs if run.key not in done)} steps in all")
+                print(f"{'to run' if run in todo else 'done  '}  {run.label}")
+            print(f"{len(runs)} runs, {len(runs) - len(todo)} already in {out / 'results.jsonl'}, {len(todo)} to run, "
+                  f"{sum(run.horizon for run in todo)} steps in all")
             return 0
         if MODELS[args.model].kind == "llama-hf" and importlib.util.find_spec("transformers") is None:
             raise SystemExit("quality_study: --model llama-hf needs transformers: pip install 'dion3[study]'")
