@@ -125,7 +125,8 @@ def planned_owners(opt) -> dict:
 
 def expected_bytes(layout, kind, scope, shapes, world, contributed, owners_of) -> list[int]:
     """Hand count of the bytes each rank sends (float32 rows, fp32 variance and scores, and under
-    fsdp one float32 sum of squares per matrix all-reduced per bucket, counted as a ring).
+    fsdp one float32 sum of squares per matrix all-reduced per bucket, counted as a ring; global
+    selection also all-reduces one float32 verdict per matrix).
     contributed[s][i]: rows of matrix i that rank s sends for orthogonalization (fsdp), or
     the rows per matrix of the orthogonalized block (ddp, the same on every rank).
     owners_of: the owners of each fsdp bucket's matrices (planned_owners)."""
@@ -143,6 +144,7 @@ def expected_bytes(layout, kind, scope, shapes, world, contributed, owners_of) -
             sent[r] += 2 * len(members) * 4 * (world - 1) // world  # the norms' all-reduce
             if kind == "dion3" and scope == "global":  # all-gather of one score per padded row
                 sent[r] += len(members) * chunk * 4 * (world - 1)
+                sent[r] += 2 * len(members) * 4 * (world - 1) // world  # the owners' verdicts, all-reduced
             for i, owner in zip(members, owners):
                 if owner != r:  # my rows to the owner
                     sent[r] += contributed[r][i] * row_bytes

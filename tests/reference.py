@@ -119,3 +119,28 @@ class ReferenceOptimizer:
         x *= 1 - self.lr * self.wd
         x[chosen] -= lr_adjusted * o
         return chosen
+
+
+def exact_padded_polar(update, *args, **kwargs):
+    """A stand-in for dion3.rules.orthogonalize_padded (where the optimizers orthogonalize):
+    the float64 SVD polar factor of the matrices, in their dtype (a normalized input has the
+    polar factor of the unscaled one)."""
+    from dion3.ortho.padding import Padded
+
+    matrices = update.matrices if isinstance(update, Padded) else update
+    return Padded(exact_polar(matrices).to(matrices.dtype), matrices.shape[-2], matrices.shape[-1])
+
+
+def altered_orthogonalizer(change):
+    """A stand-in for dion3.rules.orthogonalize_padded that orthogonalizes as it does, then
+    returns change(O) (O: a copy of the result's matrices) instead."""
+    import dion3.rules as rules
+    from dion3.ortho.padding import Padded
+
+    original = rules.orthogonalize_padded
+
+    def altered(update, *args, **kwargs):
+        out = change(original(update, *args, **kwargs).matrices.clone())
+        return Padded(out, out.shape[-2], out.shape[-1])
+
+    return altered

@@ -214,7 +214,6 @@ def test_half_precision_rows_on_the_wire_match_single_process(tmp_path, monkeypa
         return torch.float16 if method == "gram" else torch.bfloat16
 
     monkeypatch.setattr(newton_schulz, "default_compute_dtype", half)
-    monkeypatch.setattr(rules, "default_compute_dtype", half)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -276,7 +275,7 @@ def _recording_step(name: str, stages: int, log: list):
     (1, float("inf"), [10, 10, 1], set()),  # depth 1: strictly one after another
 ])
 def test_interleave_admits_buckets_within_depth_and_byte_budget(depth, budget, sizes, running_with_a):
-    from dion3.distributed.step import interleave
+    from dion3.distributed.interleave import interleave
 
     log = []
     steps = [_recording_step(n, 3, log) for n in "abc"]
@@ -288,7 +287,7 @@ def test_interleave_admits_buckets_within_depth_and_byte_budget(depth, budget, s
 
 
 def test_interleave_admits_a_bucket_larger_than_the_budget_alone():
-    from dion3.distributed.step import interleave
+    from dion3.distributed.interleave import interleave
 
     log = []
     interleave([_recording_step("big", 2, log), _recording_step("small", 2, log)], 4, [100, 1], 10.0)
@@ -298,7 +297,7 @@ def test_interleave_admits_a_bucket_larger_than_the_budget_alone():
 def test_padded_selection_keeps_selected_rows_and_pads_with_unselected_zero_rows():
     """Global scope on one rank: matrix 0 holds selected rows 0 and 2, matrix 1 only row 1
     (flat indices over chunk = 4 rows, 3 of them real); the result rows come in that order."""
-    from dion3.distributed.update import padded_selection
+    from dion3.distributed.sharded import padded_selection
 
     result = torch.tensor([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])
     update, rows = padded_selection(torch.tensor([0, 2, 5]), result, count=2, chunk=4, rows_here=3, width=2)
@@ -320,7 +319,7 @@ def test_pending_hands_its_buffer_over_once():
 def test_padded_selection_against_a_row_by_row_reference(seed):
     """Random selections of different sizes per matrix: applying (update, rows) row by row gives
     the selected rows their result rows and every other row no change."""
-    from dion3.distributed.update import padded_selection
+    from dion3.distributed.sharded import padded_selection
 
     g = torch.Generator().manual_seed(seed)
     count, chunk = 4, 9

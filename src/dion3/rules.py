@@ -31,13 +31,14 @@ import torch
 from torch import Tensor
 
 from .kernels import (
-    accumulate_momentum, fused_row_normalization, momentum_pass_measures, post_update, scale_cast, select_rows,
+    accumulate_momentum, restore_momentum, fused_row_normalization, momentum_pass_measures, post_update, scale_cast, select_rows,
     selection_norm, snapshot_rows,
 )
 from .kernels import top_rows as _top_rows
 from .ortho import orthogonalize
 from .ortho.coefficients import CoefficientSpec, get_schedule
-from .ortho.newton_schulz import InputScaling, default_compute_dtype, input_scaling, resolve_method
+from .ortho.newton_schulz import InputScaling, _resolve, input_scaling, orthogonalize_padded
+from .ortho.padding import Padded, empty_padded, marked_matrices, padded_buffer_of
 
 Grads = Union[Tensor, Sequence[Tensor]]
 ADJUST_LR = ("spectral_norm", "rms_norm", None)
@@ -158,19 +159,34 @@ def pre_step(
             norm, factor = selection_norm(squares, rows, *scale_args)
         if scaling is None:
             return PreStep(snapshot_rows(momentum, rows, cfg.mu), rows, norm)
-        return PreStep(snapshot_rows(momentum, rows, cfg.mu, factor, scaling.dtype), rows, norm, True)
+        return PreStep(_scaled_snapshot(momentum, rows, cfg.mu, factor, scaling.dtype), rows, norm, True)
     if rows is None:
         rows = top_rows(scores, k)
     if not measure:
         return PreStep(snapshot_rows(momentum, rows, cfg.mu), rows, None)
-    update = snapshot_rows(momentum, rows, cfg.mu)  # a fresh copy: scaled in place
-    # the same row-wise sums as the momentum pass would give: no rounding difference
-    norm = _frobenius(torch.linalg.vector_norm(update, dim=-1, dtype=torch.promote_types(update.dtype, torch.float32)).square())
     if scaling is None:
-        return PreStep(update, rows, norm)
-    factor = scaling.factor(norm)
-    scaled = update.mul_(factor) if update.dtype == scaling.dtype else (update * factor).to(scaling.dtype)
-    return PreStep(scaled, rows, norm, True)
+        update = snapshot_rows(momentum, rows, cfg.mu)
+        # the same row-wise sums as the momentum pass would give: no rounding difference
+        squares = torch.linalg.vector_norm(update, dim=-1, dtype=torch.promote_types(update.dtype, torch.float32))
+        return PreStep(update, rows, _frobenius(squares.square()))
+    # Off CUDA: the selected rows' norm before the snapshot, so that its factor can tell the
+    # snapshot which matrices the guard will skip (a row whose gradient was not finite measures
+    # NaN, reference.accumulate_momentum_reference): they get no error feedback.
+    squares = torch.linalg.vector_norm(momentum.gather(-2, rows.unsqueeze(-1).expand(*rows.shape, momentum.shape[-1])),
+                                       dim=-1, dtype=torch.promote_types(momentum.dtype, torch.float32)).square()
+    squares = torch.where(scores.gather(-1, rows).isnan(), math.nan, squares) if scores is not None else squares
+    norm = _frobenius(squares)
+    return PreStep(_scaled_snapshot(momentum, rows, cfg.mu, scaling.factor(norm), scaling.dtype), rows, norm, True)
+
+
+def _scaled_snapshot(momentum: Tensor, rows: Tensor, mu: float, factor: Tensor, dtype: torch.dtype) -> Tensor:
+    """The snapshot U·factor written in dtype straight into a zero-padded buffer for
+    Newton–Schulz (ortho.padding: no copy of U when the selected row count is not aligned);
+    returns its matrices, marked so that orthogonalize_rows finds the buffer."""
+    count, k, cols = momentum.shape[0], rows.shape[-1], momentum.shape[-1]
+    update = empty_padded(count, k, cols, dtype, momentum.device)
+    snapshot_rows(momentum, rows, mu, factor, dtype, out=update.matrices)
+    return marked_matrices(update)
 
 
 def snapshot_scaling(momentum: Tensor, cfg: RuleConfig, group: dict) -> Optional[InputScaling]:
@@ -190,17 +206,21 @@ def _frobenius(row_squares: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def orthogonalize_rows(
-    update: Tensor, method: str, coefficients, norm: Optional[Tensor] = None, normalized: bool = False
+    update, method: str, coefficients, norm: Optional[Tensor] = None, normalized: bool = False
 ) -> Tensor:
-    """O = Orth(U) [N, k, C], left in the orthogonalizer's compute dtype (half on GPU): the
-    normalization and the fused update read it directly, with no float32 copy of O.
-    norm: ‖U‖_F per matrix when already known (pre_step's want_norm), else measured here;
-    normalized: update is already Newton–Schulz's normalized input (pre_step with scaling)."""
-    method = resolve_method(update, method)
-    if normalized:  # already in the compute dtype
-        return orthogonalize(update, method, coefficients, dtype=update.dtype, normalized=True)
-    out_dtype = default_compute_dtype(update.device, method, update.dtype)
-    return orthogonalize(update, method, coefficients, out_dtype=out_dtype, norm=norm)
+    """O = Orth(U) [N, k, C] for U (a Tensor, or the padded buffer pre_step's scaled snapshot
+    wrote), left in the orthogonalizer's compute dtype (half on GPU): the normalization and the
+    fused update read it directly, with no float32 copy of O. Where the shape is not aligned
+    for the kernels, O is a view of the zero-padded buffer Newton–Schulz ran in (ortho.padding),
+    with unit column stride. norm: ‖U‖_F per matrix when already known (pre_step's
+    want_norm), else measured here; normalized: update is already Newton–Schulz's normalized
+    input (pre_step with scaling)."""
+    if not isinstance(update, Padded):
+        update = padded_buffer_of(update) or update
+    data = update.data if isinstance(update, Padded) else update
+    rows, cols = (update.rows, update.cols) if isinstance(update, Padded) else update.shape[-2:]
+    method = _resolve(rows, cols, data.device, method, data.dtype)
+    return orthogonalize_padded(update, method, coefficients, norm=norm, normalized=normalized).matrices
 
 
 def row_normalization(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float,
@@ -276,11 +296,11 @@ def poison_nonfinite(ortho: Tensor, bound: float = math.inf) -> Tensor:
     """O [N, k, C] with every entry of a matrix that has a non-finite one, or whose norm is above
     the bound (update_bound), set to NaN (in place): Muon's owner does this before it sends O's
     rows out, for the reason normalize_rows gives."""
-    ok = matrices_within(_frobenius_norms(ortho), ortho.shape, bound)
+    ok = matrices_within(frobenius_norms(ortho), ortho.shape, bound)
     return ortho.mul_(torch.where(ok, 1.0, math.nan).to(ortho.dtype).view(-1, 1, 1))
 
 
-def _frobenius_norms(x: Tensor) -> Tensor:
+def frobenius_norms(x: Tensor) -> Tensor:
     """[N] Frobenius norms of x [N, k, C], accumulated in float32 or wider (NaN/inf where an entry is)."""
     return torch.linalg.vector_norm(x, dim=(-2, -1), dtype=torch.promote_types(x.dtype, torch.float32))
 
@@ -291,10 +311,22 @@ def guard_rows(update: Tensor, row_scale: Optional[Tensor], bound: float = math.
     (never 0·NaN). Without factors (Muon), 1 for the good matrices: the same arithmetic; there
     update is O itself, held whole where bound is given (above it: skipped too)."""
     if row_scale is None:
-        ok = matrices_within(_frobenius_norms(update), update.shape, bound)
+        ok = matrices_within(frobenius_norms(update), update.shape, bound)
         return ok.to(torch.float32).view(-1, 1).expand(update.shape[:2]), ok
     ok = finite_matrices(row_scale)
     return torch.where(ok.view(-1, *[1] * (row_scale.dim() - 1)), row_scale, 0.0), ok
+
+
+def guard(ortho: Tensor, variance: Optional[Tensor], rows: Optional[Tensor], cfg: RuleConfig,
+          bound: float) -> tuple[Optional[Tensor], Tensor]:
+    """The normalize-and-guard stage on whole matrices O [N, k, C]: (per-row factors or None,
+    [N] bool: matrix good). NorMuon/Dion3 (cfg.normalize): row_normalization_in_place against
+    the variance buffer at `rows`, whose new values are written for the good matrices only;
+    Muon/Dion2: good means finite and within the bound."""
+    if cfg.normalize:
+        row_scale = row_normalization_in_place(ortho, variance, rows, cfg.beta2, cfg.epsilon, bound)
+        return row_scale, finite_matrices(row_scale)
+    return None, matrices_within(frobenius_norms(ortho), ortho.shape, bound)
 
 
 def apply_update(
@@ -307,6 +339,7 @@ def apply_update(
     row_scale: Optional[Tensor] = None,
     skipped: Optional[Tensor] = None,
     bound: float = math.inf,
+    ok: Optional[Tensor] = None,
 ) -> None:
     """X ← (1 − lr·λ)·X everywhere, then X[rows] ← X[rows] − lr·scale·update, rounded once.
 
@@ -315,6 +348,7 @@ def apply_update(
     A matrix whose update (or row_scale) is not finite is only decayed (guard_rows), and
     counted in `skipped` (a 0-d integer tensor on update's device, added to in place); so is
     one above `bound` (update_bound) when update is whole matrices of O (Muon on one device).
+    ok ([N] bool, the guard's verdict when already known) skips only those matrices instead.
     """
     if isinstance(lr, Tensor) and lr.device != update.device:  # e.g. a CPU lr tensor, CUDA params
         lr = lr.to(update.device)
@@ -322,7 +356,29 @@ def apply_update(
         weight_decay = weight_decay.to(update.device)
     decay = 1.0 - lr * weight_decay
     step = lr * scale
-    row_scale, ok = guard_rows(update, row_scale, bound)
+    if ok is None:
+        row_scale, ok = guard_rows(update, row_scale, bound)
+    elif row_scale is None:
+        row_scale = ok.to(torch.float32).view(-1, 1).expand(update.shape[:2])
+    else:
+        row_scale = torch.where(ok.view(-1, *[1] * (row_scale.dim() - 1)), row_scale, 0.0)
     if skipped is not None:
         skipped.add_(ok.logical_not().sum())
     post_update(params, update, rows, decay, step, row_scale)
+
+
+def decay_of(cfg: RuleConfig) -> float:
+    """The factor the momentum pass applies to the momentum before adding the gradient."""
+    return 1.0 if cfg.fraction is not None else cfg.mu
+
+
+def restore_skipped(momentum: Tensor, grads: Grads, ok: Tensor, cfg: RuleConfig,
+                    positions: Optional[Tensor] = None, norm: Optional[Tensor] = None) -> None:
+    """The guard's last stage: the momentum of every matrix it skipped (ok[i] False) goes back
+    to what it was before the step (kernels.restore_momentum): Dion3's error feedback undone on
+    its selected rows (positions [N, R] ≥ 0, the selection's inverse) where its snapshot applied
+    it (norm [N]: the selection's norm was finite; the snapshot leaves the others' rows alone),
+    then the step's accumulation. Matrices that stepped are left alone; no host sync."""
+    selecting = cfg.fraction is not None
+    restore_momentum(momentum, grads, ok, decay_of(cfg), cfg.mu if selecting else 1.0,
+                     norm if selecting else None, positions if selecting else None)

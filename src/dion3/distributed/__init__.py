@@ -2,14 +2,14 @@
 training (TP columns, strided rows, HSDP, expert stacks), each bucket over its own mesh axes.
 
 Modules import downwards only: mesh → layout → owners → bucket → state → plan (the planner);
-exchange → selection → update → pipeline → step (the step)."""
+exchange → selection → replicated, sharded (the routes of dion3.matrix_step) → interleave (the step)."""
 from .bucket import LayoutBucket, ShardedBucket
 from .exchange import Traffic
 from .layout import MatrixLayout, classify, matrix_layout
 from .mesh import MeshInfo, all_ranks_true, axes_group, is_dtensor, local_row_span, local_tensor, resolve_mesh
 from .owners import owned_matrices
 from .plan import build_buckets
-from .step import run_step
+from .interleave import run_step
 
 __all__ = [
     "LayoutBucket", "MatrixLayout", "MeshInfo", "ShardedBucket", "Traffic", "all_ranks_true", "axes_group",

@@ -17,6 +17,8 @@ import torch
 from .reference import (
     accumulate_momentum_reference,
     post_update_reference,
+    restore_momentum_reference,
+    selection_positions_reference,
     scale_cast_reference,
     selection_norm_reference,
     snapshot_rows_reference,
@@ -198,6 +200,27 @@ def accumulate_momentum(momentum, grads, decay: float, scores: bool, squares: bo
     return accumulate_momentum_reference(momentum, grads, decay, scores, squares)
 
 
+def restore_momentum(momentum, grads, keep, decay: float, mu: float = 1.0, fed=None, positions=None) -> None:
+    """Put the momentum [N, R, C] of the matrices with keep[i] False back as it was before this
+    step's accumulate_momentum (decay) and snapshot_rows (mu, on the selected rows, positions
+    [N, R] ≥ 0, of the matrices whose norm fed[i] is finite); see
+    reference.restore_momentum_reference. No host sync: on CUDA one launch whose programs for
+    kept matrices stop after reading their flag."""
+    pieces = [grads] if isinstance(grads, torch.Tensor) else grads
+    if (_triton_ready(momentum.device) and _momentum_kernel is not None
+            and _momentum_kernel.fused_accumulate_supported(momentum, pieces)):
+        return _momentum_kernel.restore_momentum_triton(momentum, pieces, keep, decay, mu, fed, positions)
+    return restore_momentum_reference(momentum, grads, keep, decay, mu, fed, positions)
+
+
+def selection_inverse(rows, height: int):
+    """[N, height] int32: each selected row's slot in rows [N, k], −1 elsewhere (on CUDA the
+    inverse the selection launch attached to rows, when it did)."""
+    if _triton_ready(rows.device) and _selection_kernel is not None:
+        return _selection_kernel.selection_positions(rows, height)
+    return selection_positions_reference(rows, height)
+
+
 def momentum_pass_measures(momentum) -> bool:
     """Whether accumulate_momentum runs the fused pass on this momentum buffer (gradients of its
     dtypes), which measures each row's squared norm at no extra cost; the PyTorch path needs
@@ -251,16 +274,18 @@ def fused_row_normalization(ortho, variance, rows, beta2: float, epsilon: float)
     return _normalization_kernel.row_normalization_triton(norms, variance, rows, beta2, epsilon, ortho.shape[-1]), norms
 
 
-def snapshot_rows(momentum, rows, mu: float, scale=None, out_dtype=None):
+def snapshot_rows(momentum, rows, mu, scale=None, out_dtype=None, out=None):
     """Dion3's snapshot with error feedback: return U = momentum[rows] and scale those rows of
     momentum by mu (one pass over the selected rows on CUDA). rows: [N, k] int64.
     scale ([N, 1, 1] per matrix or [N, k, 1] per selected row) and out_dtype: return U·scale
-    in out_dtype."""
+    in out_dtype. A row whose factor is not finite (a matrix the guard skips) keeps its
+    momentum: no error feedback where no update will be applied. out: write U there (an
+    [N, k, C] view with unit column stride, e.g. the matrices of a padded buffer) and return it."""
     if (_triton_ready(momentum.device) and _momentum_kernel is not None
             and _momentum_kernel.fused_accumulate_supported(momentum, [])
             and (out_dtype is None or out_dtype in _momentum_kernel.SUPPORTED_DTYPES)):
-        return _momentum_kernel.snapshot_rows_triton(momentum, rows, mu, scale, out_dtype)
-    return snapshot_rows_reference(momentum, rows, mu, scale, out_dtype)
+        return _momentum_kernel.snapshot_rows_triton(momentum, rows, mu, scale, out_dtype, out)
+    return snapshot_rows_reference(momentum, rows, mu, scale, out_dtype, out)
 
 
 def _transposed_view(x) -> bool:
@@ -273,17 +298,29 @@ def _tile_transpose_ready(x, out_dtype) -> bool:
             and x.dtype in _transpose_kernel.SUPPORTED_DTYPES and out_dtype in _transpose_kernel.SUPPORTED_DTYPES)
 
 
-def scale_cast(x, scale, out_dtype):
+def scale_cast(x, scale, out_dtype, out=None):
     """x · scale written contiguous in out_dtype (scale: [N, 1, 1] per matrix or [N, R, 1] per
     row), one pass on CUDA, also for a transposed view x (Newton–Schulz normalizing a tall input
-    into the wide orientation). A new tensor: the caller's x is never modified."""
-    if _triton_ready(x.device) and _scale_kernel is not None and _scale_kernel.scale_cast_supported(x, scale, out_dtype):
-        return _scale_kernel.scale_cast_triton(x, scale, out_dtype)
+    into the wide orientation). A new tensor, or out (an [N, R, C] view with unit column stride
+    in out_dtype, e.g. the matrices of a padded buffer): the caller's x is never modified."""
+    if _triton_ready(x.device) and _scale_kernel is not None and _scale_kernel.scale_cast_supported(x, scale, out_dtype, out):
+        return _scale_kernel.scale_cast_triton(x, scale, out_dtype, out)
     if _tile_transpose_ready(x, out_dtype) and scale.shape == (x.shape[0], 1, 1):
-        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        if out is None:
+            out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         _transpose_kernel.transpose_into_triton(out, x.mT, scale)
         return out
-    return scale_cast_reference(x, scale, out_dtype)
+    return scale_cast_reference(x, scale, out_dtype, out)
+
+
+def copy_into(out, x) -> None:
+    """out ← x for [B, R, C] tensors of any strides (x may be a transposed view, e.g. a tall
+    matrix copied into a padded wide buffer), casting to out's dtype; tile-wise on CUDA for a
+    transposed x, so both sides stay coalesced."""
+    if _tile_transpose_ready(x, out.dtype):
+        _transpose_kernel.transpose_into_triton(out, x.mT)
+    else:
+        out.copy_(x)
 
 
 def contiguous_cast(x, out_dtype):
@@ -301,6 +338,7 @@ def contiguous_cast(x, out_dtype):
 __all__ = [
     "accumulate_momentum",
     "contiguous_cast",
+    "copy_into",
     "fused_row_normalization",
     "gram_with_copy",
     "scale_cast",
@@ -309,6 +347,8 @@ __all__ = [
     "snapshot_rows",
     "symmetric_matmul",
     "post_update",
+    "restore_momentum",
+    "selection_inverse",
     "symmetric_kernels_available",
     "top_rows",
     "symmetric_speedup",

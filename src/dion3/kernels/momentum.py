@@ -1,7 +1,8 @@
 """Triton fused momentum accumulation: M ← decay·M + G and, optionally, each updated row's L1
 norm (Dion3's selection score) and squared L2 norm (summed into the Frobenius norm that
 Newton–Schulz normalizes by) in the same pass — one read of M and G and one write of M, where
-the PyTorch path needs separate passes for scaling, adding, scoring and the norm.
+the PyTorch path needs separate passes for scaling, adding, scoring and the norm. Entries whose
+gradient is not finite keep their momentum, and their rows measure NaN (reference.py's rule).
 
 One launch per call when the gradient pieces share shape and dtype and are contiguous and
 16-byte aligned (the usual bucket): a device table of the pieces' data pointers, cached by
@@ -57,6 +58,7 @@ def _accumulate_kernel(
         grad_rows = grad_ptr + rows * C
     total = tl.zeros([BLOCK_R], dtype=tl.float32)
     total_sq = tl.zeros([BLOCK_R], dtype=tl.float32)
+    bad = tl.zeros([BLOCK_R], dtype=tl.int32)
     for start in range(0, C, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
         inside = row_inside[:, None] & (cols[None, :] < C)
@@ -66,17 +68,21 @@ def _accumulate_kernel(
         value = m.to(tl.float32)
         if HAS_DECAY:
             value = value * decay
-        stored = (value + g).to(m.dtype)
+        # a gradient entry that is not finite never enters the momentum (the guard skips its matrix)
+        finite = tl.abs(g) < float("inf")
+        bad += tl.sum((inside & (finite == 0)).to(tl.int32), axis=1)
+        stored = tl.where(finite, value + g, m.to(tl.float32)).to(m.dtype)
         tl.store(momentum_ptr + offsets, stored, mask=inside)
         # measure what was stored: the selection and the norm see the rounded momentum
         if SCORES:
             total += tl.sum(tl.abs(stored.to(tl.float32)), axis=1)
         if SQUARES:
             total_sq += tl.sum(stored.to(tl.float32) * stored.to(tl.float32), axis=1)
+    # a row whose gradient was not finite measures NaN: selected first, and its matrix's norm is NaN
     if SCORES:
-        tl.store(scores_ptr + rows, total, mask=row_inside)
+        tl.store(scores_ptr + rows, tl.where(bad > 0, float("nan"), total), mask=row_inside)
     if SQUARES:
-        tl.store(squares_ptr + rows, total_sq, mask=row_inside)
+        tl.store(squares_ptr + rows, tl.where(bad > 0, float("nan"), total_sq), mask=row_inside)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -178,7 +184,7 @@ def accumulate_momentum_triton(
 
 @triton.jit
 def _snapshot_kernel(
-    momentum_ptr, rows_ptr, out_ptr, scale_ptr, mu, R, C, k,
+    momentum_ptr, rows_ptr, out_ptr, scale_ptr, mu, R, C, k, stride_om, stride_or,
     SCALED: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     # row blocks on grid axis 0 (up to 2³¹ − 1 programs; axes 1 and 2 stop at 65535)
@@ -191,26 +197,37 @@ def _snapshot_kernel(
     source = (matrix * R + rows[:, None]) * C + cols[None, :]
     value = tl.load(momentum_ptr + source, mask=inside, other=0.0)
     copied = value
+    feedback = inside
     if SCALED:  # float32 math, one rounding to the output dtype
         if PER_ROW:
             factor = tl.load(scale_ptr + matrix * k + slots, mask=slot_inside, other=0.0)
-            copied = value.to(tl.float32) * factor[:, None]
         else:
-            copied = value.to(tl.float32) * tl.load(scale_ptr + matrix)
-    tl.store(out_ptr + (matrix * k + slots[:, None]) * C + cols[None, :], copied.to(out_ptr.dtype.element_ty), mask=inside)
-    tl.store(momentum_ptr + source, (value.to(tl.float32) * mu).to(value.dtype), mask=inside)
+            factor = tl.full([BLOCK_K], 0.0, tl.float32) + tl.load(scale_ptr + matrix)
+        copied = value.to(tl.float32) * factor[:, None]
+        # a factor that is not finite marks a matrix the guard skips: its momentum stays as it is
+        feedback = inside & (tl.abs(factor) < float("inf"))[:, None]
+    out_rows = matrix * stride_om + slots.to(tl.int64) * stride_or
+    tl.store(out_ptr + out_rows[:, None] + cols[None, :], copied.to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(momentum_ptr + source, (value.to(tl.float32) * mu).to(value.dtype), mask=feedback)
 
 
 def snapshot_rows_triton(
-    momentum: Tensor, rows: Tensor, mu: float, scale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None
+    momentum: Tensor, rows: Tensor, mu: float, scale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+    out: Optional[Tensor] = None,
 ) -> Tensor:
     """U = momentum[rows] and momentum[rows] ← mu·momentum[rows], in one pass over the rows.
     scale ([N, 1, 1] one per matrix, or [N, k, 1] one per selected row; float32 math) and
     out_dtype: write U·scale in out_dtype instead (Dion3 writes Newton–Schulz's normalized
-    half-precision input directly)."""
+    half-precision input directly); rows whose factor is not finite keep their momentum.
+    out: an [N, k, C] view with unit column stride to write U into (a padded buffer's matrices)."""
     n, r, c = momentum.shape
     k = rows.shape[-1]
-    out = torch.empty((n, k, c), dtype=out_dtype or momentum.dtype, device=momentum.device)
+    dtype = out_dtype or momentum.dtype
+    if out is None:
+        out = torch.empty((n, k, c), dtype=dtype, device=momentum.device)
+    elif out.shape != (n, k, c) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be a {dtype} [N, k, C] = {(n, k, c)} view with unit column stride, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     per_row = scale is not None and scale.numel() == n * k and k > 1
     if scale is None:
         scale_arg = out  # placeholder pointer
@@ -219,7 +236,82 @@ def snapshot_rows_triton(
     else:
         scale_arg = scale.reshape(-1).to(torch.float32).contiguous()
     grid = (triton.cdiv(k, BLOCK_ROWS), n, triton.cdiv(c, BLOCK_COLS))
-    _snapshot_kernel[grid](momentum, rows.contiguous(), out, scale_arg, float(mu), r, c, k,
+    _snapshot_kernel[grid](momentum, rows.contiguous(), out, scale_arg, float(mu), r, c, k, out.stride(0), out.stride(1),
                           SCALED=scale is not None, PER_ROW=per_row, BLOCK_K=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
                           num_warps=NUM_WARPS)
     return out
+
+
+@triton.jit
+def _restore_kernel(
+    momentum_ptr, grad_ptr, grad_table, keep_ptr, fed_ptr, position_ptr, mu, decay, n_rows, piece_rows, R, C,
+    HAS_POSITIONS: tl.constexpr, POINTER_TABLE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_inside = rows < n_rows
+    matrix = rows // R
+    # keep: nonzero for matrices that stepped (nothing to undo), zero for those the guard skipped
+    undo = row_inside & (tl.load(keep_ptr + matrix, mask=row_inside, other=1) == 0)
+    if tl.max(undo.to(tl.int32), axis=0) > 0:  # almost every program stops here
+        if HAS_POSITIONS:  # error feedback (×mu) went to the selected rows of matrices whose norm was finite
+            selected = tl.load(position_ptr + rows, mask=undo, other=-1) >= 0
+            fed = tl.abs(tl.load(fed_ptr + matrix, mask=undo, other=float("nan"))) < float("inf")
+            divisor = tl.where(selected & fed, mu, 1.0)
+        else:
+            divisor = tl.full([BLOCK_R], 1.0, tl.float32)
+        if POINTER_TABLE:
+            piece = rows // piece_rows
+            address = tl.load(grad_table + piece, mask=row_inside, other=0)
+            piece_start = tl.multiple_of(address.to(tl.pointer_type(grad_ptr.dtype.element_ty)), 16)
+            grad_rows = piece_start + (rows - piece * piece_rows) * C
+        else:
+            grad_rows = grad_ptr + rows * C
+        for start in range(0, C, BLOCK_C):
+            cols = start + tl.arange(0, BLOCK_C)
+            inside = undo[:, None] & (cols[None, :] < C)
+            offsets = rows[:, None] * C + cols[None, :]
+            m = tl.load(momentum_ptr + offsets, mask=inside, other=0.0)
+            g = tl.load(grad_rows[:, None] + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+            before = m.to(tl.float32) / divisor[:, None]
+            finite = tl.abs(g) < float("inf")  # such entries were never added (accumulate kernel)
+            old = tl.where(finite, (before - g) / decay, before)
+            tl.store(momentum_ptr + offsets, old.to(m.dtype), mask=inside)
+
+
+RESTORE_BLOCK_ROWS = 8
+
+
+def restore_momentum_triton(
+    momentum: Tensor, grads: Sequence[Tensor], keep: Tensor, decay: float, mu: float = 1.0,
+    fed: Optional[Tensor] = None, positions: Optional[Tensor] = None,
+) -> None:
+    """Undo this step's momentum arithmetic on the matrices with keep[i] False (see
+    reference.restore_momentum_reference): one launch, whose programs for kept matrices only
+    read their flag. keep [N] bool; fed [N] float32 (finite: error feedback was applied);
+    positions [N, R] int32 (≥ 0 at the selected rows), both or neither."""
+    n, rows, cols = momentum.shape
+    keep_arg = keep.view(torch.int8) if keep.dtype == torch.bool else keep  # a view: no launch
+    has_positions = positions is not None
+    position_arg = positions if has_positions else keep_arg
+    fed_arg = fed.reshape(-1) if has_positions else keep_arg
+    table = _grad_pointer_table(grads) if _one_launch_pieces(grads) else None
+
+    def launch(flat_m, grad, table_arg, count, piece_rows, first) -> None:
+        _restore_kernel[(triton.cdiv(count, RESTORE_BLOCK_ROWS),)](
+            flat_m, grad, grad if table_arg is None else table_arg, keep_arg[first:],
+            fed_arg[first:] if has_positions else keep_arg, position_arg.reshape(-1)[first * rows:] if has_positions
+            else keep_arg, float(mu), float(decay), count, piece_rows, rows, cols,
+            HAS_POSITIONS=has_positions, POINTER_TABLE=table_arg is not None,
+            BLOCK_R=RESTORE_BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4,
+        )
+
+    if table is not None:
+        launch(momentum, grads[0], table, n * rows, grads[0].shape[0] * rows, 0)
+        return
+    flat_m = momentum.view(n * rows, cols)
+    first = 0
+    for grad in grads:
+        count = grad.shape[0]
+        launch(flat_m[first * rows:], grad if grad.is_contiguous() else grad.contiguous(), None, count * rows,
+               count * rows, first)
+        first += count

@@ -39,7 +39,7 @@ def _scalar(value, IS_POINTER: tl.constexpr):
 @triton.jit
 def _post_update_kernel(
     pointer_table, dtype_probe, update_ptr, position_ptr, scale_ptr, decay, step,
-    R, C, k,
+    R, C, k, stride_um, stride_ur,
     HAS_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr,
     DECAY_IS_POINTER: tl.constexpr, STEP_IS_POINTER: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -57,11 +57,15 @@ def _post_update_kernel(
         position = tl.load(position_ptr + matrix * R + rows, mask=rows < R, other=-1)
         row_selected = position >= 0
         update_row = matrix * k + position
+        slot = position
     else:
         row_selected = rows < R
         update_row = matrix * R + rows
+        slot = rows
     selected = inside & row_selected[:, None]
-    change = tl.load(update_ptr + update_row[:, None] * C + cols[None, :], mask=selected, other=0.0).to(tl.float32)
+    # update may be the matrices of a padded buffer (ortho.padding): rows apart by its strides
+    update_at = matrix * stride_um + slot.to(tl.int64) * stride_ur
+    change = tl.load(update_ptr + update_at[:, None] + cols[None, :], mask=selected, other=0.0).to(tl.float32)
     step_value = _scalar(step, STEP_IS_POINTER)
     if HAS_SCALE:  # one factor per row, loaded once per row and folded into the step
         factor = tl.load(scale_ptr + update_row, mask=row_selected, other=0.0).to(tl.float32)
@@ -87,7 +91,8 @@ def _pointer_table(params: Sequence[Tensor], device: torch.device) -> Tensor:
 
 def fused_update_supported(params: Sequence[Tensor], update: Tensor, row_scale: Optional[Tensor] = None) -> bool:
     """Whether the kernel handles these inputs: one dtype, same [R, C], each matrix contiguous,
-    float32 row factors (if any) on update's device."""
+    update with unit column stride (a padded buffer's matrices too), float32 row factors (if
+    any) on update's device."""
     if not params:
         return False
     if row_scale is not None and (row_scale.dtype != torch.float32 or row_scale.device != update.device):
@@ -96,7 +101,7 @@ def fused_update_supported(params: Sequence[Tensor], update: Tensor, row_scale: 
     if first.dtype not in SUPPORTED_DTYPES or first.dim() != 3:
         return False
     _, rows, cols = first.shape
-    return update.is_contiguous() and all(
+    return update.dim() == 3 and update.stride(-1) == 1 and all(
         p.dtype == first.dtype and p.device == update.device and p.dim() == 3
         and p.shape[1:] == (rows, cols) and p.stride(-1) == 1 and p.stride(-2) == cols
         for p in params
@@ -142,7 +147,7 @@ def post_update_triton(
     _post_update_kernel[grid](
         _pointer_table(params, update.device), params[0], update, position, scale,
         decay if decay_is_pointer else float(decay), step if step_is_pointer else float(step),
-        R, C, k,
+        R, C, k, update.stride(0), update.stride(1),
         HAS_ROWS=rows is not None, HAS_SCALE=row_scale is not None,
         DECAY_IS_POINTER=decay_is_pointer, STEP_IS_POINTER=step_is_pointer,
         BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=NUM_WARPS,

@@ -1,6 +1,7 @@
 """PyTorch reference paths for every kernel: used on CPU, for small shapes, and in tests."""
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Union
 
 import torch
@@ -84,41 +85,124 @@ def accumulate_momentum_reference(
     """momentum [N, R, C] ← decay·momentum + grads, where grads is a stacked tensor or the
     per-parameter [B_i, R, C] pieces (added through views: no stacking copy). Returns the L1
     norm of each updated row if scores and its squared L2 norm if squares ([N, R], float32 or
-    wider: float64 momentum keeps float64), else None in their places."""
-    if decay != 1.0:
-        momentum.mul_(decay)
-    if isinstance(grads, Tensor):
-        momentum.add_(grads)
-    else:
-        torch._foreach_add_(list(momentum.split([g.shape[0] for g in grads])), list(grads))
+    wider: float64 momentum keeps float64), else None in their places.
+    An entry whose gradient is not finite keeps its momentum (no decay either), and its row
+    measures NaN in both outputs: the guard then skips the matrix (dion3.rules) and the NaN row
+    is selected first (top_rows_reference reads NaN as +inf)."""
+    pieces = [grads] if isinstance(grads, Tensor) else list(grads)
+    targets = list(momentum.split([g.shape[0] for g in pieces]))
+    flagged = []
+    for target, grad in row_blocks(targets, pieces):  # masks and masked copies of a few rows at a time
+        finite = torch.isfinite(grad)
+        flagged.append(finite.logical_not().any(dim=-1))
+        if decay != 1.0:  # decay·m + g where g is finite, m itself elsewhere
+            target.mul_(torch.full_like(target, decay).masked_fill_(finite.logical_not(), 1.0))
+        target.add_(grad.masked_fill(finite.logical_not(), 0))
+    flagged = torch.cat(flagged).view(momentum.shape[:2]) if flagged else None
+    bad = flagged if flagged is not None else torch.zeros(momentum.shape[:2], dtype=torch.bool)
     dtype = torch.promote_types(momentum.dtype, torch.float32)
     # abs + sum: ~2.5× faster on CPU than vector_norm(ord=1), whose reduction is not vectorized
-    l1 = momentum.abs().sum(dim=-1, dtype=dtype) if scores else None
-    l2_squared = torch.linalg.vector_norm(momentum, dim=-1, dtype=dtype).square() if squares else None
+    l1 = momentum.abs().sum(dim=-1, dtype=dtype).masked_fill_(bad, math.nan) if scores else None
+    l2_squared = None
+    if squares:
+        l2_squared = torch.linalg.vector_norm(momentum, dim=-1, dtype=dtype).square().masked_fill_(bad, math.nan)
     return l1, l2_squared
 
 
 def snapshot_rows_reference(
-    momentum: Tensor, rows: Tensor, mu: float, scale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None
+    momentum: Tensor, rows: Tensor, mu: float, scale: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+    out: Optional[Tensor] = None,
 ) -> Tensor:
     """U = momentum[rows] (a copy) and momentum[rows] ← mu·momentum[rows]; rows: [N, k].
     With scale ([N, 1, 1] per matrix or [N, k, 1] per row) returns U·scale in out_dtype
-    (default: momentum's) instead."""
+    (default: momentum's) instead; rows whose factor is not finite keep their momentum (a
+    matrix the guard skips gets no error feedback). out: write U there ([N, k, C], any strides)."""
     width = momentum.shape[-1]
+    feedback = None
+    if scale is not None:  # 1 where the factor is finite, else leave the row
+        finite = torch.isfinite(scale).expand(*rows.shape, 1)
+        feedback = torch.full(finite.shape, mu, dtype=momentum.dtype, device=momentum.device).masked_fill_(
+            finite.logical_not(), 1.0)
     if momentum.dim() == 3 and momentum.is_contiguous():  # rows of the flat [N·R, C] view:
         # index_select/index_copy_ move whole rows, ~1.7× faster on CPU than gather/scatter
         count, height, _ = momentum.shape
         flat = momentum.view(count * height, width)
         index = (rows + torch.arange(count, device=rows.device).unsqueeze(1) * height).reshape(-1)
         update = flat.index_select(0, index).view(*rows.shape, width)
-        flat.index_copy_(0, index, (update * mu).view(-1, width))
+        decayed = update * (mu if feedback is None else feedback)
+        flat.index_copy_(0, index, decayed.view(-1, width))
     else:
         index = rows.unsqueeze(-1).expand(*rows.shape, width)
         update = momentum.gather(-2, index)
-        momentum.scatter_(-2, index, update * mu)
+        momentum.scatter_(-2, index, update * (mu if feedback is None else feedback))
     if scale is None:
-        return update if out_dtype in (None, update.dtype) else update.to(out_dtype)
-    return scale_cast_reference(update, scale, out_dtype or update.dtype)
+        result = update if out_dtype in (None, update.dtype) else update.to(out_dtype)
+    else:
+        return scale_cast_reference(update, scale, out_dtype or update.dtype, out)
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
+
+
+def restore_momentum_reference(
+    momentum: Tensor, grads: Union[Tensor, Sequence[Tensor]], keep: Tensor, decay: float, mu: float = 1.0,
+    fed: Optional[Tensor] = None, positions: Optional[Tensor] = None,
+) -> None:
+    """Put the momentum [N, R, C] of the matrices the guard skipped (keep[i] False) back to what
+    it was before this step, by undoing the step's arithmetic in float32 (or wider): first the
+    error feedback, M[S] ← M[S]/μ on the selected rows (positions [N, R] ≥ 0) of the matrices
+    whose snapshot applied it (fed [N]: their norm was finite; the snapshot leaves the others
+    alone), then the accumulation, M ← (M − G)/decay where G is finite (entries whose gradient
+    was not finite were never added). Equal to the old momentum to within the rounding of those
+    two operations; a kept matrix is not touched. Works through a few rows at a time."""
+    pieces = [grads] if isinstance(grads, Tensor) else list(grads)
+    count, height = momentum.shape[:2]
+    work = torch.promote_types(momentum.dtype, torch.float32)
+    keep_rows = keep.view(-1, 1).expand(count, height)
+    fed_rows = None
+    if positions is not None and fed is not None:
+        fed_rows = (positions >= 0) & torch.isfinite(fed.reshape(-1, 1))
+    targets = list(momentum.split([g.shape[0] for g in pieces]))
+    for (target, grad), (matrix, rows) in zip(row_blocks(targets, pieces), _block_positions(targets)):
+        before = target.to(work, copy=True)
+        if fed_rows is not None:
+            before.div_(torch.where(fed_rows[matrix, rows], mu, 1.0).to(work).unsqueeze(-1))
+        finite = torch.isfinite(grad)
+        old = torch.where(finite, (before - grad.masked_fill(finite.logical_not(), 0).to(work)) / decay, before)
+        target.copy_(torch.where(keep_rows[matrix, rows].unsqueeze(-1), target, old.to(target.dtype)))
+
+
+def selection_positions_reference(rows: Tensor, height: int) -> Tensor:
+    """The inverse of a selection rows [N, k]: [N, height] int32 holding each selected row's slot
+    in rows, −1 for rows not selected (as kernels/selection.py builds it)."""
+    count, k = rows.shape
+    out = torch.full((count, height), -1, dtype=torch.int32, device=rows.device)
+    return out.scatter_(1, rows, torch.arange(k, dtype=torch.int32, device=rows.device).expand(count, k).contiguous())
+
+
+# rows per block of the reference paths' temporaries: the masks and copies of the guard's work
+# stay far below one selection's size (tests/test_memory.py bounds the step's peak by it)
+BLOCK_ROWS = 128
+
+
+def row_blocks(targets, pieces):
+    """(target rows, grad rows) pairs of at most BLOCK_ROWS rows of one matrix each, over pieces
+    [B_i, R, C] (views: writing to a target writes to the momentum)."""
+    for target, grad in zip(targets, pieces):
+        for m, g in zip(target.unbind(0), grad.unbind(0)):
+            for start in range(0, m.shape[0], BLOCK_ROWS):
+                yield m[start : start + BLOCK_ROWS], g[start : start + BLOCK_ROWS]
+
+
+def _block_positions(targets):
+    """(matrix index, row slice) of each block of row_blocks, in the same order."""
+    matrix = 0
+    for target in targets:
+        for _ in range(target.shape[0]):
+            for start in range(0, target.shape[1], BLOCK_ROWS):
+                yield matrix, slice(start, min(start + BLOCK_ROWS, target.shape[1]))
+            matrix += 1
 
 
 def top_rows_reference(scores: Tensor, k: int) -> Tensor:
@@ -145,7 +229,9 @@ def selection_norm_reference(
     return norm, None if norm_scale is None else torch.reciprocal(norm * norm_scale + eps)
 
 
-def scale_cast_reference(x: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """(x · scale) written in out_dtype, computed in the wider of the two dtypes; scale [N, 1|R, 1]."""
-    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+def scale_cast_reference(x: Tensor, scale: Tensor, out_dtype: torch.dtype, out: Optional[Tensor] = None) -> Tensor:
+    """(x · scale) written in out_dtype, computed in the wider of the two dtypes; scale [N, 1|R, 1];
+    into out when given (any strides)."""
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     return torch.mul(x, scale, out=out)

@@ -6,6 +6,8 @@ multiply takes a generic, unvectorized path that ran at about a third of the cop
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -20,7 +22,7 @@ NUM_WARPS = 8
 
 @triton.jit
 def _scale_cast_kernel(
-    x_ptr, scale_ptr, out_ptr, n_rows, R, C,
+    x_ptr, scale_ptr, out_ptr, n_rows, R, C, stride_om, stride_or,
     PER_ROW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -30,11 +32,15 @@ def _scale_cast_kernel(
     scale = tl.load(scale_ptr + (rows if PER_ROW else rows // R), mask=row_inside, other=0.0)
     offsets = rows[:, None] * C + cols[None, :]
     value = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32) * scale[:, None]
-    tl.store(out_ptr + offsets, value.to(out_ptr.dtype.element_ty), mask=inside)
+    # out may be the matrices of a padded buffer (ortho.padding): rows R apart by its strides
+    out_rows = (rows // R) * stride_om + (rows % R) * stride_or
+    tl.store(out_ptr + out_rows[:, None] + cols[None, :], value.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def scale_cast_supported(x: Tensor, scale: Tensor, out_dtype: torch.dtype) -> bool:
+def scale_cast_supported(x: Tensor, scale: Tensor, out_dtype: torch.dtype, out: Optional[Tensor] = None) -> bool:
     """Shapes and dtypes the kernel handles (the device is dion3.kernels' dispatch's to check)."""
+    if out is not None and (out.shape != x.shape or out.dtype != out_dtype or out.stride(-1) != 1):
+        return False
     return (
         x.dim() == 3
         and x.is_contiguous()
@@ -44,16 +50,19 @@ def scale_cast_supported(x: Tensor, scale: Tensor, out_dtype: torch.dtype) -> bo
     )
 
 
-def scale_cast_triton(x: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """x [N, R, C] (contiguous) times scale [N, 1, 1] or [N, R, 1], computed in float32."""
+def scale_cast_triton(x: Tensor, scale: Tensor, out_dtype: torch.dtype, out: Optional[Tensor] = None) -> Tensor:
+    """x [N, R, C] (contiguous) times scale [N, 1, 1] or [N, R, 1], computed in float32, written
+    into out (any [N, R, C] view with unit column stride, e.g. a padded buffer's matrices) or a
+    new tensor."""
     n, rows, cols = x.shape
-    out = torch.empty((n, rows, cols), dtype=out_dtype, device=x.device)
+    if out is None:
+        out = torch.empty((n, rows, cols), dtype=out_dtype, device=x.device)
     if out.numel() == 0:
         return out
     per_row = scale.shape[1] == rows and rows != 1
     grid = (triton.cdiv(n * rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
     _scale_cast_kernel[grid](
-        x, scale.float().contiguous(), out, n * rows, rows, cols,
+        x, scale.float().contiguous(), out, n * rows, rows, cols, out.stride(0), out.stride(1),
         PER_ROW=per_row, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=NUM_WARPS,
     )
     return out

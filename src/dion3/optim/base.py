@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from .. import distributed, rules
+from .. import distributed, matrix_step, rules
 from ..buckets import Bucket, add_matrix, bucket_subset, matrix_view, write_back_subset
 from . import scalar
 from .validation import (
@@ -48,6 +48,9 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         self.check_finite = bool(check_finite)
         # matrices whose update was not finite and was skipped, per device (nonfinite_updates)
         self._skipped: dict[torch.device, Tensor] = {}
+        self._step_number: dict[torch.device, Tensor] = {}  # step() calls, counted on each device
+        self._last_skip: dict[torch.device, Tensor] = {}  # the latest step number that skipped a matrix
+        self._seen: dict[torch.device, Tensor] = {}
         self._buckets: list[list[Bucket]] = []
         self._has_dtensors = False
         self._ready = False
@@ -90,24 +93,54 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
 
     @property
     def nonfinite_updates(self) -> Tensor:
-        """How many matrix updates this rank skipped because they were not finite, or larger
-        than any orthogonalization can be (rules.update_bound) (a 0-d int64 tensor on the
-        parameters' device, counted without host syncs; read it when you log).
-        A skipped matrix keeps its value apart from weight decay, and its per-row variance;
-        its momentum has absorbed that step's gradient (docs/training.md, "Non-finite updates")."""
-        counters = list(self._skipped.values())
-        if not counters:
+        """How many matrix updates this rank skipped (a 0-d int64 tensor on the parameters'
+        device, counted without host syncs; read it when you log): a matrix whose gradient has a
+        non-finite entry, or whose orthogonalized update is not finite or larger than any
+        orthogonalization can be (rules.update_bound), skips that step as a whole. Its weights
+        only decay, its per-row variance, error feedback and momentum stay as they were before
+        the step (docs/errors.md, "Non-finite gradients and updates"); each skip counts once, in
+        the step it happens, and `last_nonfinite_step` holds that step's number."""
+        return self._sum_over_devices(self._skipped)
+
+    @property
+    def last_nonfinite_step(self) -> Tensor:
+        """The number (1 for the first step() call) of the latest step in which this rank skipped
+        a matrix update, 0 if none did: a 0-d int64 device tensor, updated without host syncs."""
+        values = list(self._last_skip.values())
+        if not values:
             return torch.zeros((), dtype=torch.int64)
-        total = counters[0]
-        for other in counters[1:]:  # parameters on several devices of one process: rare
+        latest = values[0]
+        for other in values[1:]:
+            latest = torch.maximum(latest, other.to(latest.device))
+        return latest
+
+    @staticmethod
+    def _sum_over_devices(counters: dict) -> Tensor:
+        values = list(counters.values())
+        if not values:
+            return torch.zeros((), dtype=torch.int64)
+        total = values[0]
+        for other in values[1:]:  # parameters on several devices of one process: rare
             total = total + other.to(total.device)
         return total
+
+    def _count_step(self) -> None:
+        """Advance the step number and note it where this step skipped something (three launches
+        per device, no host sync)."""
+        for device, counter in self._skipped.items():
+            number, last, seen = self._step_number[device], self._last_skip[device], self._seen[device]
+            number.add_(1)
+            torch.where(counter > seen, number, last, out=last)
+            seen.copy_(counter)
 
     def _skip_counter(self, bucket) -> None:
         """Give a bucket the skip counter of its device (shared by every bucket there)."""
         device = distributed.local_tensor(bucket.params[0]).device
         if device not in self._skipped:
             self._skipped[device] = torch.zeros((), dtype=torch.int64, device=device)
+            self._step_number[device] = torch.zeros((), dtype=torch.int64, device=device)
+            self._last_skip[device] = torch.zeros((), dtype=torch.int64, device=device)
+            self._seen[device] = torch.zeros((), dtype=torch.int64, device=device)  # the counter a step ago
         bucket.skipped = self._skipped[device]
 
     def _param_label(self, group: dict, index: int) -> str:
@@ -256,6 +289,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["algorithm"] in SCALAR_ALGORITHMS:
                 self._scalar_step(group)
+        self._count_step()
         return loss
 
     def _distributed_matrix_step(self) -> None:
@@ -334,20 +368,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         if len(with_grad) < len(bucket.params) or bucket.pieces is not None:
             return self._partial_step(bucket, with_grad, group)
         cfg = self.rule_config(group)
-        grads = bucket.grads(group["flatten"])
-        update, rows, norm, normalized = rules.pre_step(
-            bucket.momentum, grads, cfg, want_norm=True, scaling=rules.snapshot_scaling(bucket.momentum, cfg, group))
-        ortho = rules.orthogonalize_rows(update, group["orthogonalizer"], group["ns_coefficients"], norm, normalized)
-        # NorMuon/Dion3: per-row factors, applied inside the fused post-update (no normalized
-        # copy of O is written); the variance of the rows is updated in the bucket's buffer
-        # (a matrix above the bound no orthogonalization reaches is skipped like a non-finite one)
-        bound = rules.update_bound(group["ns_coefficients"])
-        row_scale = None
-        if cfg.normalize:
-            row_scale = rules.row_normalization_in_place(ortho, bucket.variance, rows, cfg.beta2, cfg.epsilon, bound)
-        scale = rules.lr_scale(group["adjust_lr"], *bucket.shape)
-        rules.apply_update(bucket.views, ortho, rows, group["lr"], group["weight_decay"], scale, row_scale, bucket.skipped,
-                           bound)
+        matrix_step.run(matrix_step.matrix_step(matrix_step.LocalRoute(bucket, group, cfg), group, cfg))
 
     def _partial_step(self, bucket: Bucket, keep: list[int], group: dict) -> None:
         """Only some entries of the bucket have gradients, or its state lives in parameter-shaped

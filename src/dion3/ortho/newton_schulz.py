@@ -1,7 +1,9 @@
 """Standard and Gram Newton–Schulz orthogonalization on batched [B, rows, cols] inputs.
 
 Both return an approximation of the polar factor U·Vᵀ of X = U·Σ·Vᵀ. Inputs are normalized
-first and processed in the wide orientation (rows ≤ cols); tall inputs are transposed.
+first and processed in the wide orientation (rows ≤ cols); tall inputs are transposed. The
+iterations run on a zero-padded buffer where the shape is not aligned for the kernels
+(ortho.padding): exact, and at the speed of the aligned size.
 """
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..kernels import contiguous_cast, gram_with_copy, scale_cast, symmetric_matmul, symmetric_speedup
+from ..kernels import contiguous_cast, copy_into, gram_with_copy, scale_cast, symmetric_matmul, symmetric_speedup
 from .coefficients import CoefficientSpec, Schedule, get_schedule
+from .padding import Padded, empty_padded, padded_shape
 from .precision import cpu_compute_dtype, cpu_standard_speedup
 from .restarts import default_restarts
 
@@ -93,15 +96,29 @@ def input_scaling(
                         get_schedule(coefficients).norm_scale)
 
 
-def _normalized_wide(x: Tensor, scaling: InputScaling, norm: Optional[Tensor] = None) -> tuple[Tensor, bool]:
+def _normalized_wide(x: Tensor, scaling: InputScaling, norm: Optional[Tensor] = None) -> tuple[Padded, bool]:
     transposed = x.shape[-2] > x.shape[-1]
     if transposed:
         x = x.mT
     if norm is None:
         norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
     # Out of place (never the caller's tensor), computed in x's precision and written straight
-    # into the compute dtype: no float32 copy of the batch, no fp16 overflow before scaling.
-    return scale_cast(x, scaling.factor(norm), scaling.dtype), transposed
+    # into the compute dtype (and the padded buffer): no float32 copy of the batch, no fp16
+    # overflow before scaling.
+    n, m = x.shape[-2:]
+    if padded_shape(n, m, x.device, scaling.dtype) == (n, m):
+        return Padded(scale_cast(x, scaling.factor(norm), scaling.dtype), n, m), transposed
+    wide = empty_padded(x.shape[0], n, m, scaling.dtype, x.device)
+    scale_cast(x, scaling.factor(norm), scaling.dtype, wide.matrices)
+    return wide, transposed
+
+
+def _wide_orientation(u: Padded, transposed: bool) -> Padded:
+    """u's matrices in the wide orientation, padded: u itself, or (tall) a transposed copy of
+    its whole buffer (the padding transposes with it and stays zero)."""
+    if not transposed:
+        return u
+    return Padded(contiguous_cast(u.data.mT, u.data.dtype), u.cols, u.rows)
 
 
 def newton_schulz(x: Tensor, schedule: Schedule) -> Tensor:
@@ -160,6 +177,43 @@ def gram_newton_schulz(x: Tensor, schedule: Schedule, restarts: Sequence[int], t
     return torch.bmm(x.mT, q) if tall_result else torch.bmm(q, x)
 
 
+def orthogonalize_padded(
+    x, method: str, coefficients: CoefficientSpec = "polar_express", restarts: Optional[Sequence[int]] = None,
+    dtype: Optional[torch.dtype] = None, norm: Optional[Tensor] = None, normalized: bool = False,
+) -> Padded:
+    """orthogonalize's work on a batch x [B, rows, cols] (a Tensor, or with normalized=True a
+    Padded buffer that Dion3's snapshot wrote): O in the compute dtype, in a contiguous padded
+    buffer of x's orientation (its .matrices: a view, strided where padded). method: a concrete
+    method for the matrices' shape (resolve_method), not "auto"."""
+    schedule = get_schedule(coefficients)
+    source = x.data if isinstance(x, Padded) else x
+    rows, cols = (x.rows, x.cols) if isinstance(x, Padded) else x.shape[-2:]
+    dtype = dtype or default_compute_dtype(source.device, method, source.dtype)
+    transposed = rows > cols
+    if normalized:
+        if source.dtype != dtype:
+            raise ValueError(f"normalized=True needs an input in the compute dtype {dtype}, got {source.dtype}")
+        n, m = min(rows, cols), max(rows, cols)
+        if isinstance(x, Padded):
+            wide = _wide_orientation(x, transposed)
+        elif padded_shape(n, m, x.device, dtype) == (n, m):
+            wide = Padded(contiguous_cast(x.mT, dtype) if transposed else x, n, m)
+        else:
+            wide = empty_padded(x.shape[0], n, m, dtype, x.device)
+            copy_into(wide.matrices, x.mT if transposed else x)
+    else:
+        wide, transposed = _normalized_wide(source, InputScaling(dtype, schedule.norm_scale), norm)
+    if method == "gram":
+        if restarts is None:
+            restarts = default_restarts(schedule)
+        out = gram_newton_schulz(wide.data, schedule, restarts, tall_result=transposed)
+    else:
+        out = newton_schulz(wide.data, schedule)
+        # contiguous, also for tall inputs: the fused update kernel reads rows directly
+        out = contiguous_cast(out.mT, out.dtype) if transposed else out
+    return Padded(out, rows, cols)
+
+
 def orthogonalize(
     x: Tensor,
     method: str = "auto",
@@ -183,6 +237,7 @@ def orthogonalize(
     matrices) when the caller already knows it; None measures it.
     normalized: x is already divided by norm_scale·‖x‖_F + ε and in the compute dtype (see
     input_scaling); it is used as is (a tall x is copied into the wide orientation).
+    Unaligned shapes run on a zero-padded copy (ortho.padding); the result is x's shape.
     """
     if method not in METHODS:
         raise ValueError(f"unknown orthogonalization method {method!r}; expected one of {METHODS}")
@@ -190,32 +245,17 @@ def orthogonalize(
         raise ValueError(f"orthogonalize needs a [..., rows, cols] tensor, got shape {tuple(x.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"orthogonalize needs a real floating-point tensor, got dtype {x.dtype}")
-    schedule = get_schedule(coefficients)
     rows, cols = x.shape[-2], x.shape[-1]
     method = resolve_method(x, method)
-    dtype = dtype or default_compute_dtype(x.device, method, x.dtype)
     lead = x.shape[:-2]
     batch = x.reshape(-1, rows, cols)
     if batch.shape[0] == 0 or rows == 0 or cols == 0:
         return torch.zeros_like(x, dtype=out_dtype or x.dtype)
     if norm is not None and norm.shape != (batch.shape[0], 1, 1):
         raise ValueError(f"norm must have shape {(batch.shape[0], 1, 1)} (one per matrix), got {tuple(norm.shape)}")
-    if normalized:
-        if batch.dtype != dtype:
-            raise ValueError(f"normalized=True needs an input in the compute dtype {dtype}, got {batch.dtype}")
-        transposed = rows > cols
-        wide = contiguous_cast(batch.mT, dtype) if transposed else batch
-    else:
-        wide, transposed = _normalized_wide(batch, InputScaling(dtype, schedule.norm_scale), norm)
-    if method == "gram":
-        if restarts is None:
-            restarts = default_restarts(schedule)
-        out = gram_newton_schulz(wide, schedule, restarts, tall_result=transposed)
-    else:
-        out = newton_schulz(wide, schedule)
-        out = out.mT if transposed else out
-    # Contiguous, also for tall inputs (standard NS's result comes back transposed): the fused
-    # update kernel reads rows directly. (.to(memory_format=contiguous_format) would return the
-    # transposed view unchanged: a 3-D view's suggested memory format is already "contiguous".)
-    out = contiguous_cast(out, out_dtype or x.dtype)
+    get_schedule(coefficients)  # unknown names raise here, before any work
+    out = orthogonalize_padded(batch, method, coefficients, restarts, dtype, norm, normalized)
+    # Contiguous (a padded result's matrices are a strided view; the fused update kernel reads rows
+    # directly). (.to(memory_format=contiguous_format) would return a strided view unchanged.)
+    out = contiguous_cast(out.matrices, out_dtype or x.dtype)
     return out.reshape(*lead, rows, cols)

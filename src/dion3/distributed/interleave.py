@@ -1,16 +1,13 @@
-"""The distributed matrix step: one generator per bucket, interleaved so that one bucket's
-collectives are in flight while another bucket computes.
+"""The distributed optimizer step: every bucket's matrix step (dion3.matrix_step, the one
+pipeline) as a generator, interleaved so that one bucket's collectives are in flight while
+another bucket computes.
 
 Each bucket step yields right after launching a collective and resumes by waiting on it.
 Every rank runs the same buckets in the same order and every bucket issues the same
 collectives on every rank (also ranks holding zero rows), so collectives always match.
-
-Sharded (FSDP2 Shard(0), TP columns, strided rows, several axes, expert stacks): pipeline.py,
-  one pipeline for every layout (pre-step on the local piece → scores → all-to-all of the
-  contributed rows to each matrix's owner → orthogonalize → all-to-all back → apply).
-Replicated (DDP): identical pre-step everywhere → each rank orthogonalizes its 1/W of the
-  bucket → all-gather → normalize and apply everywhere.
-Each bucket runs over its own group (bucket.mesh): the axes that split its matrices.
+Sharded buckets (FSDP2 Shard(0), TP columns, strided rows, several axes, expert stacks) run
+through sharded.ShardedRoute, replicated ones (DDP) through replicated.ReplicatedRoute; each
+bucket over its own group (bucket.mesh): the axes that split its matrices.
 """
 from __future__ import annotations
 
@@ -23,12 +20,11 @@ from torch import Tensor
 
 from .. import rules
 from ..buckets import bucket_subset, write_back_subset
+from ..matrix_step import matrix_step
 from .bucket import LayoutBucket
-from .exchange import Traffic, gather_chunks
-from .mesh import MeshInfo
-from .owners import owned_matrices
-from .pipeline import sharded_step
-from .update import apply, orthogonalize
+from .exchange import Traffic
+from .replicated import ReplicatedRoute
+from .sharded import ShardedRoute
 
 PIPELINE_DEPTH = 4  # buckets in flight at once: enough overlap, bounded extra memory
 # ... and local bucket bytes in flight at most PIPELINE_BUDGET × the largest bucket or
@@ -78,9 +74,12 @@ def _admission_size(bucket) -> int:
 
 
 def _bucket_step(bucket, group: dict, cfg: rules.RuleConfig, traffic: Traffic) -> Iterator:
+    # the route is built when the step starts: a bucket subset's stacked state exists only then
     if isinstance(bucket, LayoutBucket):
-        return sharded_step(bucket, group, cfg, traffic)
-    return replicated_step(bucket, group, cfg, bucket.mesh, traffic)
+        route = ShardedRoute(bucket, group, cfg, traffic)
+    else:
+        route = ReplicatedRoute(bucket, group, cfg, bucket.mesh, traffic)
+    yield from matrix_step(route, group, cfg)
 
 
 def _pipeline_budget(sizes: list[int], work) -> float:
@@ -110,29 +109,3 @@ def interleave(steps: list[Iterator], depth: int, sizes: list[int] | None = None
         entry = active.popleft()
         if next(entry[0], StopIteration) is not StopIteration:
             active.append(entry)
-
-
-def replicated_step(bucket, group: dict, cfg: rules.RuleConfig, mesh: MeshInfo, traffic: Traffic):
-    grads = bucket.grads(group["flatten"])
-    scaling = rules.snapshot_scaling(bucket.momentum, cfg, group)
-    update, rows, norm, normalized = rules.pre_step(bucket.momentum, grads, cfg, want_norm=True, scaling=scaling)
-    count = update.shape[0]
-    mine = owned_matrices(count, mesh.world_size, mesh.rank)
-    owned_norm = None if norm is None else norm[mine.start : mine.stop]
-    owned = orthogonalize(update[mine.start : mine.stop], group, owned_norm, normalized)
-    # in O's dtype (the compute dtype, the same on every rank): no wider than it on the wire
-    block = owned.new_zeros((-(-count // mesh.world_size), *update.shape[1:]))
-    block[: len(mine)] = owned
-    gathered = gather_chunks(block, mesh, traffic, "rows")
-    yield
-
-    ortho = gathered.wait().reshape(-1, *update.shape[1:])[:count]
-    row_scale = None
-    if cfg.normalize:  # as on one device: the per-row factors go into the fused update
-        old = bucket.variance if rows is None else rules.gather_rows(bucket.variance, rows)
-        row_scale, new = rules.row_normalization(ortho, old, cfg.beta2, cfg.epsilon)
-        if rows is None:
-            bucket.variance.copy_(new)
-        else:
-            rules.scatter_rows(bucket.variance, rows, new)
-    apply(bucket, ortho, rows, group, row_scale)
