@@ -1,17 +1,10 @@
 """Shared fixtures: deterministic seeding and an exact orthogonalizer for the optimizers."""
-import os
 
 import pytest
 import torch
 
 import dion3.rules as rules_module
-from dion3.ortho.precision import ENV_VAR as CPU_NS_DTYPE_VAR
 from reference import exact_padded_polar
-
-# The tests compare with float64 math at float32 tolerances, so standard Newton–Schulz on CPU
-# runs in float32 whatever this CPU's bf16 speed (also in spawned distributed workers: they
-# inherit the environment). Tests of the bf16 CPU path (test_precision.py) opt in explicitly.
-os.environ[CPU_NS_DTYPE_VAR] = "float32"
 
 
 @pytest.fixture(autouse=True)

@@ -226,15 +226,24 @@ def local_scope_error(mesh, dp=("dp",)) -> float:
 def traffic(mesh) -> dict:
     """Bytes each rank sends per step on the recipe with larger matrices, Muon vs Dion3 f=¼:
     {name: [per rank (communication_bytes, communication_bytes_by_kind)]}."""
+    from dion3.ortho import precision
+
     out = {}
-    for name, kind, options in (("muon", "muon", {}),
-                                ("dion3_local", "dion3", {"selection_scope": "local"}),
-                                ("dion3_global", "dion3", {"selection_scope": "global"})):
-        model, ref = recipe(mesh, dim=128, hidden=192)
-        _, sent, _, opt = run_pair(list(model.parameters()), list(ref.parameters()), kind, steps=1, **options)
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (sent, opt.communication_bytes_by_kind))
-        out[name] = gathered
+    # Rows counted in one wire dtype: on a CPU whose bf16 products are fast, Muon's 128-row Gram
+    # sides would travel in bf16 and Dion3's 32 selected rows in float32 (the rule's 96-row
+    # threshold), and the byte ratios would measure that rather than the rows sent.
+    saved, precision._override = precision._override, torch.float32
+    try:
+        for name, kind, options in (("muon", "muon", {}),
+                                    ("dion3_local", "dion3", {"selection_scope": "local"}),
+                                    ("dion3_global", "dion3", {"selection_scope": "global"})):
+            model, ref = recipe(mesh, dim=128, hidden=192)
+            _, sent, _, opt = run_pair(list(model.parameters()), list(ref.parameters()), kind, steps=1, **options)
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (sent, opt.communication_bytes_by_kind))
+            out[name] = gathered
+    finally:
+        precision._override = saved
     return out
 
 

@@ -78,8 +78,9 @@ def test_small_fsdp_buckets_spread_over_the_ranks(results):
 def test_a_subset_of_a_bucket_still_has_an_owner_per_matrix(results):
     """worker.SPREAD_SUBSET under NorMuon: one (7, 9), then five (10, 6), whole on their owners.
     (10, 6) is Gram NS (m/n = 1.67) in float32: its owner moves 2·10·6·4·(W−1)/W bytes (360 at
-    W = 4, 240 at W = 2); (7, 9) is standard NS in this CPU's NS dtype (bf16 where its bf16
-    products are fast, else float32): 2·7·9·w·(W−1)/W, 189 or 378 at W = 4 (126 or 252 at 2).
+    W = 4, 240 at W = 2); (7, 9) is standard NS in the CPU NS dtype of a 7-row Gram side (float32
+    by the rule, whatever the CPU; bf16 only where set explicitly): 2·7·9·w·(W−1)/W, 189 or 378 at
+    W = 4 (126 or 252 at 2).
     Bytes set the order (the FLOPs are under 2% of a matrix's time). Longest first, to the least
     loaded rank:
     float32, W = 4: (7, 9) → 0; (10, 6) → 1, 2, 3, then 1, 2 (360 < 378): [1, 0], [0, 2], [0, 2], [0, 1].
@@ -210,7 +211,7 @@ def test_half_precision_rows_on_the_wire_match_single_process(tmp_path, monkeypa
 
     newton_schulz = importlib.import_module("dion3.ortho.newton_schulz")  # the package re-exports a function of that name
 
-    def half(device, method, input_dtype=torch.float32):
+    def half(device, method, input_dtype=torch.float32, rows=None):
         return torch.float16 if method == "gram" else torch.bfloat16
 
     monkeypatch.setattr(newton_schulz, "default_compute_dtype", half)

@@ -109,7 +109,13 @@ def test_dion3_peak_step_memory_is_bounded_by_the_selected_rows(shape, fraction,
     assert peak <= bound, (peak, bound)
 
 
-def test_dion3_peak_memory_shrinks_with_the_fraction():
+def test_dion3_peak_memory_shrinks_with_the_fraction(monkeypatch):
+    """At one compute dtype: float32 Newton–Schulz on both sides (on a CPU whose bf16 products are
+    fast, NorMuon's 256-row matrices would run in bf16 and Dion3's 128 selected rows too, but its
+    float32 snapshot work would not shrink with them; the bound above runs the default)."""
+    from dion3.ortho import precision
+
+    monkeypatch.setattr(precision, "_override", torch.float32)
     shape, count = (512, 256), 3
     full = peak_step_bytes(NorMuon, shape, count, torch.float32)
     quarter = peak_step_bytes(Dion3, shape, count, torch.float32, fraction=0.25)

@@ -46,6 +46,9 @@ class Variant:
     # dion3: "uniform" (`fraction` on every matrix) or "cost" (one fraction per matrix shape, by
     # orthogonalization cost at the FLOPs of `fraction` on every matrix: dion3.train.fractions)
     allocation: str = "uniform"
+    # dion3: the fraction warms up from 1 to `fraction` over this many steps (FractionWarmup, the
+    # documented schedule); every step of the warm-up is timed and the row reports their mean
+    warmup_steps: Optional[int] = None
 
 
 NAMED_VARIANTS = {
@@ -54,26 +57,32 @@ NAMED_VARIANTS = {
     "muon-gram": Variant("muon-gram", "muon"),  # auto: Gram NS for non-square, NS for square
     "normuon": Variant("normuon", "normuon"),
 }
-DEFAULT_OPTIMIZERS = "adamw,muon,muon-gram,normuon,dion3-1/2,dion3-1/4,dion3-1/8"
+DEFAULT_OPTIMIZERS = "adamw,muon,muon-gram,normuon,dion3-1/2,dion3-1/4,dion3-1/8,dion3-1/4-cost,dion3-1/4-warmup200"
 
 
 def parse_variant(name: str) -> Variant:
-    """A named variant, dion3-F with F a fraction in (0, 1] such as 1/4 or 0.25, or dion3-F-cost:
-    per-shape fractions by orthogonalization cost at the FLOPs of dion3-F."""
+    """A named variant; dion3-F with F a fraction in (0, 1] such as 1/4 or 0.25; dion3-F-cost:
+    per-shape fractions by orthogonalization cost at the FLOPs of dion3-F; dion3-F-warmupN: the
+    fraction warmed up from 1 to F over N steps (FractionWarmup)."""
     if name in NAMED_VARIANTS:
         return NAMED_VARIANTS[name]
     if name.startswith("dion3-"):
-        spec = name[len("dion3-"):]
-        allocation = "cost" if spec.endswith("-cost") else "uniform"
+        spec, allocation, warmup = name[len("dion3-"):], "uniform", None
+        if spec.endswith("-cost"):
+            spec, allocation = spec.removesuffix("-cost"), "cost"
+        elif "-warmup" in spec:
+            spec, _, steps = spec.partition("-warmup")
+            warmup = int(steps) if steps.isdigit() and int(steps) > 0 else -1
         try:
-            fraction = float(Fraction(spec.removesuffix("-cost")))
+            fraction = float(Fraction(spec))
         except (ValueError, ZeroDivisionError):
             fraction = -1.0
-        if 0.0 < fraction <= 1.0:
-            return Variant(name, "dion3", fraction=fraction, allocation=allocation)
+        if 0.0 < fraction <= 1.0 and warmup != -1:
+            return Variant(name, "dion3", fraction=fraction, allocation=allocation, warmup_steps=warmup)
     raise ValueError(
         f"--optimizers: unknown optimizer {name!r}; expected one of {sorted(NAMED_VARIANTS)}, "
-        "dion3-F with a fraction F in (0, 1], e.g. dion3-1/4, or dion3-F-cost, e.g. dion3-1/4-cost"
+        "dion3-F with a fraction F in (0, 1], e.g. dion3-1/4, dion3-F-cost, e.g. dion3-1/4-cost, or "
+        "dion3-F-warmupN, e.g. dion3-1/4-warmup200"
     )
 
 
@@ -162,6 +171,22 @@ def measure(variant: Variant, graph: bool, preset: Preset, args, device: torch.d
         from ..optim.graph import CapturedStep  # the lead's capture wrapper
 
         step = CapturedStep(optimizer, warmup_steps=GRAPH_WARMUP)
+    if variant.warmup_steps:  # the schedule: every one of its steps timed, from its first
+        from ..optim.fraction import FractionScheduler, FractionWarmup
+
+        scheduler = FractionScheduler(optimizer, FractionWarmup(variant.fraction, steps=variant.warmup_steps))
+        plain_step = step
+
+        def step():
+            plain_step()
+            scheduler.step()
+
+        first = ready = time.perf_counter() - start
+        device_ms, host_ms = timed_calls(step, variant.warmup_steps, device,
+                                         lambda i: progress(f"step {i}/{variant.warmup_steps}"))
+        return dict(device_ms=statistics.mean(device_ms), host_ms=statistics.mean(host_ms), device_ms_all=device_ms,
+                    first_step_s=first, ready_s=ready, bytes_sent=0.0, bytes_sent_source="none (a schedule)",
+                    statistic="mean over the warm-up's steps", **_peak(device))
     step()
     synchronize(device)
     first = time.perf_counter() - start
@@ -178,9 +203,12 @@ def measure(variant: Variant, graph: bool, preset: Preset, args, device: torch.d
         bytes_sent=float(sent or 0),
         bytes_sent_source="optimizer.communication_bytes" if sent is not None else "none (not a dion3 optimizer)",
     )
-    if device.type == "cuda":
-        result["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    result.update(_peak(device))
     return result
+
+
+def _peak(device: torch.device) -> dict:
+    return {"peak_gb": torch.cuda.max_memory_allocated(device) / 1e9} if device.type == "cuda" else {}
 
 
 def shape_fractions(variant: Variant, preset: Preset):
@@ -189,6 +217,8 @@ def shape_fractions(variant: Variant, preset: Preset):
     under the H200 dispatch of dion3.train.fractions, as for training, whatever the bench's device)."""
     if variant.allocation == "cost":
         return cost_allocated_fractions(preset.matrices, variant.fraction, method=variant.orthogonalizer)
+    if variant.warmup_steps:  # the warm-up's mean step: priced at its mean fraction
+        return (1.0 + variant.fraction) / 2
     return variant.fraction
 
 

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .. import distributed, matrix_step, rules
 from ..buckets import Bucket, add_matrix, bucket_subset, matrix_view, write_back_subset
+from ..ortho.precision import agree_across_ranks
 from . import scalar
 from .validation import (
     ALIASES,
@@ -56,6 +57,10 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         self._ready = False
         super().__init__(params, defaults)
         self._ready = True
+        if self._orthogonalizes_on_cpu() and (self._mesh is not None or any(
+                distributed.is_dtensor(p) for g in self.param_groups for p in g["params"])):
+            # one collective, before the buckets: their owners weigh the bytes of the wire dtype
+            agree_across_ranks()
         self._build_buckets()
 
     # ----------------------------------------------------------------- groups and state
@@ -220,6 +225,10 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                 f"{tuple(loaded.shape)}; the state dict does not match these parameters"
             )
         target.copy_(loaded.reshape(target.shape))
+
+    def _orthogonalizes_on_cpu(self) -> bool:
+        return any(distributed.local_tensor(p).device.type == "cpu" for g in self.param_groups
+                   if g["algorithm"] in MATRIX_ALGORITHMS for p in g["params"])
 
     def _is_distributed(self) -> bool:
         """A distributed_mesh was given, or some parameter is a DTensor (its own mesh is read);

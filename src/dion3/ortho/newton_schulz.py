@@ -58,15 +58,17 @@ def _resolve(rows: int, cols: int, device: torch.device, method: str, input_dtyp
     return choose_method(rows, cols, 1.0, cpu_standard_speedup(min(rows, cols)))
 
 
-def default_compute_dtype(device: torch.device, method: str, input_dtype: torch.dtype = torch.float32) -> torch.dtype:
+def default_compute_dtype(device: torch.device, method: str, input_dtype: torch.dtype = torch.float32,
+                          rows: Optional[int] = None) -> torch.dtype:
     """bf16 for standard NS and fp16 for Gram NS on GPU (fp16 has more mantissa and R ≤ 1).
     On CPU: float64 inputs stay float64; Gram NS runs in float32; standard NS in
-    precision.cpu_compute_dtype() (bf16 where this CPU's bf16 products are clearly faster,
-    else float32; DION3_CPU_NS_DTYPE / set_cpu_compute_dtype choose explicitly)."""
+    precision.cpu_compute_dtype(rows) (bf16 where this CPU's bf16 products are clearly faster
+    and the Gram side has at least BF16_MIN_ROWS rows, else float32; DION3_CPU_NS_DTYPE /
+    set_cpu_compute_dtype choose explicitly). rows: the shorter side of the matrices."""
     if device.type != "cuda":
         if input_dtype == torch.float64:
             return torch.float64
-        return torch.float32 if method == "gram" else cpu_compute_dtype()
+        return torch.float32 if method == "gram" else cpu_compute_dtype(rows)
     return torch.float16 if method == "gram" else torch.bfloat16
 
 
@@ -92,7 +94,7 @@ def input_scaling(
     """The scaling orthogonalize(x, method, coefficients) applies to a rows×cols input on this
     device (tall inputs are scaled the same way, then transposed)."""
     method = _resolve(rows, cols, torch.device(device), method, input_dtype)
-    return InputScaling(default_compute_dtype(torch.device(device), method, input_dtype),
+    return InputScaling(default_compute_dtype(torch.device(device), method, input_dtype, min(rows, cols)),
                         get_schedule(coefficients).norm_scale)
 
 
@@ -188,7 +190,7 @@ def orthogonalize_padded(
     schedule = get_schedule(coefficients)
     source = x.data if isinstance(x, Padded) else x
     rows, cols = (x.rows, x.cols) if isinstance(x, Padded) else x.shape[-2:]
-    dtype = dtype or default_compute_dtype(source.device, method, source.dtype)
+    dtype = dtype or default_compute_dtype(source.device, method, source.dtype, min(rows, cols))
     transposed = rows > cols
     if normalized:
         if source.dtype != dtype:

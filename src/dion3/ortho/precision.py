@@ -1,12 +1,21 @@
 """The dtype standard Newton–Schulz computes in on CPU.
 
-bf16 where this CPU multiplies bf16 matrices clearly faster than float32 (native bf16 dot
-products with a fast library path, e.g. AMX), float32 everywhere else. The check runs once per
-process, on the first CPU orthogonalization that needs it: a CPU whose vector unit has no bf16
-arithmetic (x86 below AVX-512) gets float32 at once; others time a small batched bf16 and float32
-product and take bf16 only when it is at least BF16_MIN_SPEEDUP times faster. (AVX-512 BF16
-alone is not enough: its dot product does as many flops per cycle as float32 FMAs, and on such a
-2-core Xeon with torch 2.13 a bf16 256×256 product runs at half the float32 speed.)
+bf16 where this CPU's identity says its bf16 matrix products are clearly faster than float32,
+float32 everywhere else. The identity is the CPU's vendor and flags (read once from
+/proc/cpuinfo, with torch's own capability query) and the machine type, never a timing: every
+process on the same hardware decides alike, so the ranks of a run agree by construction (and a
+distributed optimizer on CPU checks once, at construction, that they do:
+agree_across_ranks). The rule follows the measurements recorded in benchmarks/results/:
+
+  - AMD x86 with AVX-512 BF16 (Zen 4 and later): bf16 products 2.2–2.4× faster than float32
+    (2-core EPYC, torch 2.13: 8×256×1024 A·Aᵀ 6.84 ms float32, 2.82 ms bf16;
+    cpu-step-epyc-avx512bf16-2026-12-01.md) → bf16;
+  - Intel x86 with AVX-512 BF16 but no AMX: the dot product does as many flops per cycle as
+    float32 FMAs, and on a 2-core Xeon with torch 2.13 a bf16 256×256 product ran at half the
+    float32 speed → float32;
+  - x86 without AVX-512 BF16 (AVX2-only EPYC and Xeon, cpu-step-2026-12-01.md) → float32;
+  - AMX (Sapphire Rapids and later) and other architectures: not measured here → float32 (set
+    bf16 explicitly where it pays).
 
 Where standard NS runs in bf16, the "auto" method choice weighs that: cpu_standard_speedup gives
 ortho.choose_method how much faster standard NS multiplies than Gram NS's float32.
@@ -15,7 +24,7 @@ Gram NS stays float32 on CPU whatever this says: in bf16 its Gram-matrix recursi
 than restarts recover (relative error 0.08–0.8 against 0.01–0.06 in fp16, on 1e-2…1e-6 spectra),
 and fp16 products on CPU are no faster than float32.
 
-Explicit choices win over the check: set_cpu_compute_dtype(torch.float32) in the program, else
+Explicit choices win over the rule: set_cpu_compute_dtype(torch.float32) in the program, else
 DION3_CPU_NS_DTYPE=float32 (or bfloat16, or auto) in the environment; orthogonalize(..., dtype=)
 overrides both for one call.
 """
@@ -24,8 +33,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
-import time
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -37,7 +45,6 @@ ENV_VAR = "DION3_CPU_NS_DTYPE"
 # (8×64×512: Gram 0.90× of standard's time; 8×16×256: 0.33×).
 BF16_NOMINAL_SPEEDUP = 2.2
 BF16_MIN_ROWS = 96
-BF16_MIN_SPEEDUP = 1.3  # bf16 costs accuracy: take it only for a clear gain
 _NAMES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 _CHOICES = (None, torch.float32, torch.bfloat16)
 _override: Optional[torch.dtype] = None
@@ -56,27 +63,30 @@ def _parse(value: Union[str, torch.dtype, None], what: str) -> Optional[torch.dt
 
 def set_cpu_compute_dtype(dtype: Union[str, torch.dtype, None]) -> None:
     """Fix the dtype of standard Newton–Schulz on CPU for this process: torch.float32,
-    torch.bfloat16, or None / "auto" for the measured choice (the environment variable
+    torch.bfloat16, or None / "auto" for the rule from the CPU's identity (the environment variable
     DION3_CPU_NS_DTYPE applies again). Float64 inputs and Gram NS are not affected."""
     global _override
     _override = _parse(dtype, "set_cpu_compute_dtype(dtype)")
 
 
-def cpu_compute_dtype() -> torch.dtype:
-    """The dtype standard Newton–Schulz runs in on CPU for float32 (or narrower) inputs:
-    set_cpu_compute_dtype's value, else DION3_CPU_NS_DTYPE's, else bf16 if native_bf16_matmul()."""
+def cpu_compute_dtype(rows: Optional[int] = None) -> torch.dtype:
+    """The dtype standard Newton–Schulz runs in on CPU for float32 (or narrower) inputs whose
+    Gram side (the shorter side) has `rows` rows: set_cpu_compute_dtype's value, else
+    DION3_CPU_NS_DTYPE's, else bf16 if native_bf16_matmul() and rows ≥ BF16_MIN_ROWS (smaller
+    products gain nothing from bf16; None: the choice for large products)."""
     if _override is not None:
         return _override
     chosen = _parse(os.environ.get(ENV_VAR, "auto"), f"environment variable {ENV_VAR}")
     if chosen is not None:
         return chosen
-    return torch.bfloat16 if native_bf16_matmul() else torch.float32
+    large = rows is None or rows >= BF16_MIN_ROWS
+    return torch.bfloat16 if large and native_bf16_matmul() else torch.float32
 
 
 def cpu_standard_speedup(rows: int) -> float:
     """How much faster standard NS multiplies n×n and n×m blocks (n = rows) than Gram NS on
     this CPU: BF16_NOMINAL_SPEEDUP where standard NS runs in bf16 on a CPU whose bf16 products
-    measured fast and n ≥ BF16_MIN_ROWS, else 1 (both float32, or bf16 forced where it is not
+    are fast by its identity and n ≥ BF16_MIN_ROWS, else 1 (both float32, or bf16 forced where it is not
     faster). A fixed figure rather than the measured ratio: the method must not flip between
     runs with the timing noise of a shared machine."""
     if rows < BF16_MIN_ROWS or cpu_compute_dtype() != torch.bfloat16 or not native_bf16_matmul():
@@ -84,30 +94,73 @@ def cpu_standard_speedup(rows: int) -> float:
     return BF16_NOMINAL_SPEEDUP
 
 
-def _may_have_bf16_arithmetic(capability: str, machine: str) -> bool:
-    """False where the vector unit torch uses has no bf16 arithmetic at all (x86 below
-    AVX-512); elsewhere only a measurement can tell."""
-    x86 = machine.lower() in ("x86_64", "amd64", "i386", "i686", "x86")
-    return capability == "AVX512" if x86 else True
+class CpuIdentity(NamedTuple):
+    """What the bf16 rule reads: the vendor string, the feature flags, the machine type."""
 
-
-def bf16_speedup(size: int = 256, batch: int = 2, repeats: int = 3) -> float:
-    """float32 time / bf16 time of a [batch, size, size] batched product (best of `repeats`,
-    the two dtypes interleaved so that a busy neighbour slows both alike)."""
-    best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
-    operands = {dtype: torch.randn(2, batch, size, size).to(dtype) for dtype in best}
-    for _ in range(repeats + 1):  # the first pass warms up (library dispatch, allocations)
-        for dtype, (a, b) in operands.items():
-            start = time.perf_counter()
-            torch.bmm(a, b)
-            best[dtype] = min(best[dtype], time.perf_counter() - start)
-    return best[torch.float32] / best[torch.bfloat16]
+    vendor: str
+    flags: frozenset
+    machine: str
 
 
 @functools.lru_cache(maxsize=None)
+def cpu_identity() -> CpuIdentity:
+    """This CPU's identity (read once per process): /proc/cpuinfo's vendor_id and flags where
+    there is one (Linux), completed by torch's own query for AVX-512 BF16 and AMX."""
+    vendor, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+                if vendor and flags:
+                    break
+    except OSError:  # not Linux: torch's queries below still see the x86 features
+        pass
+    cpu = getattr(torch, "cpu", None)
+    if cpu is not None and getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
+        flags.add("avx512_bf16")
+    if cpu is not None and getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+        flags.add("amx_tile")
+    return CpuIdentity(vendor, frozenset(flags), platform.machine().lower())
+
+
+def bf16_products_faster(identity: CpuIdentity) -> bool:
+    """The rule of the module docstring: bf16 only where it was measured clearly faster."""
+    x86 = identity.machine in ("x86_64", "amd64")
+    return x86 and identity.vendor == "AuthenticAMD" and "avx512_bf16" in identity.flags
+
+
 def native_bf16_matmul() -> bool:
-    """Whether this CPU runs bf16 matrix products clearly faster than float32 (decided once
-    per process; native_bf16_matmul.cache_clear() decides again)."""
-    if not _may_have_bf16_arithmetic(torch.backends.cpu.get_cpu_capability(), platform.machine()):
-        return False
-    return bf16_speedup() >= BF16_MIN_SPEEDUP
+    """Whether this CPU runs bf16 matrix products clearly faster than float32, from its
+    identity (cpu_identity, bf16_products_faster)."""
+    return bf16_products_faster(cpu_identity())
+
+
+def agree_across_ranks() -> None:
+    """Check, with one collective over the default process group, that every rank runs CPU
+    Newton–Schulz in the same dtype (collectives would otherwise disagree on sizes). Ranks on
+    different hardware whose rule disagreed all fall back to float32 (with a warning); explicit
+    choices that differ raise ValueError. Call it on every rank, or on none."""
+    import warnings
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    mine = 1.0 if cpu_compute_dtype() == torch.bfloat16 else 0.0
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    both = torch.tensor([mine, -mine], device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MIN)
+    lowest, highest = float(both[0]), -float(both[1])
+    if lowest == highest:
+        return
+    if _override is not None or _parse(os.environ.get(ENV_VAR, "auto"), ENV_VAR) is not None:
+        raise ValueError(f"the ranks chose different CPU Newton–Schulz dtypes (set_cpu_compute_dtype or {ENV_VAR}); "
+                         "set the same one on every rank")
+    warnings.warn("the ranks' CPUs differ on whether bf16 products are fast: CPU Newton–Schulz runs in float32 on "
+                  "every rank", stacklevel=3)
+    set_cpu_compute_dtype(torch.float32)
