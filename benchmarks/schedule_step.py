@@ -8,7 +8,8 @@ gradients), one group per matrix shape so that the aligned reference can set eac
   schedule   the warm-up's own fractions, k = ⌈f·rows⌉ (unaligned on most steps);
   aligned    at every step each shape's k rounded up to a multiple of 128 (at most its rows):
              the kernels' aligned speed for at least as many rows.
-Each arm runs eagerly and through CapturedStep (which captures a graph once a k set has had its
+Each arm first runs once untimed (kernel compilation for its shapes), then eagerly and through
+CapturedStep (which captures a graph once a k set has had its
 warm-up steps, and counts its captures); every step is timed with CUDA events, and the arms'
 totals are compared: schedule ≤ 1.15 × aligned is the target.
 """
@@ -82,6 +83,8 @@ def main(argv=None) -> int:
 
     preset = parse_shapes(args.shapes) if args.shapes else get_preset(args.preset)
     device = torch.device(args.device)
+    for aligned in (True, False):  # untimed: compiles what each arm's shapes need
+        run_arm(preset, args.steps, aligned, False, device)
     arms = {}
     for captured in (False, True) if device.type == "cuda" else (False,):
         for aligned in (True, False, False, True):  # aligned, schedule, schedule, aligned: drift cancels

@@ -32,7 +32,8 @@ def padding():
 def test_the_rule_pads_half_precision_on_cuda_only(padding):
     assert padded_shape(2675, 4096, torch.device("cuda"), torch.float16) == (2688, 4096)
     assert padded_shape(4096, 2675, torch.device("cuda"), torch.bfloat16) == (4096, 2688)
-    assert padded_shape(1001, 3001, torch.device("cuda"), torch.bfloat16) == (1008, 3008)
+    assert padded_shape(1001, 3001, torch.device("cuda"), torch.bfloat16) == (1024, 3008)
+    assert padded_shape(68, 3001, torch.device("cuda"), torch.float16) == (128, 3008)
     assert padded_shape(2675, 4096, torch.device("cuda"), torch.float32) == (2675, 4096)
     assert padded_shape(2675, 4096, torch.device("cpu"), torch.float16) == (2675, 4096)
     padding(8)
@@ -158,6 +159,8 @@ def test_gpu_padded_step_matches_the_unpadded_step(padding, case):
     factory, shapes, options = CASES[case]
     shapes = [tuple(s * 37 for s in shape[-2:]) if len(shape) == 2 else (shape[0], *(s * 37 for s in shape[1:]))
               for shape in shapes]
+    if "split_sizes" in options:
+        options = dict(options, split_sizes=tuple(s * 37 for s in options["split_sizes"]))
 
     def train():
         generator = torch.Generator().manual_seed(5)

@@ -56,6 +56,15 @@ def matrix_view(tensor: Tensor, flatten: bool) -> Tensor:
     return tensor.unsqueeze(0) if tensor.dim() == 2 else tensor
 
 
+MOMENTUM_DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def momentum_dtype(group: dict, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a matrix group's momentum: its `momentum_dtype` ("float32", "bfloat16"), or
+    the parameter's dtype when None (groups saved before the option existed lack the key)."""
+    return MOMENTUM_DTYPES[group.get("momentum_dtype")] or param_dtype
+
+
 def variance_shape(param: Tensor, flatten: bool) -> tuple[int, ...]:
     """Shape of a parameter's per-row second moment: one value per matrix row."""
     return (param.shape[0], 1) if flatten else (*param.shape[:-1], 1)

@@ -63,15 +63,18 @@ class StepCost:
         return self.executed_flops / matmul_flops + self.bytes_moved / copy_bytes
 
 
-def elementwise_bytes(algorithm: str, rows: int, cols: int, selected_rows: int) -> float:
-    """Minimum fused memory traffic for one matrix (see the module docstring)."""
+def elementwise_bytes(algorithm: str, rows: int, cols: int, selected_rows: int, momentum_bytes: int = 4) -> float:
+    """Minimum fused memory traffic for one matrix (see the module docstring), with momentum of
+    momentum_bytes per element (4: float32; 2: bf16, where the momentum pass reads and writes,
+    and Dion3's snapshot reads and decays, two bytes less each)."""
     numel = rows * cols
+    saved = 2.0 * (4 - momentum_bytes) if algorithm != "adamw" else 0.0  # one read and one write of M
     if algorithm in ("adamw", "muon"):
-        return 28.0 * numel
+        return (28.0 - saved) * numel
     if algorithm == "normuon":
-        return 30.0 * numel
+        return (30.0 - saved) * numel
     if algorithm == "dion3":
-        return 20.0 * numel + 14.0 * selected_rows * cols
+        return (20.0 - saved) * numel + (14.0 - saved) * selected_rows * cols
     raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
 
 
@@ -102,7 +105,7 @@ def step_cost(
     matrices: Sequence[MatrixShape], algorithm: str, fraction: Union[None, float, Sequence[float]] = None,
     method: str = "auto", symmetric: Symmetric = False, schedule="polar_express",
     restarts: Optional[Sequence[int]] = None, scalar_numel: int = 0,
-    world_size: int = 1, layout: str = "fsdp", scope: str = "local",
+    world_size: int = 1, layout: str = "fsdp", scope: str = "local", momentum_bytes: int = 4,
 ) -> StepCost:
     """Cost of one step over the given matrices (and `scalar_numel` AdamW elements).
 
@@ -124,7 +127,7 @@ def step_cost(
     moved, sent = 28.0 * scalar_numel, 0.0
     for shape, f in zip(matrices, fractions):
         k = shape.rows if f is None else selected_row_count(shape.rows, f)
-        moved += shape.count * elementwise_bytes(algorithm, shape.rows, shape.cols, k)
+        moved += shape.count * elementwise_bytes(algorithm, shape.rows, shape.cols, k, momentum_bytes)
         if algorithm == "adamw":
             continue
         d, e = orthogonalize_flops(k, shape.cols, method, symmetric, schedule, restarts)

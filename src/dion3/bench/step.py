@@ -12,6 +12,7 @@ speedup vs the baseline.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import shlex
@@ -49,6 +50,7 @@ class Variant:
     # dion3: the fraction warms up from 1 to `fraction` over this many steps (FractionWarmup, the
     # documented schedule); every step of the warm-up is timed and the row reports their mean
     warmup_steps: Optional[int] = None
+    momentum_dtype: Optional[str] = None  # the matrix groups' momentum_dtype (NAME:bf16 variants)
 
 
 NAMED_VARIANTS = {
@@ -63,7 +65,13 @@ DEFAULT_OPTIMIZERS = "adamw,muon,muon-gram,normuon,dion3-1/2,dion3-1/4,dion3-1/8
 def parse_variant(name: str) -> Variant:
     """A named variant; dion3-F with F a fraction in (0, 1] such as 1/4 or 0.25; dion3-F-cost:
     per-shape fractions by orthogonalization cost at the FLOPs of dion3-F; dion3-F-warmupN: the
-    fraction warmed up from 1 to F over N steps (FractionWarmup)."""
+    fraction warmed up from 1 to F over N steps (FractionWarmup). Any orthogonal variant with
+    ":bf16" (e.g. dion3-1/4:bf16) keeps its momentum in bf16 (momentum_dtype="bfloat16")."""
+    if name.endswith(":bf16") and name != ":bf16":
+        base = parse_variant(name[: -len(":bf16")])
+        if base.algorithm == "adamw":
+            raise ValueError(f"--optimizers: {name!r}: AdamW has no momentum_dtype")
+        return dataclasses.replace(base, name=name, momentum_dtype="bfloat16")
     if name in NAMED_VARIANTS:
         return NAMED_VARIANTS[name]
     if name.startswith("dion3-"):
@@ -82,7 +90,7 @@ def parse_variant(name: str) -> Variant:
     raise ValueError(
         f"--optimizers: unknown optimizer {name!r}; expected one of {sorted(NAMED_VARIANTS)}, "
         "dion3-F with a fraction F in (0, 1], e.g. dion3-1/4, dion3-F-cost, e.g. dion3-1/4-cost, or "
-        "dion3-F-warmupN, e.g. dion3-1/4-warmup200"
+        "dion3-F-warmupN, e.g. dion3-1/4-warmup200, each also with :bf16 (bf16 momentum)"
     )
 
 
@@ -108,7 +116,7 @@ def make_optimizer(variant: Variant, matrices, scalars, device: torch.device, gr
         groups = cost_allocated_groups({"params": matrices, "orthogonalizer": variant.orthogonalizer}, variant.fraction)
     if scalars:
         groups.append({"params": scalars, "algorithm": "adamw", "lr": 1e-3})
-    common = dict(lr=0.01, weight_decay=0.01, orthogonalizer=variant.orthogonalizer)
+    common = dict(lr=0.01, weight_decay=0.01, orthogonalizer=variant.orthogonalizer, momentum_dtype=variant.momentum_dtype)
     if variant.algorithm == "dion3":
         return Dion3(groups, fraction=variant.fraction, **common)
     return (Muon if variant.algorithm == "muon" else NorMuon)(groups, **common)
@@ -228,7 +236,7 @@ def cost_of(variant: Variant, preset: Preset, device: torch.device, with_scalars
 
     return flops.step_cost(
         preset.matrices, variant.algorithm, shape_fractions(variant, preset), variant.orthogonalizer, symmetric,
-        scalar_numel=preset.scalar_numel if with_scalars else 0,
+        scalar_numel=preset.scalar_numel if with_scalars else 0, momentum_bytes=2 if variant.momentum_dtype else 4,
     )
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..algorithms import NORMALIZING_ALGORITHMS
-from ..buckets import variance_shape
+from ..buckets import momentum_dtype, variance_shape
 from .bucket import LayoutBucket
 from .layout import MatrixLayout, classify, matrix_shape, member_layouts
 from .mesh import DTensor, Replicate, axes_group, local_tensor
@@ -52,7 +52,7 @@ def allocate_layout_state(bucket: LayoutBucket, group: dict, state: dict) -> Non
     axes), so distributed checkpoints reshard it between layouts."""
     like = bucket.views[0]
     batch, rows, cols = bucket.local.local_shape
-    bucket.momentum = torch.zeros((bucket.count, rows, cols), dtype=like.dtype, device=like.device)
+    bucket.momentum = torch.zeros((bucket.count, rows, cols), dtype=momentum_dtype(group, like.dtype), device=like.device)
     wants_variance = group["algorithm"] in NORMALIZING_ALGORITHMS
     if wants_variance:
         bucket.variance = torch.zeros((bucket.count, rows, 1), dtype=torch.float32, device=like.device)
@@ -119,7 +119,7 @@ def _param_piece_state(p: Tensor, whole: tuple[int, int, int], group: dict, stat
     info = axes_group(p.device_mesh, matrix_axes)
     piece = member_layouts(p, info, matrix_axes, group["flatten"])[0 if info is None else info.rank]
     shape = matrix_shape(p, group["flatten"])
-    fresh = {"momentum": (torch.zeros(whole, dtype=like.dtype, device=like.device), local_shape, p.shape,
+    fresh = {"momentum": (torch.zeros(whole, dtype=momentum_dtype(group, like.dtype), device=like.device), local_shape, p.shape,
                           tuple(p.placements))}
     if group["algorithm"] in NORMALIZING_ALGORITHMS:
         variance = torch.zeros((*whole[:2], 1), dtype=torch.float32, device=like.device)

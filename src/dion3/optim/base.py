@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .. import distributed, matrix_step, rules
-from ..buckets import Bucket, add_matrix, bucket_subset, matrix_view, write_back_subset
+from ..buckets import Bucket, add_matrix, bucket_subset, matrix_view, momentum_dtype, write_back_subset
 from ..ortho.precision import agree_across_ranks
 from . import scalar
 from .validation import (
@@ -204,7 +204,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
     def _allocate_param_state(self, p: Tensor, group: dict) -> dict[str, Tensor]:
         """Parameter-shaped state tensors that own the state of p (loaded values kept)."""
         local = distributed.local_tensor(p.detach())
-        fresh = {"momentum": torch.zeros(p.shape, dtype=local.dtype, device=local.device)}
+        fresh = {"momentum": torch.zeros(p.shape, dtype=momentum_dtype(group, local.dtype), device=local.device)}
         if group["algorithm"] in NORMALIZING_ALGORITHMS:
             fresh["variance"] = torch.zeros(variance_shape(p, group["flatten"]), dtype=torch.float32, device=local.device)
         state = self.state[p]
@@ -239,7 +239,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         rows, cols = bucket.shape
         count = sum(v.shape[0] for v in bucket.views)
         like = bucket.views[0]
-        bucket.momentum = torch.zeros((count, rows, cols), dtype=like.dtype, device=like.device)
+        bucket.momentum = torch.zeros((count, rows, cols), dtype=momentum_dtype(group, like.dtype), device=like.device)
         wants_variance = group["algorithm"] in NORMALIZING_ALGORITHMS
         if wants_variance:
             bucket.variance = torch.zeros((count, rows, 1), dtype=torch.float32, device=like.device)
@@ -268,6 +268,10 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         for group, before in zip(self.param_groups, current):
             for key, value in before.items():
                 group.setdefault(key, value)
+            # the state's dtype is this optimizer's choice, not the checkpoint's: a run may resume
+            # with bf16 momentum from float32 state or the other way (the values are cast)
+            if "momentum_dtype" in before:
+                group["momentum_dtype"] = before["momentum_dtype"]
         # torch casts floating state to the parameter's dtype; restore full-precision variance.
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]

@@ -23,7 +23,7 @@ SHARED_KEYS = frozenset({"fraction", "muon_beta2", "selection_scope"})
 def _defaults(algorithm: str, **values) -> dict:
     # Keys every algorithm may read, so a group can switch algorithm and still find its settings.
     base = dict(fraction=0.25, muon_beta2=0.95, nesterov=False, selection_scope="local", num_heads=None,
-                split_sizes=None)
+                split_sizes=None, momentum_dtype=None)
     base.update(values)
     base["algorithm"] = algorithm
     return base
@@ -53,12 +53,13 @@ class Dion3(OrthogonalOptimizer):
         check_finite: bool = False,
         num_heads: Optional[int] = None,
         split_sizes: Optional[Sequence[int]] = None,
+        momentum_dtype: Optional[str] = None,
     ):
         defaults = _defaults(
             "dion3", lr=lr, fraction=fraction, mu=mu, muon_beta2=muon_beta2, betas=betas,
             weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr, flatten=flatten,
             orthogonalizer=orthogonalizer, ns_coefficients=ns_coefficients, selection_scope=selection_scope,
-            num_heads=num_heads, split_sizes=split_sizes,
+            num_heads=num_heads, split_sizes=split_sizes, momentum_dtype=momentum_dtype,
         )
         super().__init__(params, defaults, distributed_mesh, check_finite)
 
@@ -85,6 +86,7 @@ class Muon(OrthogonalOptimizer):
         check_finite: bool = False,
         num_heads: Optional[int] = None,
         split_sizes: Optional[Sequence[int]] = None,
+        momentum_dtype: Optional[str] = None,
         **extra,
     ):
         unknown = sorted(set(extra) - SHARED_KEYS)  # a misspelled setting must not be dropped silently
@@ -93,7 +95,8 @@ class Muon(OrthogonalOptimizer):
         defaults = _defaults(
             self._algorithm, lr=lr, mu=mu, betas=betas, weight_decay=weight_decay, epsilon=epsilon,
             nesterov=nesterov, adjust_lr=adjust_lr, flatten=flatten, orthogonalizer=orthogonalizer,
-            ns_coefficients=ns_coefficients, num_heads=num_heads, split_sizes=split_sizes, **extra,
+            ns_coefficients=ns_coefficients, num_heads=num_heads, split_sizes=split_sizes,
+            momentum_dtype=momentum_dtype, **extra,
         )
         super().__init__(params, defaults, distributed_mesh, check_finite)
 

@@ -3,8 +3,9 @@ ValueError that names the group, the argument or the parameter (docs/errors.md).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
 from .. import blocks, rules
@@ -63,6 +64,7 @@ def validate_group(group: dict, index: int) -> None:
         name = "Dion3" if algorithm == "dion3" else "Dion2"
         raise ValueError(f"{where}: {name} has no Nesterov variant; use nesterov=False")
     get_schedule(group["ns_coefficients"])  # raises on unknown names
+    group["momentum_dtype"] = _momentum_dtype_name(where, group.get("momentum_dtype"))
     num_heads, split_sizes = group.get("num_heads"), group.get("split_sizes")
     problem = blocks.option_error(num_heads, split_sizes)
     if problem is not None:
@@ -95,6 +97,19 @@ def validate_group(group: dict, index: int) -> None:
                 f"matrices; {hint}"
             )
         _check_blocks(where, label, p, group["flatten"], num_heads, split_sizes)
+
+
+def _momentum_dtype_name(where: str, value) -> Optional[str]:
+    """momentum_dtype as stored in the group: None (the parameter's dtype), "float32" or "bfloat16"
+    (torch dtypes accepted), anything else refused by name."""
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", "float32": "float32", "fp32": "float32",
+             "bfloat16": "bfloat16", "bf16": "bfloat16", None: None}
+    if isinstance(value, (str, torch.dtype)) or value is None:
+        key = value.strip().lower() if isinstance(value, str) else value
+        if key in names:
+            return names[key]
+    raise ValueError(f"{where}: momentum_dtype must be None (the parameter's dtype), 'float32' or 'bfloat16', "
+                     f"got {value!r}")
 
 
 def _check_blocks(where: str, label: str, param: Tensor, flatten: bool, num_heads, split_sizes) -> None:

@@ -12,9 +12,8 @@ never reach selection, normalization, the guard or the update.
 
 When to pad is a pure function of the device, the compute dtype and explicit settings (never a
 timing, so every rank of a run pads alike): on CUDA in half precision, the short side of the wide
-orientation (the Gram side) goes to a multiple of SYMMETRIC_MULTIPLE from SYMMETRIC_MIN_N rows
-up (where the symmetric kernels run) and of ALIGN_MULTIPLE below it, the long side to a multiple
-of ALIGN_MULTIPLE; elsewhere nothing is padded (CPU products need no alignment).
+orientation (the Gram side) goes to a multiple of SHORT_MULTIPLE, the long side to a multiple of
+ALIGN_MULTIPLE; elsewhere nothing is padded (CPU products need no alignment).
 set_padding(m) or DION3_PADDING=m pads every side to a multiple of m on every device (the CPU
 tests use it to run the padded path), "off" pads nothing, "auto" restores the rule.
 """
@@ -26,11 +25,15 @@ from typing import NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
-from ..kernels import SYMMETRIC_MIN_N
 
 ENV_VAR = "DION3_PADDING"
 ALIGN_MULTIPLE = 8  # 16 bytes of fp16/bf16: cuBLAS tensor-core paths and TMA descriptors
-SYMMETRIC_MULTIPLE = 128  # the Hopper symmetric kernel's tile (hopper_tiling: blocks of 128 or 256)
+# The Gram side: the Hopper symmetric kernel's tile (hopper_tiling: blocks of 128 or 256), also
+# below SYMMETRIC_MIN_N, where padding to 8 measured worse (H200, 32 matrices, eager steps,
+# benchmarks/results/k-sweep-h200-2026-12-02.md: k = 1016 on 4096 columns, padded to 1016 and
+# so below the symmetric kernels' 1024, stepped 1.19× slower than k = 1024; k = 260 of 1008 × 3008
+# rows, padded to 264, 1.59× slower than k = 384).
+SHORT_MULTIPLE = 128
 _HALF = (torch.float16, torch.bfloat16)
 _override: Optional[Union[int, str]] = None  # None: the environment's choice
 
@@ -76,11 +79,9 @@ def padded_shape(rows: int, cols: int, device: torch.device, dtype: torch.dtype)
         return _round_up(rows, setting), _round_up(cols, setting)
     if torch.device(device).type != "cuda" or dtype not in _HALF:
         return rows, cols
-    short = min(rows, cols)
-    short_multiple = SYMMETRIC_MULTIPLE if short >= SYMMETRIC_MIN_N else ALIGN_MULTIPLE
     if rows <= cols:
-        return _round_up(rows, short_multiple), _round_up(cols, ALIGN_MULTIPLE)
-    return _round_up(rows, ALIGN_MULTIPLE), _round_up(cols, short_multiple)
+        return _round_up(rows, SHORT_MULTIPLE), _round_up(cols, ALIGN_MULTIPLE)
+    return _round_up(rows, ALIGN_MULTIPLE), _round_up(cols, SHORT_MULTIPLE)
 
 
 class Padded(NamedTuple):

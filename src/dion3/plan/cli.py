@@ -47,6 +47,8 @@ def parser() -> argparse.ArgumentParser:
                       help="some of muon-baseline,muon,normuon,dion3 (default muon,normuon,dion3)")
     what.add_argument("--fraction", type=float, default=0.25, help="Dion3's fraction f (default 0.25)")
     what.add_argument("--scope", default="local", help="Dion3's selection scope: local or global (default local)")
+    what.add_argument("--momentum-dtype", default="float32", choices=("float32", "bfloat16"),
+                      help="the optimizers' momentum_dtype (default float32, the fp32 parameters')")
     hw = p.add_argument_group("hardware (rates are sustained, not peak)")
     hw.add_argument("--gpu", default="h200", help=f"one of {sorted(GPUS)}: the defaults below (default h200)")
     hw.add_argument("--tflops", type=float, help="orthogonalization on dion3's kernels, TFLOP/s of executed FLOPs")
@@ -175,7 +177,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.experts is not None and (args.experts < 1 or not args.shapes):
             raise ValueError(f"--experts needs --shapes and a count ≥ 1, got {args.experts}")
         names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
-        variants = [variant(n, args.fraction, args.scope) for n in names]
+        momentum = None if args.momentum_dtype == "float32" else args.momentum_dtype
+        variants = [variant(n, args.fraction, args.scope, momentum) for n in names]
     except ValueError as error:
         print(f"dion3 plan: {error}", file=sys.stderr)
         return 2

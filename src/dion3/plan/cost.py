@@ -55,6 +55,11 @@ class Variant:
     scope: str = "local"
     orthogonalizer: str = "auto"
     symmetric: bool = True  # symmetric kernels serve n×n products (GPU with Triton)
+    momentum_dtype: Optional[str] = None  # the groups' momentum_dtype (None: the parameters', float32)
+
+    @property
+    def momentum_bytes(self) -> int:
+        return 2 if self.momentum_dtype == "bfloat16" else 4
 
     @property
     def normalizes(self) -> bool:
@@ -211,13 +216,13 @@ def bucket_costs(plan: BucketPlan, variant: Variant, hw: Hardware, node_size: in
         c = RankCost(owned=plan.owned[s])
         c.dense_flops, c.executed_flops = c.owned * dense, c.owned * executed
         c.compute_s = c.executed_flops / rate
-        c.memory_bytes = count * elementwise_bytes(variant.algorithm, h, w, ks[s])
+        c.memory_bytes = count * elementwise_bytes(variant.algorithm, h, w, ks[s], variant.momentum_bytes)
         if plan.kind == "rows" and world > 1:
             c.memory_bytes += 4 * e * c.owned * K * cols
         c.memory_s = c.memory_bytes / hw.memory_bytes
         local = count * h * w
         c.params = c.grads = local * hw.param_bytes
-        c.state = local * hw.param_bytes + (count * h * 4 if variant.normalizes else 0)
+        c.state = local * variant.momentum_bytes + (count * h * 4 if variant.normalizes else 0)
         costs.append(c)
     links = _traffic(plan, variant, ks, K, e, node_size)
     for s, c in enumerate(costs):

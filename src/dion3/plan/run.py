@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -30,14 +31,15 @@ VARIANTS = {
 }
 
 
-def variant(name: str, fraction: float = 0.25, scope: str = "local") -> Variant:
+def variant(name: str, fraction: float = 0.25, scope: str = "local", momentum_dtype: Optional[str] = None) -> Variant:
     if name not in VARIANTS:
         raise ValueError(f"--optimizers: unknown optimizer {name!r}; expected some of {sorted(VARIANTS)}")
     base = VARIANTS[name]
+    suffix = ", bf16 momentum" if momentum_dtype == "bfloat16" else ""
     if base.algorithm != "dion3":
-        return base
-    label = f"Dion3 f={_fraction_text(fraction)}" + (" global" if scope == "global" else "")
-    return Variant(label, "dion3", fraction, scope, base.orthogonalizer, base.symmetric)
+        return dataclasses.replace(base, label=base.label + suffix, momentum_dtype=momentum_dtype)
+    label = f"Dion3 f={_fraction_text(fraction)}" + (" global" if scope == "global" else "") + suffix
+    return Variant(label, "dion3", fraction, scope, base.orthogonalizer, base.symmetric, momentum_dtype)
 
 
 def _fraction_text(fraction: float) -> str:
@@ -51,9 +53,10 @@ def _optimizer(v: Variant, params: list):
     from .. import Dion3, Muon, NorMuon
 
     if v.algorithm == "dion3":
-        return Dion3(params, fraction=v.fraction, selection_scope=v.scope, orthogonalizer=v.orthogonalizer)
+        return Dion3(params, fraction=v.fraction, selection_scope=v.scope, orthogonalizer=v.orthogonalizer,
+                     momentum_dtype=v.momentum_dtype)
     cls = NorMuon if v.algorithm == "normuon" else Muon
-    return cls(params, orthogonalizer=v.orthogonalizer)
+    return cls(params, orthogonalizer=v.orthogonalizer, momentum_dtype=v.momentum_dtype)
 
 
 @dataclass
