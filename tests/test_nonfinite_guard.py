@@ -283,3 +283,45 @@ def test_a_wrong_final_product_of_gram_newton_schulz_is_skipped(monkeypatch, rat
     for i in (0, 2):
         assert torch.equal(faulty[i].detach(), clean[i].detach())
     assert int(guarded.nonfinite_updates) == 1 and int(reference.nonfinite_updates) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_gpu_captured_step_skips_one_nan_gradient_and_trains_on(kind):
+    """A real CUDA graph: CapturedStep replays the step whose gradient buffer holds a NaN at one
+    replay. That matrix skips that step as a whole (weights only decayed, momentum and variance
+    restored by the guard's kernels), counted once with its step, and trains again; the others
+    match the eager step with the same gradients."""
+    from dion3.optim.graph import CapturedStep
+
+    shape = (1024, 512)  # kernel-sized: the fused CUDA paths run (momentum, selection, restore)
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(shape, generator=generator) for _ in range(3)]
+    eager_params = [torch.nn.Parameter(x.clone().cuda()) for x in start]
+    graph_params = [torch.nn.Parameter(x.clone().cuda()) for x in start]
+    eager, graphed = _optimizer(kind, eager_params), _optimizer(kind, graph_params)
+    step = CapturedStep(graphed, warmup_steps=2)
+    for t in range(7):
+        grads = [torch.randn(shape, generator=torch.Generator().manual_seed(100 + t * 3 + i)).cuda() for i in range(3)]
+        if t == 5:
+            grads[1][7, 9] = float("nan")
+        before, state = graph_params[1].detach().clone(), _state(graphed, graph_params[1])
+        for p, q, g in zip(eager_params, graph_params, grads):
+            p.grad = g.clone()
+            if q.grad is None:
+                q.grad = g.clone()
+            else:
+                q.grad.copy_(g)  # the buffer the graph reads
+        eager.step()
+        step()
+        if t == 5:
+            assert step.graph is not None  # this step was a replay
+            torch.testing.assert_close(graph_params[1].detach(), before * (1 - LR * DECAY), rtol=0, atol=1e-6)
+            for key, value in state.items():
+                torch.testing.assert_close(_state(graphed, graph_params[1])[key], value, rtol=1e-5, atol=1e-6)
+    assert int(graphed.nonfinite_updates) == 1 and int(graphed.last_nonfinite_step) == 6
+    assert int(eager.nonfinite_updates) == 1
+    for p, q in zip(eager_params, graph_params):
+        assert bool(torch.isfinite(q).all())
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=2e-3, atol=2e-4)
