@@ -32,8 +32,8 @@ import time
 
 import torch
 
-from dion3.bench.presets import llama
-from dion3.bench.step import make_optimizer, make_parameters, parse_variant
+from dion3.tools.bench.presets import llama
+from dion3.tools.bench.step_time import make_optimizer, make_parameters, parse_variant
 try:
     from dion3.ortho import cpu_compute_dtype
 except ImportError:  # commits before the CPU dtype choice: always float32

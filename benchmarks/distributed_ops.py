@@ -3,13 +3,13 @@
     PYTHONPATH=src python3 -m torch.distributed.run --nproc_per_node=2 benchmarks/distributed_ops.py
 
 The step of a sharded bucket is a generator that yields after each collective it launches
-(dion3.distributed.pipeline); the pipeline interleaves the buckets' stages. This script runs
+(dion3.distributed.sharded); the pipeline interleaves the buckets' stages. This script runs
 that step on 2 gloo ranks with the CUDA branches replayed on the CPU (benchmarks/eager_ops.py:
 the kernel gate accepts CPU tensors, Triton kernels run in the interpreter and count one launch
 each, Newton–Schulz computes in the GPU's dtypes) and counts, per bucket and stage, the aten ops
 dispatched and the launches (ops that start device work, Triton kernels and collectives),
 and where the host syncs (Tensor.tolist). `dion3 plan` prices the host time of a step from
-these counts (dion3.plan.cost.STAGE_LAUNCHES).
+these counts (dion3.tools.plan.pricing.STAGE_LAUNCHES).
 
 --shapes sets the matrices (one bucket per shape); the default is one bucket of 8 matrices of
 16×16, whose stage counts do not depend on the matrices' size on the CPU path (the GPU's
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import eager_ops  # noqa: E402
 
 from dion3 import Dion3, Muon, NorMuon  # noqa: E402
-from dion3.bench.presets import parse_shapes  # noqa: E402
+from dion3.tools.bench.presets import parse_shapes  # noqa: E402
 from dion3.distributed import step as distributed_step  # noqa: E402
 
 VARIANTS = {

@@ -36,8 +36,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from dion3 import Dion3, Muon, NorMuon
-from dion3.bench.presets import get_preset, parse_shapes
-from dion3.bench.step import kernels_switched_off
+from dion3.tools.bench.presets import get_preset, parse_shapes
+from dion3.tools.bench.step_time import kernels_switched_off
 
 MIXED = [(64, 96), (96, 64), (3, 32), (64, 96), (5, 40), (64, 96), (128, 128)]
 def adamw(params, distributed_mesh=None, **options):

@@ -132,9 +132,9 @@ def build(name: str, tiny: bool):
     """The gpu-small model's optimizer (as `dion3 compare` builds it) with fixed random grads."""
     import dataclasses
 
-    from dion3.train.compare import PRESETS, run_spec
-    from dion3.train.model import GPT, padded_vocab
-    from dion3.train.trainer import build_optimizer
+    from dion3.tools.train.compare import PRESETS, run_spec
+    from dion3.tools.train.model import GPT, padded_vocab
+    from dion3.tools.train.trainer import build_optimizer
 
     preset = PRESETS["gpu-small"]
     config = dataclasses.replace(preset.model, vocab_size=padded_vocab(256))

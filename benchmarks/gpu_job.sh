@@ -19,7 +19,7 @@ packer=$!
   python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   nproc
 } > "$WORK/machine.txt" 2>&1
-python -c "from dion3.train.corpus import python_source_corpus; python_source_corpus(progress=print)" > "$WORK/corpus.log" 2>&1
+python -c "from dion3.tools.train.corpus import python_source_corpus; python_source_corpus(progress=print)" > "$WORK/corpus.log" 2>&1
 bash -c "$command"
 status=$?
 kill "$packer"

@@ -28,7 +28,7 @@ import torch
 import triton.testing
 
 from dion3 import kernels
-from dion3.bench.kernels import graph_median_ms
+from dion3.tools.bench.kernel_time import graph_median_ms
 from dion3.kernels.configs import TileConfig
 from dion3.kernels.symmetric_matmul import symmetric_matmul_triton
 from dion3.kernels import symmetric_matmul_hopper as hopper

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from dion3.plan import cli
+from dion3.tools.plan import cli
 
 PRESETS = ("llama-8b", "llama-70b", "llama-405b")
 WORLDS = (8, 64, 512, 4096)

@@ -26,10 +26,10 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "src"))  # after PYTHONPATH: an installed dion3 wins
 
-from dion3.bench.presets import MODELS  # noqa: E402
-from dion3.plan.cost import Hardware, Network, Variant  # noqa: E402
-from dion3.plan.run import build_plans, price  # noqa: E402
-from dion3.plan.world import model_weights, parse_layout  # noqa: E402
+from dion3.tools.bench.presets import MODELS  # noqa: E402
+from dion3.tools.plan.pricing import Hardware, Network, Variant  # noqa: E402
+from dion3.tools.plan.run import build_plans, price  # noqa: E402
+from dion3.tools.plan.world import model_weights, parse_layout  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MEMORY = 4.3e12  # measured device copy rate (bench.flops.H200_COPY_BYTES_PER_S)

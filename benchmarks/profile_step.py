@@ -8,8 +8,8 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dion3.bench.presets import PRESETS
-from dion3.bench.step import make_optimizer, make_parameters, parse_variant
+from dion3.tools.bench.presets import PRESETS
+from dion3.tools.bench.step_time import make_optimizer, make_parameters, parse_variant
 
 
 def main() -> None:

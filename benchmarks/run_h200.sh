@@ -13,7 +13,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NCCL_
 FINAL=${OUT:-/tmp/dion3-out}; OUT=$(mktemp -d)  # everything lands in $FINAL/results.tgz (the tool returns few files)
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 run() { echo "== $*"; local t=$SECONDS; "$@"; echo "== rc=$? in $((SECONDS - t)) s"; }
-dion3() { python3 -m dion3.cli "$@"; }
+dion3() { python3 -m dion3.tools.cli "$@"; }
 for stage in "$@"; do
   case "$stage" in
     check) run python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu-tests.txt" ;;
@@ -32,8 +32,8 @@ for stage in "$@"; do
         ${SHAPES:+--shapes "$SHAPES"} $( { [ "$n" -gt 0 ] || [ -n "${NO_TESTS:-}" ]; } && echo --no-tests) 2>&1 | tail -20 | tee "$dir.txt" ;;
     ab)  # whole steps with the Hopper kernel off (0) and on (1), alternating
       for flag in 0 1; do
-        DION3_HOPPER_KERNEL=$flag run timeout 150 python3 -m dion3.cli bench --preset llama-8b --optimizers dion3-1/4,muon-gram --steps 10 --warmup 4 --json "$OUT/step-llama-8b-hopper$flag.json" 2>&1 | tail -8 | tee "$OUT/step-llama-8b-hopper$flag.txt"
-        DION3_HOPPER_KERNEL=$flag run timeout 90 python3 -m dion3.cli bench --preset llama-1b --optimizers dion3-1/4 --steps 20 --json "$OUT/step-llama-1b-hopper$flag.json" 2>&1 | tail -6 | tee "$OUT/step-llama-1b-hopper$flag.txt"
+        DION3_HOPPER_KERNEL=$flag run timeout 150 python3 -m dion3.tools.cli bench --preset llama-8b --optimizers dion3-1/4,muon-gram --steps 10 --warmup 4 --json "$OUT/step-llama-8b-hopper$flag.json" 2>&1 | tail -8 | tee "$OUT/step-llama-8b-hopper$flag.txt"
+        DION3_HOPPER_KERNEL=$flag run timeout 90 python3 -m dion3.tools.cli bench --preset llama-1b --optimizers dion3-1/4 --steps 20 --json "$OUT/step-llama-1b-hopper$flag.json" 2>&1 | tail -6 | tee "$OUT/step-llama-1b-hopper$flag.txt"
       done ;;
     ab-narrow)  # whole steps with the Hopper kernel's 128×128 tiles off (wide tiles and the Triton kernel only), then on
       for narrow in off on; do
@@ -48,7 +48,7 @@ sys.exit(cli.main(['bench', '--preset', '${preset%%:*}', '--optimizers', 'muon,m
     cold)
       TRITON_CACHE_DIR=$(mktemp -d) run dion3 bench --preset llama-8b --optimizers dion3-1/4 --steps 10 --warmup 4 \
         --json "$OUT/step-llama-8b-cold.json" 2>&1 | tee "$OUT/step-llama-8b-cold.txt" ;;
-    train) run timeout 420 python3 -m dion3.cli compare --preset gpu-small --out "$OUT/compare-gpu-small" 2>&1 | tail -40 | tee "$OUT/compare-gpu-small.txt" ;;
+    train) run timeout 420 python3 -m dion3.tools.cli compare --preset gpu-small --out "$OUT/compare-gpu-small" 2>&1 | tail -40 | tee "$OUT/compare-gpu-small.txt" ;;
     profile)
       for pv in llama-8b:dion3-1/4 llama-8b:muon-gram llama-1b:dion3-1/4; do
         run python3 benchmarks/profile_step.py --preset "${pv%%:*}" --optimizer "${pv#*:}" 2>&1 | tee -a "$OUT/profile.txt"

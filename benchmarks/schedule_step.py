@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", help="custom ROWSxCOLS[:COUNT],... instead of the preset (smoke runs)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    from dion3.bench.presets import get_preset, parse_shapes
+    from dion3.tools.bench.presets import get_preset, parse_shapes
 
     preset = parse_shapes(args.shapes) if args.shapes else get_preset(args.preset)
     device = torch.device(args.device)

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dion3 import Dion3, Muon, NorMuon
-from dion3.bench.presets import get_preset
+from dion3.tools.bench.presets import get_preset
 
 VARIANTS = {
     "muon": (Muon, {}),

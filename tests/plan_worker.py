@@ -10,7 +10,7 @@ from torch.distributed.tensor import distribute_tensor
 
 import gloo
 from dion3 import Dion3, Muon
-from dion3.plan.world import Weight, parse_layout, placements
+from dion3.tools.plan.world import Weight, parse_layout, placements
 
 # A small Llama-like stack: q, k, v, o, gate, up, down per layer, 3 layers; k/v have 6 rows
 # (uneven shards over 4 ranks: 2, 2, 2, 0), gate/up 40 rows (10 per rank).

@@ -8,10 +8,10 @@ import re
 import pytest
 import torch
 
-from dion3 import cli
-from dion3.bench import flops, step
-from dion3.bench.presets import PRESETS, MatrixShape, parse_shapes
-from dion3.train.fractions import cost_allocated_fractions
+from dion3.tools import cli
+from dion3.tools.bench import step_cost as flops, step_time as step
+from dion3.tools.bench.presets import PRESETS, MatrixShape, parse_shapes
+from dion3.optim.cost_fractions import cost_allocated_fractions
 
 
 # ------------------------------------------------------------------------ presets
@@ -340,7 +340,7 @@ def test_only_the_cublas_baseline_runs_with_kernels_off(monkeypatch):
 def test_kernel_bench_rows_print_graph_timing_or_say_it_is_missing():
     """`dion3 bench kernels` reports GPU time alone from CUDA-graph replays; where a call cannot
     be captured (here: no CUDA at all) it warns and the eager figures still print."""
-    from dion3.bench import kernels as kernel_bench
+    from dion3.tools.bench import kernel_time as kernel_bench
 
     with pytest.warns(RuntimeWarning, match="no CUDA-graph timing"):
         assert kernel_bench._graph_ms_or_none(lambda: None) is None

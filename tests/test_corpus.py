@@ -1,4 +1,4 @@
-"""The read-once corpus (dion3.train.corpus) and read-once batches (data.read_once_batches):
+"""The read-once corpus (dion3.tools.train.corpus) and read-once batches (data.read_once_batches):
 deduplicated by content, split by file from a hash computed here independently, cached, and
 windows that never share a token."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 
-from dion3.train import corpus, data
+from dion3.tools.train import corpus, data
 
 
 def _tree(tmp_path):

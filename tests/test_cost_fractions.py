@@ -1,4 +1,4 @@
-"""dion3.train.fractions: per-shape fractions by orthogonalization cost (hand-computed cases and
+"""dion3.optim.cost_fractions: per-shape fractions by orthogonalization cost (hand-computed cases and
 the budget property), and the host-side FLOP count of a step."""
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from dion3.bench.flops import MatrixShape, h200_symmetric, orthogonalize_flops
+from dion3.tools.bench.step_cost import MatrixShape, h200_symmetric, orthogonalize_flops
 from dion3.ortho.coefficients import get_schedule
 from dion3.rules import selected_row_count
-from dion3.train import trainer
-from dion3.train.fractions import (
+from dion3.tools.train import trainer
+from dion3.optim.cost_fractions import (
     cost_allocated_fractions, cost_allocated_groups, matrix_shapes, step_orthogonalize_flops,
 )
 
@@ -187,8 +187,8 @@ def test_step_flops_by_hand():
 def test_training_run_counts_its_optimizer_flops():
     """A 3-step run of the tiny GPT: Dion3 by cost keeps within the uniform run's FLOPs and the
     per-step count is the same every step (fixed fractions); AdamW counts none."""
-    from dion3.train import data
-    from dion3.train.model import GPTConfig
+    from dion3.tools.train import data
+    from dion3.tools.train.model import GPTConfig
 
     config = GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=32)
     tokens = torch.tensor(list((b"def f(x):\n    return x + 1\n" * 200)[:3000]))

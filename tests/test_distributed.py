@@ -345,7 +345,7 @@ def test_owner_mapping_by_hand():
     """Each member owns the contiguous range of the matrices whose owner it is (owner_of, in
     member order); a holder owns everything; the same mapping object for the same inputs
     (built once, not per step)."""
-    from dion3.distributed.plan import Owners
+    from dion3.distributed.bucketing import Owners
 
     class Mapping(Owners):
         def __init__(self, owner_of, world_size):

@@ -1,4 +1,7 @@
-"""The distributed package's modules import downwards only: their import graph is acyclic.
+"""The package imports downwards only. Between the subpackages and top-level modules of dion3
+the import graph is acyclic; nothing outside dion3.tools imports the tools (the library never
+needs them: `import dion3` loads none); inside dion3.distributed the modules' graph is acyclic
+too.
 
 Every import statement counts, wherever it stands: at module level, inside a function, or under
 `if TYPE_CHECKING:` (a type-only import still makes the importer depend on the imported module's
@@ -76,7 +79,7 @@ def package_graph() -> dict[str, set[str]]:
 
 def test_the_distributed_package_imports_downwards_only():
     graph = package_graph()
-    assert {"plan", "state", "bucket", "sharded", "replicated", "interleave"} <= set(graph)
+    assert {"bucketing", "state", "bucket", "sharded", "replicated", "interleave"} <= set(graph)
     assert cycle(graph) == [], f"import cycle: {' -> '.join(cycle(graph))}"
 
 
@@ -95,7 +98,83 @@ def test_a_type_only_import_back_is_a_cycle():
 
 
 def test_imports_inside_functions_and_of_the_package_facade_count():
-    modules = {"step", "pipeline"}
-    source = ("import torch\nfrom .. import rules\nfrom dion3.distributed.pipeline import run\n"
-              "def f():\n    from . import step, Traffic\n    import dion3.distributed\n")
-    assert imports_of(source, modules) == {"pipeline", "step", "__init__"}
+    modules = {"interleave", "sharded"}
+    source = ("import torch\nfrom .. import rules\nfrom dion3.distributed.sharded import run\n"
+              "def f():\n    from . import interleave, Traffic\n    import dion3.distributed\n")
+    assert imports_of(source, modules) == {"sharded", "interleave", "__init__"}
+
+
+SRC = PACKAGE.parent  # src/dion3
+TOOLS = "tools"
+
+
+def unit_of(path: Path) -> str:
+    """The node a source file belongs to: its subpackage (kernels, ortho, ...; tools/x for each
+    tool) or its own name for a top-level module."""
+    parts = path.relative_to(SRC).with_suffix("").parts
+    if len(parts) == 1:
+        return parts[0]
+    return "/".join(parts[:2]) if parts[0] == TOOLS and len(parts) > 2 else parts[0]
+
+
+def absolute_imports(path: Path) -> set[str]:
+    """The dion3 modules a file imports anywhere, as dotted names below dion3 (relative imports resolved)."""
+    package = list(path.relative_to(SRC).parent.parts)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name[len("dion3."):] for a in node.names if a.name.startswith("dion3."))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and node.module.startswith("dion3"):
+                target = node.module[len("dion3"):].lstrip(".")
+            else:
+                continue
+            names = [a.name for a in node.names]
+            candidates = [f"{target}.{n}" if target else n for n in names]
+            found.update(c for c in candidates if _exists(c)) or None
+            if not any(_exists(c) for c in candidates) and target:
+                found.add(target)
+    return found
+
+
+def _exists(dotted: str) -> bool:
+    base = SRC.joinpath(*dotted.split("."))
+    return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
+
+
+def _unit_of_module(dotted: str) -> str:
+    base = SRC.joinpath(*dotted.split("."))
+    path = base.with_suffix(".py") if base.with_suffix(".py").exists() else base / "__init__.py"
+    return unit_of(path)
+
+
+def unit_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in SRC.rglob("*.py"):
+        unit = unit_of(path)
+        if path.name == "__init__.py" and path.parent == SRC:
+            continue  # the package's face imports what it re-exports
+        targets = {_unit_of_module(m) for m in absolute_imports(path) if m}
+        graph.setdefault(unit, set()).update(t for t in targets if t != unit)
+    return graph
+
+
+def test_the_package_imports_downwards_only():
+    graph = unit_graph()
+    assert {"kernels", "ortho", "optim", "distributed", "rules", "tools/bench", "tools/plan", "tools/train"} <= set(graph)
+    assert cycle(graph) == [], f"import cycle between subpackages: {' -> '.join(cycle(graph))}"
+    upward = sorted((a, b) for a, targets in graph.items() for b in targets
+                    if not a.startswith(TOOLS) and b.startswith(TOOLS))
+    assert upward == [], f"library modules import the tools: {upward}"
+
+
+def test_import_dion3_loads_no_tool_module():
+    import subprocess
+    import sys
+
+    code = "import dion3, sys; print(sorted(m for m in sys.modules if m.startswith('dion3.')))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "dion3." in loaded and "dion3.tools" not in loaded, loaded

@@ -194,13 +194,13 @@ def test_hopper_kernel_builds_for_sm90_without_a_gpu():
     """The Gluon kernel's fourteen specializations (K-major/row-major B, with/without C,
     bf16/fp16, 128×256 tiles with 3 and 4 stages, 128×128 tiles with 5 and 6 stages and either
     epilogue, and with one consumer warpgroup, A copied on the way) compile to sm_90a with the installed Triton and ptxas
-    (benchmarks/compile_sm90.py) and fit the 227 KB of shared memory an sm90 block may have:
+    (tests/compile_sm90.py) and fit the 227 KB of shared memory an sm90 block may have:
     catches drift in Triton's experimental Gluon API on machines without a Hopper GPU."""
     from dion3.kernels.symmetric_matmul_hopper import GLUON_AVAILABLE
 
     if not GLUON_AVAILABLE:
         pytest.skip(f"Triton {triton.__version__} has no Gluon Hopper API: the Triton kernel runs instead")
-    script = HERE.parent / "benchmarks" / "compile_sm90.py"
+    script = HERE / "compile_sm90.py"
     env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src"))
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if " ok: " in line or "FAILED" in line]
@@ -499,7 +499,7 @@ def test_symmetric_right_factor_flag_leaves_the_reference_path_alone():
 
 @needs_cuda
 def test_gpu_dispatch_uses_kernel_and_orthogonalize_stays_accurate():
-    from dion3.bench.kernels import float64_newton_schulz
+    from dion3.tools.bench.kernel_time import float64_newton_schulz
     from dion3.ortho.newton_schulz import orthogonalize
 
     assert kernels.symmetric_kernels_available("cuda", 1024)
@@ -561,7 +561,7 @@ def test_hopper_tiling_rule_follows_wave_counts():
 def test_gpu_orthogonalize_through_split_and_long_reduction_paths(batch, rows, cols, method, monkeypatch):
     """Batches whose X·Xᵀ goes through the split product (12×2048²) or the 4-stage long-reduction
     config (R of 4×1024×4096 in Gram NS) stay within 2e-2 of float64 standard NS."""
-    from dion3.bench.kernels import float64_newton_schulz
+    from dion3.tools.bench.kernel_time import float64_newton_schulz
     from dion3.ortho.newton_schulz import orthogonalize
 
     from dion3.kernels import symmetric_matmul_hopper
@@ -582,7 +582,7 @@ def test_gpu_tall_inputs_and_normalized_snapshots_stay_accurate(method):
     come back contiguous through the tiled transpose; a Dion3-style normalized snapshot
     (orthogonalize(..., normalized=True)) gives what orthogonalizing U gives."""
     from dion3 import rules
-    from dion3.bench.kernels import float64_newton_schulz
+    from dion3.tools.bench.kernel_time import float64_newton_schulz
     from dion3.ortho import input_scaling
     from dion3.ortho.newton_schulz import orthogonalize
 
@@ -673,7 +673,7 @@ def test_gpu_hopper_kernel_copies_a_exactly_and_standard_ns_uses_the_copy(tiling
     (bit-exact, every element written: NaN-poisoned), and the product is unchanged by it; standard
     NS then updates that copy in place (gram_with_copy hands it over) and stays within 2e-2 of
     float64 NS."""
-    from dion3.bench.kernels import float64_newton_schulz
+    from dion3.tools.bench.kernel_time import float64_newton_schulz
     from dion3.kernels.symmetric_matmul_hopper import GLUON_AVAILABLE, symmetric_matmul_hopper
     from dion3.ortho.newton_schulz import orthogonalize
 

@@ -128,17 +128,12 @@ def test_the_worked_example_costs_are_ordered_as_stated():
 
 
 def test_llama_owner_balance_at_64_ranks_under_fsdp2():
-    """benchmarks/owner_balance.py's model of the FSDP2 buckets of Llama-8B and 70B on 64 ranks
+    """src/dion3/tools/plan/owner_balance.py's model of the FSDP2 buckets of Llama-8B and 70B on 64 ranks
     (the planner's cost functions and assign_owners): the busiest owner within 5% of the mean
     load, except where whole matrices cannot be: Llama-70B's 160 Dion3 gate/up selections cost
     0.354× the mean load each, so some rank holds three (≥ 1.062×); there LPT meets the bound."""
-    import importlib.util
-    from pathlib import Path
+    from dion3.tools.plan import owner_balance as balance
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "owner_balance.py"
-    spec = importlib.util.spec_from_file_location("owner_balance", path)
-    balance = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(balance)
     table = balance.rows(["llama-8b", "llama-70b"], [64], [1])
     for row in table:
         assert row["after"] < row["before"], row

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dion3.plan import cli
+from dion3.tools.plan import cli
 
 
 def test_json_accounts_for_every_matrix_and_byte(tmp_path):

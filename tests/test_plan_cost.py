@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from dion3.plan import cli
-from dion3.plan.buckets import BucketPlan
-from dion3.plan.cost import (STAGE_LAUNCHES, Hardware, Network, RankCost, Stage, Variant, bucket_costs, bucket_stages,
+from dion3.tools.plan import cli
+from dion3.tools.plan.buckets import BucketPlan
+from dion3.tools.plan.pricing import (STAGE_LAUNCHES, Hardware, Network, RankCost, Stage, Variant, bucket_costs, bucket_stages,
                              collective_seconds, selection)
-from dion3.plan.total import StepPlan, exposed_host_s, issue_order, peak_in_flight, plan_step
-from dion3.plan.world import Weight, parse_layout, placements
+from dion3.tools.plan.step_plan import StepPlan, exposed_host_s, issue_order, peak_in_flight, plan_step
+from dion3.tools.plan.world import Weight, parse_layout, placements
 
 MUON = Variant("Muon", "muon", orthogonalizer="newton_schulz")
 DION3 = Variant("Dion3", "dion3", 0.25, orthogonalizer="newton_schulz")

@@ -9,9 +9,9 @@ import torch
 import gloo
 import plan_worker as worker
 from dion3.ortho.newton_schulz import default_compute_dtype
-from dion3.plan.cost import Hardware, Network, Variant
-from dion3.plan.run import build_plans, price
-from dion3.plan.world import parse_layout
+from dion3.tools.plan.pricing import Hardware, Network, Variant
+from dion3.tools.plan.run import build_plans, price
+from dion3.tools.plan.world import parse_layout
 
 VARIANTS = {"muon": Variant("Muon", "muon", orthogonalizer="newton_schulz"),
             "dion3": Variant("Dion3", "dion3", 0.25, orthogonalizer="newton_schulz")}

@@ -1,9 +1,8 @@
-"""benchmarks/quality_study.py: the run plan, the summary's statistics (by hand), and the CPU
+"""src/dion3/tools/study.py: the run plan, the summary's statistics (by hand), and the CPU
 smoke mode end to end: runs in separate processes, one JSON line each, a rerun skips them."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import statistics
@@ -17,12 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("quality_study", ROOT / "benchmarks" / "quality_study.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["quality_study"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("quality_study", None)
+    from dion3.tools import study as module
+
+    return module
 
 
 def test_plan_covers_the_grid_short_horizons_first(study):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dion3.train.model import GPT, GPTConfig
+from dion3.tools.train.model import GPT, GPTConfig
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

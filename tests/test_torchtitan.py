@@ -218,8 +218,8 @@ def _expected_cost_fractions(model, fraction: float) -> dict[str, float]:
     """FQN → fraction for the Dion3 parameters of the debug model under "cost", from its global
     weight shapes: cost_allocated_fractions over the orthogonal group's shapes; the fused wqkv
     (per-head blocks) keeps `fraction`."""
-    from dion3.bench.flops import MatrixShape
-    from dion3.train.fractions import cost_allocated_fractions
+    from dion3.tools.bench.step_cost import MatrixShape
+    from dion3.optim.cost_fractions import cost_allocated_fractions
 
     orthogonal = {n: tuple(p.shape) for n, p in model.named_parameters()
                   if p.dim() == 2 and not re.search(r"(tok_embeddings|output|lm_head)\.|wqkv", n)}

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from dion3 import Dion3, Muon, NorMuon, param_groups
-from dion3.train import compare, data
-from dion3.train.model import GPT, GPTConfig, padded_vocab
+from dion3.tools.train import compare, data
+from dion3.tools.train.model import GPT, GPTConfig, padded_vocab
 from dion3.optim.graph import to_device_scalars
-from dion3.train import trainer
-from dion3.train.trainer import RunSpec, Schedule, resolve_device, train, use_captured_step
+from dion3.tools.train import trainer
+from dion3.tools.train.trainer import RunSpec, Schedule, resolve_device, train, use_captured_step
 
 TINY = GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=32)
 
@@ -451,7 +451,7 @@ def test_compare_command_writes_table_logs_and_plot(tmp_path, monkeypatch, capsy
     )
     monkeypatch.setitem(compare.PRESETS, "test-micro", tiny)
     out = tmp_path / "out"
-    from dion3.cli import main as cli_main
+    from dion3.tools.cli import main as cli_main
 
     code = cli_main([
         "compare", "--preset", "test-micro", "--steps", "3", "--data", str(corpus), "--out", str(out),

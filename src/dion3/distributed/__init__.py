@@ -1,14 +1,14 @@
 """Distributed step for DDP (ProcessGroup), FSDP2 and every DTensor layout of large-model
 training (TP columns, strided rows, HSDP, expert stacks), each bucket over its own mesh axes.
 
-Modules import downwards only: mesh → layout → owners → bucket → state → plan (the planner);
+Modules import downwards only: mesh → layout → owners → bucket → state → bucketing (the planner);
 exchange → selection → replicated, sharded (the routes of dion3.matrix_step) → interleave (the step)."""
 from .bucket import LayoutBucket, ShardedBucket
 from .exchange import Traffic
 from .layout import MatrixLayout, classify, matrix_layout
 from .mesh import MeshInfo, all_ranks_true, axes_group, is_dtensor, local_row_span, local_tensor, resolve_mesh
 from .owners import owned_matrices
-from .plan import build_buckets
+from .bucketing import build_buckets
 from .interleave import run_step
 
 __all__ = [

@@ -1,5 +1,5 @@
 """The bucket type of the distributed step's sharded matrices, below the planner that builds
-buckets (plan.py), the state they own (state.py) and the pipeline that steps them.
+buckets (bucketing.py), the state they own (state.py) and the pipeline that steps them.
 
 A LayoutBucket holds same-layout matrices of one group (any mix of row, column, strided and
 expert sharding): each rank holds a block of rows (any index set) and a column range of each

@@ -1,7 +1,7 @@
 """Which rows of a sharded bucket's matrices each member sends to their owners, and where the
 owner puts them.
 
-A `PiecePlan` says, for every member s and matrix i of the bucket, how many rows s sends
+A `RowRoutes` says, for every member s and matrix i of the bucket, how many rows s sends
 (counts[s][i]); which of this rank's rows they are (flat indices into [N·rows held]); and, on
 the owner, the slot of every received row among its matrices' rows. Muon/NorMuon send every
 row; Dion3 "local" sends each row shard's own top ⌈f·b⌉ rows (b: the most rows any member
@@ -23,7 +23,7 @@ from .bucket import LayoutBucket
 
 
 @dataclass
-class PiecePlan:
+class RowRoutes:
     counts: list[list[int]]  # counts[s][i]: rows of matrix i that member s sends
     rows: Optional[Tensor]  # this rank's sent rows, flat in [N·rows held]; None = all rows
     # Owner side: the slot in [n_owned·K] of every received row, in the order they arrive
@@ -54,7 +54,7 @@ def _member_rows(bucket: LayoutBucket, device, group: str = "members") -> Tensor
     return bucket.slot_cache[key]
 
 
-def all_rows_plan(bucket: LayoutBucket) -> PiecePlan:
+def all_rows_plan(bucket: LayoutBucket) -> RowRoutes:
     """Muon/NorMuon: every member sends all its rows; the owner holds whole matrices (K = rows)."""
     if "all" not in bucket.slot_cache:
         rows, count = bucket.shape[0], bucket.count
@@ -64,7 +64,7 @@ def all_rows_plan(bucket: LayoutBucket) -> PiecePlan:
         slots = torch.cat([(base + torch.tensor(m.rows, dtype=torch.long, device=device)).reshape(-1)
                            for m in bucket.members])
         counts = [[len(m.rows)] * count for m in bucket.members]
-        bucket.slot_cache["all"] = PiecePlan(counts, None, slots, rows, bucket.owners())
+        bucket.slot_cache["all"] = RowRoutes(counts, None, slots, rows, bucket.owners())
     return bucket.slot_cache["all"]
 
 
@@ -75,7 +75,7 @@ def local_count(bucket: LayoutBucket, fraction: float, member: int) -> int:
     return min(rules.selected_row_count(bucket.chunk, fraction), held) if bucket.chunk else 0
 
 
-def local_plan(bucket: LayoutBucket, scores: Tensor, fraction: float) -> PiecePlan:
+def local_plan(bucket: LayoutBucket, scores: Tensor, fraction: float) -> RowRoutes:
     """Each row shard's own top rows by full-row L1 score (scores: [N, rows held], already summed
     over the column shards, so the members of a row shard pick the same rows); static counts,
     no host sync. On the owner, row shard q's rows fill slots [offset_q, offset_q + k_q)."""
@@ -101,8 +101,8 @@ def local_plan(bucket: LayoutBucket, scores: Tensor, fraction: float) -> PiecePl
     counts, slots, total = bucket.slot_cache[key]
     k = counts[bucket.rank][0]
     if k == 0:
-        return PiecePlan(counts, scores.new_empty((0,), dtype=torch.long), slots, total, bucket.owners())
-    return PiecePlan(counts, _flatten_rows(rules.top_rows(scores, k), scores.shape[1]), slots, total, bucket.owners())
+        return RowRoutes(counts, scores.new_empty((0,), dtype=torch.long), slots, total, bucket.owners())
+    return RowRoutes(counts, _flatten_rows(rules.top_rows(scores, k), scores.shape[1]), slots, total, bucket.owners())
 
 
 def _flatten_rows(rows: Tensor, stride: int) -> Tensor:
@@ -119,7 +119,7 @@ def padded_scores(bucket: LayoutBucket, scores: Tensor) -> Tensor:
     return padded
 
 
-def global_plan(bucket: LayoutBucket, gathered: Tensor, fraction: float) -> PiecePlan:
+def global_plan(bucket: LayoutBucket, gathered: Tensor, fraction: float) -> RowRoutes:
     """Exact top-k rows of every whole matrix (k from the true row count) from the full-row
     scores [R, N, b] of the row group's members (bucket.row_members: every row once; the other
     column shards hold the same summed scores, so every member computes the same selection).
@@ -147,7 +147,7 @@ def global_plan(bucket: LayoutBucket, gathered: Tensor, fraction: float) -> Piec
     slots = owned_slots.transpose(0, 1).reshape(-1)[_true_indices(arriving, arrive_count)]
     mine_sent = sent[:, bucket.rank, : len(bucket.local.rows)].reshape(-1)
     local_rows = _true_indices(mine_sent, sum(counts[bucket.rank]))
-    return PiecePlan(counts, local_rows, slots, k, bucket.owners())
+    return RowRoutes(counts, local_rows, slots, k, bucket.owners())
 
 
 def _every_member_holds_every_row(bucket: LayoutBucket) -> bool:
@@ -159,7 +159,7 @@ def _every_member_holds_every_row(bucket: LayoutBucket) -> bool:
     return bucket.slot_cache[key]
 
 
-def _whole_rows_plan(bucket: LayoutBucket, scores: Tensor, k: int) -> PiecePlan:
+def _whole_rows_plan(bucket: LayoutBucket, scores: Tensor, k: int) -> RowRoutes:
     """global_plan where every member holds every row: scores [N, rows] are the whole matrices'
     already, every member sends the k selected rows of each matrix (its own rows are the
     selection's indices, no mask to compact), and the owner receives them from each member in
@@ -174,7 +174,7 @@ def _whole_rows_plan(bucket: LayoutBucket, scores: Tensor, k: int) -> PiecePlan:
         bucket.slot_cache[key] = ([[k] * count for _ in range(bucket.world_size)], slots)
     counts, slots = bucket.slot_cache[key]
     local_rows = _flatten_rows(rules.top_rows(scores, k), bucket.shape[0])
-    return PiecePlan(counts, local_rows, slots, k, bucket.owners())
+    return RowRoutes(counts, local_rows, slots, k, bucket.owners())
 
 
 def _true_indices(mask: Tensor, count: int) -> Tensor:

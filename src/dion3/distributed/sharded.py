@@ -36,7 +36,7 @@ from ..matrix_step import Owned, Result, Whole
 from ..ortho import input_scaling
 from .bucket import LayoutBucket
 from .exchange import Traffic, exchange_rows, gather_chunks, sum_across
-from .selection import PiecePlan, all_rows_plan, global_plan, local_plan, padded_scores
+from .selection import RowRoutes, all_rows_plan, global_plan, local_plan, padded_scores
 
 
 class ShardedRoute:
@@ -47,7 +47,7 @@ class ShardedRoute:
         self.views, self.shape, self.skipped = bucket.views, bucket.shape, getattr(bucket, "skipped", None)
         self.momentum = bucket.momentum
         self.grads = bucket.grads()
-        self.plan: Optional[PiecePlan] = None
+        self.plan: Optional[RowRoutes] = None
         self.total: Optional[Tensor] = None  # ‖U‖_F² per matrix, summed over the group
 
     def to_owner(self):
@@ -61,7 +61,7 @@ class ShardedRoute:
             update, _, norm, _ = rules.pre_step(momentum, self.grads, cfg, want_norm=True)
             if norm is None:  # Nesterov's U = μM + G is not seen by the momentum pass
                 norm = torch.linalg.vector_norm(update, dim=(-2, -1), dtype=torch.promote_types(update.dtype, torch.float32))
-            plan: PiecePlan = all_rows_plan(bucket)
+            plan: RowRoutes = all_rows_plan(bucket)
             partial = norm.reshape(count).square()
             row_matrix = None
         else:  # Dion3: M ← M + G, score rows, select, snapshot the selected rows with error feedback
@@ -191,7 +191,7 @@ class ShardedRoute:
         return positions.index_fill_(0, self.plan.rows, 0).view(count, rows_here), self.total
 
 
-def _place(received: Tensor, plan: PiecePlan, bucket: LayoutBucket, owned: int, width: int,
+def _place(received: Tensor, plan: RowRoutes, bucket: LayoutBucket, owned: int, width: int,
            from_owner: list[int]) -> Tensor:
     """Received pieces (member-major; member s's rows span its column range) → [owned·K, width].
     One member: they arrive in place. Whole rows (width 1 for variances): one indexed copy."""
@@ -209,7 +209,7 @@ def _place(received: Tensor, plan: PiecePlan, bucket: LayoutBucket, owned: int, 
     return out
 
 
-def _pieces(placed: Tensor, plan: PiecePlan, bucket: LayoutBucket, width: int, from_owner: list[int]) -> Tensor:
+def _pieces(placed: Tensor, plan: RowRoutes, bucket: LayoutBucket, width: int, from_owner: list[int]) -> Tensor:
     """The inverse of _place: each member's rows and columns, in the order they arrived, flat."""
     flat = placed.reshape(-1, width)
     if bucket.world_size == 1:

@@ -27,7 +27,7 @@ position is saved beside them (`FRACTION_STEP_KEY`).
 
 With `fraction_allocation="cost"` the container splits every Dion3/Dion2 group of whole matrices
 into one group per global matrix shape, with fractions by orthogonalization cost
-(dion3.train.fractions.cost_allocated_groups, the rule of `param_groups(fraction_allocation=
+(dion3.optim.cost_fractions.cost_allocated_groups, the rule of `param_groups(fraction_allocation=
 "cost")`); groups split into blocks (the fused `wqkv`'s heads) keep their one fraction.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ from torch.optim import Optimizer
 
 from ..algorithms import ALIASES, SELECTING_ALGORITHMS
 from ..optim import Dion3, FractionScheduler, FractionWarmup, Muon, NorMuon
-from ..train.fractions import cost_allocated_groups
+from ..optim.cost_fractions import cost_allocated_groups
 
 __all__ = [
     "Dion3OptimizersContainer", "FRACTION_STEP_KEY", "OPTIMIZERS", "dion3_optimizer",

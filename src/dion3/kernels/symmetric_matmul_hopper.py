@@ -40,7 +40,7 @@ from .hopper_tiling import BLOCK_M, SYMMETRIC_B_ALONG_K, Tiling, default_tiling,
 from .tile_order import _tile_coordinates, lower_tile_count
 
 # The Gluon API this module is written against: run on GPUs with Triton 3.6, compiled for sm_90a
-# with Triton 3.9 (benchmarks/compile_sm90.py). Older releases spell warp_specialize differently.
+# with Triton 3.9 (tests/compile_sm90.py). Older releases spell warp_specialize differently.
 MIN_TRITON = (3, 6)
 
 try:  # Gluon is experimental; a Triton without it (or without Hopper support) uses the other kernel

@@ -1,6 +1,6 @@
 """torch.optim front-ends."""
 from .base import OrthogonalOptimizer
-from .fraction import FractionScheduler, FractionWarmup
+from .fraction_schedule import FractionScheduler, FractionWarmup
 from .optimizers import Dion3, Muon, NorMuon
 
 __all__ = ["Dion3", "FractionScheduler", "FractionWarmup", "Muon", "NorMuon", "OrthogonalOptimizer"]

@@ -2,12 +2,14 @@
 dense (2·n·k·m per n×k by k×m product) and as executed when symmetric products compute only
 their lower-triangle tiles (T(T+1)/2 of T² tiles, T = ⌈n / tile⌉; DESIGN §4).
 
-The one cost function of the package: the step-cost model (dion3.bench.flops) and the
-distributed planner's owner balance (dion3.distributed.owners) both count with it.
+The one cost function of the package: the fractions by cost (dion3.optim.cost_fractions), the
+distributed planner's owner balance (dion3.distributed.owners) and the tools' step-cost model
+(dion3.tools.bench.step_cost) all count with it; MatrixShape names the matrices they price.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
@@ -16,6 +18,25 @@ from ..kernels import SYMMETRIC_MIN_N, SYMMETRIC_SPEEDUP, symmetric_kernels_avai
 from .coefficients import CoefficientSpec, get_schedule
 from .newton_schulz import _resolve, choose_method
 from .restarts import default_restarts
+
+@dataclass(frozen=True)
+class MatrixShape:
+    """`count` matrices of shape rows × cols (one parameter each)."""
+
+    name: str
+    rows: int
+    cols: int
+    count: int
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols * self.count
+
+
+def h200_symmetric(n: int) -> bool:
+    """The dispatch rule of dion3.kernels on a GPU with Triton: symmetric kernel from n ≥ SYMMETRIC_MIN_N."""
+    return n >= SYMMETRIC_MIN_N
+
 
 SYMMETRIC_TILE = 128
 H200_MATMUL_FLOPS = 790e12  # bf16 dense matmul, measured

@@ -21,9 +21,9 @@ from typing import Callable
 
 import torch
 
-from .. import kernels
-from ..kernels.configs import TileConfig, pick_config
-from ..kernels.reference import post_update_reference, symmetric_matmul_reference
+from ... import kernels
+from ...kernels.configs import TileConfig, pick_config
+from ...kernels.reference import post_update_reference, symmetric_matmul_reference
 
 # (label, batch, n, k, product): "gram" is A·Aᵀ with A [B, n, k]; "square" is c·R·R + b·R with
 # R [B, n, n] symmetric (the bA + cA² term of NS and the Z, P, R products of Gram NS).
@@ -120,8 +120,8 @@ def _symmetric_inputs(batch: int, n: int, k: int, product: str, dtype: torch.dty
 
 
 def bench_symmetric(dtype: torch.dtype, configs, shapes=SYMMETRIC_SHAPES) -> list[dict]:
-    from ..kernels.symmetric_matmul import symmetric_matmul_triton
-    from ..kernels.symmetric_matmul_hopper import pick_tiling
+    from ...kernels.symmetric_matmul import symmetric_matmul_triton
+    from ...kernels.symmetric_matmul_hopper import pick_tiling
 
     major = torch.cuda.get_device_capability()[0]
     rows = []
@@ -194,7 +194,7 @@ def _times(ratio: float | None) -> str:
 
 def float64_newton_schulz(x: torch.Tensor, coefficients: str = "polar_express") -> torch.Tensor:
     """Standard NS in float64 (the accuracy reference): normalize, wide orientation, iterate."""
-    from ..ortho.coefficients import get_schedule
+    from ...ortho.coefficients import get_schedule
 
     schedule = get_schedule(coefficients)
     x = x.double()
@@ -209,7 +209,7 @@ def float64_newton_schulz(x: torch.Tensor, coefficients: str = "polar_express") 
 
 def bench_newton_schulz(shapes=NS_SHAPES) -> list[dict]:
     """Standard NS on cuBLAS (the baseline) vs standard NS and Gram NS with kernels."""
-    from ..ortho.newton_schulz import orthogonalize
+    from ...ortho.newton_schulz import orthogonalize
 
     variants = (("ns_cublas", "newton_schulz", False), ("ns_kernels", "newton_schulz", True),
                 ("gram_cublas", "gram", False), ("gram_kernels", "gram", True))
@@ -245,7 +245,7 @@ def bench_newton_schulz(shapes=NS_SHAPES) -> list[dict]:
 
 def bench_post_update(count: int = 32, rows: int = 4096, cols: int = 4096, fraction: float = 0.25) -> dict:
     """Fused post-update vs the PyTorch reference on one bucket of fp32 params, f = fraction."""
-    from ..kernels.post_update import post_update_triton
+    from ...kernels.post_update import post_update_triton
 
     params = [torch.randn(1, rows, cols, device="cuda") for _ in range(count)]
     k = max(1, int(fraction * rows))

@@ -7,10 +7,10 @@ import importlib
 import sys
 
 COMMANDS = {
-    "compare": ("dion3.train.compare", "train the same model with AdamW, Muon, NorMuon and Dion3; compare"),
-    "bench": ("dion3.bench.step", "time optimizer steps on model-shaped parameters"),
-    "bench kernels": ("dion3.bench.kernels", "time symmetric-matmul kernels and NS variants against cuBLAS"),
-    "plan": ("dion3.plan.cli", "predict step time, traffic and memory per rank on W GPUs (real planner, on CPU)"),
+    "compare": ("dion3.tools.train.compare", "train the same model with AdamW, Muon, NorMuon and Dion3; compare"),
+    "bench": ("dion3.tools.bench.step_time", "time optimizer steps on model-shaped parameters"),
+    "bench kernels": ("dion3.tools.bench.kernel_time", "time symmetric-matmul kernels and NS variants against cuBLAS"),
+    "plan": ("dion3.tools.plan.cli", "predict step time, traffic and memory per rank on W GPUs (real planner, on CPU)"),
 }
 
 

@@ -5,7 +5,7 @@ cheapest; `cost_allocated_groups` splits a Dion3 group into one group per matrix
 fractions; `step_orthogonalize_flops` counts what one optimizer step orthogonalizes, on the host
 (parameter shapes and group settings only, no device work).
 
-Costs are the executed FLOPs of dion3.bench.flops (the model of `dion3 bench`'s tables). The
+Costs are the executed FLOPs of dion3.ortho.cost (the model of `dion3 bench`'s tables too). The
 symmetric-kernel assumption defaults to that of its H200 table, `h200_symmetric` (symmetric
 products from n ≥ SYMMETRIC_MIN_N, as dion3.kernels dispatches on a GPU with Triton), so the
 counts are the same whichever device a run trains on.
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..algorithms import MATRIX_ALGORITHMS, SELECTING_ALGORITHMS
 from ..buckets import matrix_view
-from ..bench.flops import MatrixShape, Symmetric, h200_symmetric, orthogonalize_flops
+from ..ortho.cost import MatrixShape, Symmetric, h200_symmetric, orthogonalize_flops
 from ..rules import selected_row_count
 
 # cost(k, cols): executed FLOPs of orthogonalizing one k × cols matrix
@@ -29,7 +29,7 @@ BUDGET_TOLERANCE = 1e-9  # relative: sums of the same FLOPs in another order may
 
 def orthogonalize_cost(method: str = "auto", symmetric: Symmetric = h200_symmetric,
                        schedule: Any = "polar_express") -> Cost:
-    """cost(k, cols) from dion3.bench.flops' model with these orthogonalizer settings."""
+    """cost(k, cols) from dion3.tools.bench.step_cost' model with these orthogonalizer settings."""
     return lambda k, cols: orthogonalize_flops(k, cols, method, symmetric, schedule)[1]
 
 
@@ -51,10 +51,10 @@ def cost_allocated_fractions(
     """One fraction per shape (each k/rows, k the rows it selects) whose executed
     orthogonalization FLOPs add up to at most those of `fraction` on every shape.
 
-    shapes: `count` matrices of rows × cols each (dion3.bench.flops.MatrixShape, or anything with
+    shapes: `count` matrices of rows × cols each (dion3.tools.bench.step_cost.MatrixShape, or anything with
         those three attributes). Shapes with equal rows and cols are one shape: they get one fraction.
     floor: the least fraction of any shape, in (0, fraction]; None: fraction / 4.
-    method, symmetric, schedule: the cost model, as dion3.bench.flops.step_cost takes them;
+    method, symmetric, schedule: the cost model, as dion3.tools.bench.step_cost.step_cost takes them;
     cost: cost(k, cols), FLOPs of one k × cols matrix, instead of that model.
 
     Rule (water-filling by cost): every shape starts at ⌈floor·rows⌉ rows; then, again and again,

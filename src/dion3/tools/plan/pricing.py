@@ -5,7 +5,7 @@ owns n_s of them; K rows of each matrix reach its owner, k_s of them from s):
   selection  Muon/NorMuon: k_s = h_s, K = R. Dion3 local: k_s = min(⌈f·b⌉, h_s) with b the
              most rows a member holds, K = Σ k over the distinct row sets. Dion3 global:
              K = ⌈f·R⌉, k_s = K·h_s/R (the selection depends on the data: its mean).
-  compute    n_s × the executed FLOPs of orthogonalizing a K×C matrix (dion3.bench.flops: the
+  compute    n_s × the executed FLOPs of orthogonalizing a K×C matrix (dion3.tools.bench.step_cost: the
              method "auto" picks, symmetric products at their lower-triangle tiles) at a
              sustained rate; Muon's baseline (standard NS on cuBLAS) at its own rate.
   memory     N × the fused elementwise bytes of the local piece (bench.flops.elementwise_bytes,
@@ -37,14 +37,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional
 
-from ..bench.flops import elementwise_bytes, h200_symmetric, orthogonalize_flops
-from ..rules import selected_row_count
+from ..bench.step_cost import elementwise_bytes, h200_symmetric, orthogonalize_flops
+from ...rules import selected_row_count
 from .buckets import BucketPlan
 
-# The pipeline of dion3.distributed.step: buckets in flight and their admission budget.
-PIPELINE_DEPTH = 4
-PIPELINE_BUDGET = 1.5
-PIPELINE_MEMORY_SHARE = 0.1
+# The pipeline of the distributed step (buckets in flight and their admission budget): its own constants
+from ...distributed.interleave import PIPELINE_BUDGET, PIPELINE_DEPTH, PIPELINE_MEMORY_SHARE  # noqa: E402,F401
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ def describe(bucket, rank: int) -> BucketPlan:
     count = sum(v.shape[0] for v in bucket.views)
     if mesh is None:
         return _local(rows, cols, count, rank)
-    from ..distributed import owned_matrices
+    from ...distributed import owned_matrices
 
     world = mesh.world_size
     return BucketPlan("replicated", (rows, cols), count, [(rows, cols)] * world,

@@ -12,19 +12,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class MatrixShape:
-    """`count` matrices of shape rows × cols (one parameter each)."""
-
-    name: str
-    rows: int
-    cols: int
-    count: int
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols * self.count
+from ...ortho.cost import MatrixShape  # noqa: F401 (the presets' matrices; re-exported)
 
 
 @dataclass(frozen=True)

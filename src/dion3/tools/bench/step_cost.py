@@ -35,22 +35,16 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from ..kernels import SYMMETRIC_MIN_N
-from ..ortho.cost import (  # noqa: F401 (the per-matrix model, re-exported for callers of this module)
-    H200_MATMUL_FLOPS, SYMMETRIC_TILE, Symmetric, gram_products, newton_schulz_products, orthogonalize_flops,
-    symmetric_share,
+from ...ortho.cost import (  # noqa: F401 (the per-matrix model, re-exported for callers of this module)
+    H200_MATMUL_FLOPS, SYMMETRIC_TILE, MatrixShape, Symmetric, gram_products, h200_symmetric, newton_schulz_products,
+    orthogonalize_flops, symmetric_share,
 )
-from ..rules import selected_row_count
-from .presets import PRESETS, MatrixShape, Preset
+from ...rules import selected_row_count
+from .presets import PRESETS, Preset
 
 H200_COPY_BYTES_PER_S = 4.3e12  # device-to-device copy, measured
 ALGORITHMS = ("adamw", "muon", "normuon", "dion3")
 LAYOUTS = ("fsdp", "ddp")
-
-def h200_symmetric(n: int) -> bool:
-    """The dispatch rule of dion3.kernels on a GPU with Triton: symmetric kernel from n ≥ SYMMETRIC_MIN_N."""
-    return n >= SYMMETRIC_MIN_N
-
 
 @dataclass(frozen=True)
 class StepCost:
@@ -110,7 +104,7 @@ def step_cost(
     """Cost of one step over the given matrices (and `scalar_numel` AdamW elements).
 
     fraction (Dion3 only): one fraction for every matrix, or one per entry of `matrices`
-    (per-shape fractions, e.g. from dion3.train.fractions.cost_allocated_fractions).
+    (per-shape fractions, e.g. from dion3.optim.cost_fractions.cost_allocated_fractions).
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
@@ -165,7 +159,7 @@ def markdown_table(preset: Preset, world_size: int = 8) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Print the README tables: `python -m dion3.bench.flops`."""
+    """Print the README tables: `python -m dion3.tools.bench.step_cost`."""
     for preset in PRESETS.values():
         print(f"{preset.name}: {preset.description}; {preset.matrix_numel / 1e9:.2f} B matrix parameters\n")
         print(markdown_table(preset) + "\n")

@@ -27,10 +27,10 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import kernels
-from ..optim import Dion3, Muon, NorMuon
-from ..train.fractions import cost_allocated_fractions, cost_allocated_groups
-from . import flops
+from ... import kernels
+from ...optim import Dion3, Muon, NorMuon
+from ...optim.cost_fractions import cost_allocated_fractions, cost_allocated_groups
+from . import step_cost as flops
 from .presets import PRESETS, Preset, get_preset, parse_shapes
 
 GRAPH_WARMUP = 3  # eager steps CapturedStep runs before capturing
@@ -45,7 +45,7 @@ class Variant:
     orthogonalizer: str = "auto"
     kernels: bool = True  # Triton kernels enabled (dion3.kernels.set_kernels_enabled)
     # dion3: "uniform" (`fraction` on every matrix) or "cost" (one fraction per matrix shape, by
-    # orthogonalization cost at the FLOPs of `fraction` on every matrix: dion3.train.fractions)
+    # orthogonalization cost at the FLOPs of `fraction` on every matrix: dion3.optim.cost_fractions)
     allocation: str = "uniform"
     # dion3: the fraction warms up from 1 to `fraction` over this many steps (FractionWarmup, the
     # documented schedule); every step of the warm-up is timed and the row reports their mean
@@ -176,11 +176,11 @@ def measure(variant: Variant, graph: bool, preset: Preset, args, device: torch.d
     optimizer = make_optimizer(variant, matrices, scalars, device, graph)
     step = optimizer.step
     if graph:
-        from ..optim.graph import CapturedStep  # the lead's capture wrapper
+        from ...optim.graph import CapturedStep  # the lead's capture wrapper
 
         step = CapturedStep(optimizer, warmup_steps=GRAPH_WARMUP)
     if variant.warmup_steps:  # the schedule: every one of its steps timed, from its first
-        from ..optim.fraction import FractionScheduler, FractionWarmup
+        from ...optim.fraction_schedule import FractionScheduler, FractionWarmup
 
         scheduler = FractionScheduler(optimizer, FractionWarmup(variant.fraction, steps=variant.warmup_steps))
         plain_step = step
@@ -222,7 +222,7 @@ def _peak(device: torch.device) -> dict:
 def shape_fractions(variant: Variant, preset: Preset):
     """The fraction the variant runs at: variant.fraction, or for allocation "cost" one per entry
     of preset.matrices, as make_optimizer's cost_allocated_groups gives them to its groups (chosen
-    under the H200 dispatch of dion3.train.fractions, as for training, whatever the bench's device)."""
+    under the H200 dispatch of dion3.optim.cost_fractions, as for training, whatever the bench's device)."""
     if variant.allocation == "cost":
         return cost_allocated_fractions(preset.matrices, variant.fraction, method=variant.orthogonalizer)
     if variant.warmup_steps:  # the warm-up's mean step: priced at its mean fraction

@@ -18,8 +18,8 @@ from typing import Any, Optional, Union
 
 from torch import nn
 
-from ..optim.validation import ALIASES, MATRIX_ALGORITHMS, SCALAR_ALGORITHMS
-from .fractions import cost_allocated_groups
+from .validation import ALIASES, MATRIX_ALGORITHMS, SCALAR_ALGORITHMS
+from .cost_fractions import cost_allocated_groups
 
 FRACTION_ALLOCATIONS = ("uniform", "cost")  # param_groups(fraction_allocation=...)
 
@@ -59,7 +59,7 @@ def param_groups(
     fraction_allocation: Dion3's fractions. "uniform" (default): one matrix group, `fraction` (or
         the optimizer's default) on every matrix. "cost": one matrix group per matrix shape, each
         with its own fraction, chosen by orthogonalization cost at the FLOPs of `fraction` on every
-        matrix (dion3.train.fractions.cost_allocated_fractions): short and narrow matrices (k/v
+        matrix (dion3.optim.cost_fractions.cost_allocated_fractions): short and narrow matrices (k/v
         projections) keep more of their rows, wide MLP matrices fewer. Needs `fraction`, a Dion3 or
         Dion2 group (or `algorithm` None with the Dion3 class) and whole matrices (no num_heads or
         split_sizes). The fractions are fixed: a FractionScheduler sets one fraction on every

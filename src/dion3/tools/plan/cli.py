@@ -1,5 +1,5 @@
 """`dion3 plan`: predicted step time, traffic and memory per rank of Muon, NorMuon and Dion3 on a
-layout of W GPUs, from the real planner run on this CPU (see dion3.plan.run and .cost)."""
+layout of W GPUs, from the real planner run on this CPU (see dion3.tools.plan.run and .cost)."""
 from __future__ import annotations
 
 import argparse
@@ -9,9 +9,9 @@ from dataclasses import asdict
 from typing import Optional
 
 from ..bench.presets import MODELS, parse_shapes
-from .cost import Hardware, Network
+from .pricing import Hardware, Network
 from .run import build_plans, price, stderr_progress, variant
-from .total import StepPlan
+from .step_plan import StepPlan
 from .world import model_weights, parse_layout
 
 TB, GB, MB = 1e12, 1e9, 1e6

@@ -4,7 +4,7 @@ rule before owners by cost: blocks of ⌈N/W⌉ from where the previous bucket s
 (LPT, dion3.distributed.owners), for Llama-8B/70B/405B on 8, 64 and 512 ranks under FSDP2 and
 FSDP2 + TP (tp = 8). No GPU and no process group:
 
-    PYTHONPATH=src python3 benchmarks/owner_balance.py --out benchmarks/results/owner-balance.md
+    python3 -m dion3.tools.plan.owner_balance --out benchmarks/results/owner-balance.md
 
 The buckets are those build_buckets makes for these layouts (FSDP2: one per matrix shape;
 FSDP2 + TP: one per shape and placements, the column-parallel q, k/v, gate/up apart from the
@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from dion3.bench.presets import MODELS
+from dion3.tools.bench.presets import MODELS
 from dion3.distributed.layout import matrix_layout
 from dion3.distributed.owners import Owners, assign_owners, matrix_cost, owner_bytes
 from dion3.ortho.cost import step_flops
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     table = rows(args.models.split(","), [int(w) for w in args.ranks.split(",")], [int(t) for t in args.tp.split(",")])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    text = markdown(table, "PYTHONPATH=src python3 benchmarks/owner_balance.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    text = markdown(table, "PYTHONPATH=src python3 src/dion3/tools/plan/owner_balance.py " + " ".join(sys.argv[1:] if argv is None else argv),
                     commit or "unknown", date)
     if args.out:
         Path(args.out).write_text(text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .buckets import BucketPlan
-from .cost import (PIPELINE_BUDGET, PIPELINE_DEPTH, PIPELINE_MEMORY_SHARE, Hardware, Network, RankCost, Stage,
+from .pricing import (PIPELINE_BUDGET, PIPELINE_DEPTH, PIPELINE_MEMORY_SHARE, Hardware, Network, RankCost, Stage,
                    Variant, bucket_costs, bucket_stages, collective_seconds, selection)
 
 
@@ -80,7 +80,7 @@ def plan_step(plans: list[BucketPlan], variant: Variant, hw: Hardware, net: Netw
 
 
 def _admits(active_sizes: list[float], size: float, budget: float) -> bool:
-    """The pipeline's admission rule (dion3.distributed.step.interleave): one bucket always; more
+    """The pipeline's admission rule (dion3.distributed.interleave.interleave): one bucket always; more
     while fewer than PIPELINE_DEPTH are active and their sizes stay within the budget."""
     return not active_sizes or (len(active_sizes) < PIPELINE_DEPTH and sum(active_sizes) + size <= budget)
 

@@ -2,10 +2,10 @@
 warm-up) at several horizons, seeds and small lr/μ grids, on models users can rebuild
 (docs/training.md).
 
-    python benchmarks/quality_study.py --model llama-384 --horizons 1500 --seeds 0,1,2 --jobs 12
-    python benchmarks/quality_study.py --smoke            # CPU, seconds: what CI runs
+    python -m dion3.tools.study --model llama-384 --horizons 1500 --seeds 0,1,2 --jobs 12 --out DIR
+    python -m dion3.tools.study --smoke            # CPU, seconds: what CI runs
 
-Data is read at most once per run: by default the installed Python source (dion3.train.corpus,
+Data is read at most once per run: by default the installed Python source (dion3.tools.train.corpus,
 300+ MB on a machine with torch), cut into disjoint windows taken in an order drawn from the
 seed; a run that would need more windows than the corpus holds is refused. `--data` trains on
 your files or shards instead, `--data stdlib` on the standard library alone (11 MB), and
@@ -29,7 +29,7 @@ with bf16 autocast on CUDA, an lr warm-up (--lr-warmup) and a linear decay to ze
 share of the steps (--cooldown).
 
 `--fraction-allocation uniform,cost` adds Dion3 runs whose fraction is chosen per matrix shape by
-orthogonalization cost at the FLOPs of the uniform --fraction (dion3.train.fractions; fixed
+orthogonalization cost at the FLOPs of the uniform --fraction (dion3.optim.cost_fractions; fixed
 fractions only). Every record carries `optimizer_tflop`, the executed orthogonalization FLOPs of
 its steps, so settings can be compared at equal optimizer FLOPs as well as at equal steps.
 """
@@ -51,15 +51,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-HERE = Path(__file__).resolve().parent
-SRC = HERE.parent / "src"
+SRC = Path(__file__).resolve().parents[2]  # the folder holding the dion3 package, for the runs' processes
 if SRC.is_dir() and str(SRC) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(SRC))
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    kind: str  # "gpt" (dion3.train.model.GPT) or "llama-hf"
+    kind: str  # "gpt" (dion3.tools.train.model.GPT) or "llama-hf"
     seq_len: int
     n_layer: int
     n_head: int
@@ -81,8 +80,7 @@ FAMILIES = {"adamw": ("0.003", None), "muon": ("0.02", "0.95"), "normuon": ("0.0
 SMOKE = dict(model="gpt-tiny", horizons="8", seeds="0,1", optimizers="normuon,dion3", normuon_lr="0.02", normuon_mu="0.6",
              dion3_lr="0.04", dion3_mu="0.3", fraction_warmup="0,4", lr_warmup=2, eval_batches=2, device="cpu", jobs=2,
              data=["stdlib"])
-FRACTION_ALLOCATIONS = ("uniform", "cost")  # Dion3's fractions: dion3.train.groups.FRACTION_ALLOCATIONS
-TRACE_ENV = "DION3_TRACE_ORTHOGONALIZE"  # a run writes what nonfinite_trace.py records there
+FRACTION_ALLOCATIONS = ("uniform", "cost")  # Dion3's fractions: dion3.optim.param_groups.FRACTION_ALLOCATIONS
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -277,19 +275,15 @@ def build_llama(spec: ModelSpec):
 def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
     import torch
 
-    from dion3.train.corpus import python_source_corpus
-    from dion3.train.data import load_data
-    from dion3.train.model import GPT, GPTConfig
-    from dion3.train.trainer import RunSpec, Schedule, resolve_device, train
+    from dion3.tools.train.corpus import python_source_corpus
+    from dion3.tools.train.data import load_data
+    from dion3.tools.train.model import GPT, GPTConfig
+    from dion3.tools.train.trainer import RunSpec, Schedule, resolve_device, train
 
     if threads:
         torch.set_num_threads(threads)
     spec = MODELS[run.model]
     device = resolve_device(device_name)
-    if os.environ.get(TRACE_ENV):
-        import nonfinite_trace  # beside this file
-
-        nonfinite_trace.install(Path(os.environ[TRACE_ENV]), run.key)
     if run.data is None:
         data = python_source_corpus(progress=lambda line: print(line, flush=True))
     else:
@@ -348,7 +342,7 @@ def pending(runs: Sequence[Run], results_path: Path) -> list[Run]:
 def _launch(run: Run, device: str, threads: Optional[int], out: Path, jobs: int) -> subprocess.Popen:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(Path(__file__).resolve()), "--run-one", json.dumps(dataclasses.asdict(run)),
+    command = [sys.executable, "-m", "dion3.tools.study", "--run-one", json.dumps(dataclasses.asdict(run)),
                "--device", device, "--result", str(logs / f"{run.key}.json"), "--runs-at-once", str(jobs)]
     if threads:
         command += ["--threads", str(threads)]
@@ -515,11 +509,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--eval-batches", type=int, default=16, help="validation batches at the end of each run")
     parser.add_argument("--data", nargs="+", metavar="PATH",
                         help="text files/directories or .bin shards; 'stdlib' for the standard library "
-                             "(default: all installed Python source, dion3.train.corpus)")
+                             "(default: all installed Python source, dion3.tools.train.corpus)")
     parser.add_argument("--allow-repeat", action="store_true",
                         help="random windows that may read bytes more than once (default: each byte at most once)")
-    parser.add_argument("--trace", type=Path, metavar="DIR",
-                        help="record each orthogonalization's output norm and keep the inputs of bad ones (nonfinite_trace.py)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, each its own process (default 1)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]; comma-separated to spread runs over devices")
     parser.add_argument("--threads", type=int, help="CPU threads per run (default: CPU cores ÷ jobs)")
@@ -554,13 +546,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             record["runs_at_once"] = args.runs_at_once
         args.result.write_text(json.dumps(record))
         return 0
-    out = args.out or HERE / "results" / f"quality-study-{args.model}"
+    out = args.out or Path(f"quality-study-{args.model}")
     if not args.summary_only:
         devices = [d.strip() for d in args.device.split(",") if d.strip()]
         threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
-        if args.trace:
-            args.trace.mkdir(parents=True, exist_ok=True)
-            os.environ[TRACE_ENV] = str(args.trace.resolve())
         if args.best_from:
             records = [record for path in args.best_from
                        for record in read_results(path / "results.jsonl" if path.is_dir() else path)]

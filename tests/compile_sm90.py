@@ -1,6 +1,6 @@
 """Compile the Hopper (Gluon) symmetric-matmul kernel for sm_90a on a machine without a GPU.
 
-    PYTHONPATH=src python3 benchmarks/compile_sm90.py [--dump DIR]
+    PYTHONPATH=src python3 tests/compile_sm90.py [--dump DIR]
 
 Use it before spending GPU time: it builds every specialization the optimizer launches (A·Aᵀ
 with K-major B, R·R + C with row-major B, bf16 and fp16, 3- and 4-stage rings, A copied on the way) with the

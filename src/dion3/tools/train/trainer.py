@@ -19,11 +19,11 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from ..optim import Dion3, FractionScheduler, FractionWarmup
-from ..optim.graph import CapturedStep
+from ...optim import Dion3, FractionScheduler, FractionWarmup
+from ...optim.graph import CapturedStep
 from .data import TokenData, read_once_batches, train_batches, val_batches
-from .fractions import matrix_shapes, step_orthogonalize_flops
-from .groups import param_groups
+from ...optim.cost_fractions import matrix_shapes, step_orthogonalize_flops
+from ...optim.param_groups import param_groups
 from .model import GPT, GPTConfig, padded_vocab
 
 TIMING_WARMUP = 5

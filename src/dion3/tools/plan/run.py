@@ -19,8 +19,8 @@ from typing import Callable, Optional
 import torch
 
 from .buckets import BucketPlan, plans_of, same_owners
-from .cost import Hardware, Network, Variant
-from .total import StepPlan, plan_step
+from .pricing import Hardware, Network, Variant
+from .step_plan import StepPlan, plan_step
 from .world import FakeWorld, Layout, Weight, meta_parameter
 
 VARIANTS = {
@@ -50,7 +50,7 @@ def _fraction_text(fraction: float) -> str:
 
 
 def _optimizer(v: Variant, params: list):
-    from .. import Dion3, Muon, NorMuon
+    from ... import Dion3, Muon, NorMuon
 
     if v.algorithm == "dion3":
         return Dion3(params, fraction=v.fraction, selection_scope=v.scope, orthogonalizer=v.orthogonalizer,

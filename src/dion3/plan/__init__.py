@@ -1,2 +1,0 @@
-"""`dion3 plan`: the distributed step at any scale, planned on a CPU by the real planner and
-priced by a cost model (cost.py) of compute, memory passes, collectives and memory per rank."""
