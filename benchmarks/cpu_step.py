@@ -101,7 +101,7 @@ def timed_steps(name: str, preset, warmup: int, steps: int) -> list[float]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--optimizers", default="dion3-1/4,muon-gram,muon,normuon",
                         help="comma list of dion3 bench variants (muon = standard NS everywhere; "
                              "muon-gram = dion3.Muon() defaults)")

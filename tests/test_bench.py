@@ -353,3 +353,26 @@ def test_kernel_bench_rows_print_graph_timing_or_say_it_is_missing():
     row.update(graph_speedup=None, graph_effective_tflops=None)
     assert "graph n/a" in kernel_bench._format_symmetric(row)
     assert kernel_bench._ratio(3.0, None) is None and kernel_bench._ratio(3.0, 2.0) == 1.5
+
+
+def test_dion3_version_prints_the_package_version(capsys):
+    import dion3
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith(f"dion3 {dion3.__version__} (torch ")
+
+
+@pytest.mark.parametrize("command", ["bench", "bench kernels", "plan", "compare"])
+def test_every_help_text_states_its_first_paragraph_whole(command, capsys):
+    """--help shows the command's description whole: the first paragraph of its module's
+    docstring, not a line cut mid-sentence."""
+    import importlib
+
+    module = importlib.import_module(cli.COMMANDS[command][0])
+    with pytest.raises(SystemExit) as done:
+        cli.main(command.split() + ["--help"])
+    assert done.value.code == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    paragraph = " ".join(module.__doc__.split("\n\n")[0].split())
+    assert paragraph in printed, (paragraph, printed[:400])
+    assert paragraph.rstrip().endswith((".", ":", ")")), paragraph

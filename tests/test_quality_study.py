@@ -49,10 +49,10 @@ def test_cost_allocation_runs_beside_uniform_ones_with_fixed_fractions_only(stud
     assert [(r.fraction_allocation, r.label) for r in runs] == [
         ("uniform", "dion3-f0.25 lr=0.04 mu=0.3 h=100 seed=0"), ("cost", "dion3-f0.25-cost lr=0.04 mu=0.3 h=100 seed=0")]
     assert runs[0].setting != runs[1].setting and runs[0].key != runs[1].key
-    # a uniform eager run's key is the hash of its settings without the allocation and compile fields,
-    # as before those fields existed
+    # a uniform eager float32 run's key is the hash of its settings without the allocation, compile
+    # and momentum-dtype fields, as before those fields existed
     fields = {k: v for k, v in json.loads(json.dumps(runs[0].__dict__)).items()
-              if k not in ("fraction_allocation", "compiled")}
+              if k not in ("fraction_allocation", "compiled", "momentum_dtype")}
     assert runs[0].key == hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     with pytest.raises(SystemExit, match="--fraction-warmup 0"):
         study.plan_runs(study.parse_args(args + ["--fraction-warmup", "0,50", "--fraction-allocation", "cost"]))
@@ -87,6 +87,30 @@ def test_compiled_runs_are_their_own_settings_and_old_keys_stay_valid(study):
     rows = study.summary_table([{**_record(study, "normuon", 1.5, 0), "config": json.loads(json.dumps(compiled.__dict__))},
                                 {**_record(study, "normuon", 1.6, 0), "config": json.loads(json.dumps(eager.__dict__))}])
     assert "| gpt-25m (compiled) | 100 | NorMuon |" in rows and "| gpt-25m | 100 | NorMuon |" in rows
+
+
+def test_momentum_dtypes_are_their_own_settings_and_float32_keeps_the_old_keys(study):
+    args = ["--horizons", "100", "--seeds", "0", "--optimizers", "adamw,muon", "--muon-mu", "0.8"]
+    plain = study.plan_runs(study.parse_args(args))
+    both = study.plan_runs(study.parse_args(args + ["--momentum-dtype", "float32,bfloat16"]))
+    # AdamW has no matrix momentum: it runs once; Muon once per dtype, float32 with the key of before
+    assert [(r.optimizer, r.momentum_dtype) for r in both] == [("adamw", None), ("muon", None), ("muon", "bfloat16")]
+    assert [r.key for r in both[:2]] == [r.key for r in plain]
+    assert both[2].key != both[1].key and both[2].setting != both[1].setting
+    assert "momentum-bfloat16" in both[2].label
+    rows = study.summary_table([{**_record(study, "muon", 1.5, 0), "config": json.loads(json.dumps(both[2].__dict__))}])
+    assert "| Muon, bfloat16 momentum |" in rows
+    with pytest.raises(SystemExit, match="--momentum-dtype expects some of"):
+        study.plan_runs(study.parse_args(args + ["--momentum-dtype", "float16"]))
+    # the best setting is judged in float32, then run in each dtype asked for
+    best = study.Run("llama-384", "muon", 0.01, 0.8, None, 0, 1500, 0, 32, 50, 0.3, 16, None, compiled=True)
+    other = study.Run("llama-384", "muon", 0.02, 0.8, None, 0, 1500, 0, 32, 50, 0.3, 16, None, compiled=True,
+                      momentum_dtype="bfloat16")
+    records = [{"config": json.loads(json.dumps(best.__dict__)), "final_val_loss": 1.0},
+               {"config": json.loads(json.dumps(other.__dict__)), "final_val_loss": 0.5}]
+    rerun = study.plan_best_runs(study.parse_args(["--model", "llama-384", "--optimizers", "muon", "--compile", "--horizons", "1500", "--seeds", "1",
+                                                   "--momentum-dtype", "bfloat16"]), records)
+    assert [(r.lr, r.seed, r.momentum_dtype) for r in rerun] == [(0.01, 1, "bfloat16")]
 
 
 def test_best_of_each_family_is_judged_on_shared_seeds_and_rerun_with_its_own_fields(study):

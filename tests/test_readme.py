@@ -1,11 +1,10 @@
-"""The README's usage examples run as written: on a small GPT each builds an optimizer that holds
+"""The README's usage example runs as written: on a small GPT it builds an optimizer that holds
 every model parameter exactly once, and three steps move every weight."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-import pytest
 import torch
 
 from dion3.tools.train.model import GPT, GPTConfig
@@ -19,16 +18,16 @@ def _usage_examples() -> list[str]:
     return re.findall(r"```python\n(.*?)```", usage, flags=re.S)
 
 
-def test_the_usage_section_has_its_two_examples():
-    assert len(_usage_examples()) == 2
+def test_the_usage_section_has_one_example():
+    # one way in: a second snippet built by hand drifted from param_groups once
+    assert len(_usage_examples()) == 1
 
 
-@pytest.mark.parametrize("index", [0, 1])
-def test_a_usage_example_builds_an_optimizer_over_every_parameter_once(index):
+def test_the_usage_example_builds_an_optimizer_over_every_parameter_once():
     torch.manual_seed(0)
     model = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=32, vocab_size=256))
     namespace = {"model": model}
-    exec(_usage_examples()[index], namespace)
+    exec(_usage_examples()[0], namespace)
     optimizer = namespace["optimizer"]
     held = [id(p) for group in optimizer.param_groups for p in group["params"]]
     assert sorted(held) == sorted(id(p) for p in model.parameters())

@@ -189,7 +189,8 @@ def test_param_groups_place_every_parameter_exactly_once():
 
 def test_param_groups_never_guess_the_head():
     model = GPT(TINY)
-    with pytest.raises(ValueError, match="lm_head is required"):
+    # no head named, but one that projects onto the embedding's vocabulary: refused, by its name
+    with pytest.raises(ValueError, match="lm_head=None means the model has no LM head, but 'lm_head' projects"):
         param_groups(model)
     with pytest.raises(ValueError, match="names no module or parameter"):
         param_groups(model, lm_head="head")
@@ -197,6 +198,27 @@ def test_param_groups_never_guess_the_head():
         param_groups(model, lm_head=nn.Linear(2, 2))
     with pytest.raises(ValueError, match="algorithm must be one of"):
         param_groups(model, lm_head="lm_head", algorithm="sgd")
+
+
+def test_a_model_without_an_lm_head_needs_none():
+    """lm_head=None (the default) means no head: an encoder whose last layer is not vocabulary-sized
+    gets its matrices orthogonalized and its embedding in AdamW; lm_head=False keeps a
+    vocabulary-sized layer a matrix on purpose."""
+    encoder = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 8))
+    groups = param_groups(encoder, lr=0.02)
+    assert [g.get("algorithm") for g in groups] == [None, "adamw", "adamw"]
+    assert groups[0]["param_names"] == ["1.weight", "3.weight"] and groups[1]["param_names"] == ["0.weight"]
+    Dion3(groups)
+    model = GPT(TINY)
+    groups = param_groups(model, lm_head=False)
+    assert "lm_head.weight" in groups[0]["param_names"]
+
+
+def test_param_groups_name_every_parameter_in_errors():
+    """Groups from param_groups carry the parameters' names, so an error names the parameter."""
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 0, bias=False))
+    with pytest.raises(ValueError, match="parameter '1.weight' is empty"):
+        Dion3(param_groups(model))
 
 
 @pytest.mark.parametrize("named", [None, "dion3"])

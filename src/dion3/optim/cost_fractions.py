@@ -138,15 +138,22 @@ def cost_allocated_groups(group: dict, fraction: float, floor: Optional[float] =
     orthogonalizer and ns_coefficients (defaults where it names none). Other settings are copied."""
     _whole_matrices(group, "cost_allocated_groups")
     params = list(group["params"])
+    names = group.get("param_names")
     flatten = bool(group.get("flatten", False))
     shapes = matrix_shapes(params, flatten)
     fractions = cost_allocated_fractions(shapes, fraction, floor, cost=_group_cost(group, symmetric))
     by_shape = {(s.rows, s.cols): f for s, f in zip(shapes, fractions)}
-    members: dict[tuple[int, int], list[Tensor]] = {key: [] for key in by_shape}
-    for p in params:
+    members: dict[tuple[int, int], list[int]] = {key: [] for key in by_shape}
+    for i, p in enumerate(params):
         (shape,) = matrix_shapes([p], flatten)
-        members[(shape.rows, shape.cols)].append(p)
-    return [dict(group, params=members[key], fraction=by_shape[key]) for key in by_shape]
+        members[(shape.rows, shape.cols)].append(i)
+    out = []
+    for key in by_shape:
+        split = dict(group, params=[params[i] for i in members[key]], fraction=by_shape[key])
+        if names is not None:  # each parameter keeps its name
+            split["param_names"] = [names[i] for i in members[key]]
+        out.append(split)
+    return out
 
 
 def step_orthogonalize_flops(groups: Sequence[dict], symmetric: Symmetric = h200_symmetric) -> float:

@@ -10,7 +10,9 @@ orthogonalizing those hurts, so the split is done here from the model's structur
 * everything else (norm gains, biases, other 0-/1-D parameters) → AdamW with `scalar_lr` and no
   weight decay.
 
-The head is never guessed: a wrong guess would silently orthogonalize the output layer.
+The head is never guessed: a wrong guess would silently orthogonalize the output layer, so a
+model without `lm_head` named must not look as if it had one. Every group carries its
+parameters' names (`param_names`, kept by torch.optim): errors name the parameter.
 """
 from __future__ import annotations
 
@@ -46,7 +48,9 @@ def param_groups(
     """Parameter groups for `Dion3`, `Muon` or `NorMuon`.
 
     lm_head: the output layer, as a module or the name of a module or parameter of `model`
-        (e.g. "lm_head"). Required. For a head tied to the embedding, name it all the same.
+        (e.g. "lm_head"); for a head tied to the embedding, name it all the same. None (the
+        default): the model has no LM head; a linear layer that projects onto an embedding's
+        vocabulary is then refused by name (lm_head=False keeps it a matrix).
     algorithm: for the hidden matrices. None (the default) writes no algorithm into their group,
         so the optimizer class decides: `Muon(param_groups(...))` runs Muon, `NorMuon(...)`
         NorMuon, `Dion3(...)` Dion3. A name — "dion3", "dion2", "muon", "normuon", or
@@ -88,12 +92,10 @@ def param_groups(
     head_ids = _head_parameter_ids(model, lm_head)
     embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
-    buckets: dict[str, list[nn.Parameter]] = {"matrix": [], "head": [], "embed": [], "scalar": []}
-    seen: set[int] = set()
-    for param in model.parameters():  # shared (tied) parameters are listed once
-        if not param.requires_grad or id(param) in seen:
+    buckets: dict[str, list[tuple[str, nn.Parameter]]] = {"matrix": [], "head": [], "embed": [], "scalar": []}
+    for name, param in model.named_parameters():  # shared (tied) parameters are listed once, by their first name
+        if not param.requires_grad:
             continue
-        seen.add(id(param))
         if id(param) in head_ids:
             kind = "head"
         elif id(param) in embed_ids:
@@ -102,9 +104,13 @@ def param_groups(
             kind = "matrix"
         else:
             kind = "scalar"
-        buckets[kind].append(param)
+        buckets[kind].append((name, param))
 
-    matrix_group = dict(options, params=buckets["matrix"])
+    def group(members, **settings) -> dict:
+        # the names go with the tensors: errors name the parameter (torch keeps "param_names")
+        return dict(settings, params=[p for _, p in members], param_names=[n for n, _ in members])
+
+    matrix_group = group(buckets["matrix"], **options)
     if algorithm is not None:
         matrix_group["algorithm"] = algorithm
     if lr is not None:
@@ -114,20 +120,19 @@ def param_groups(
         matrix_groups = cost_allocated_groups(matrix_group, options["fraction"])
     groups = [
         *matrix_groups,
-        {"params": buckets["head"], "algorithm": scalar_algorithm, "lr": head_lr},
-        {"params": buckets["embed"], "algorithm": scalar_algorithm, "lr": embed_lr},
+        group(buckets["head"], algorithm=scalar_algorithm, lr=head_lr),
+        group(buckets["embed"], algorithm=scalar_algorithm, lr=embed_lr),
         # No weight decay on norm gains and biases: decaying a gain towards 0 only fights the norm.
-        {"params": buckets["scalar"], "algorithm": scalar_algorithm, "lr": scalar_lr, "weight_decay": 0.0},
+        group(buckets["scalar"], algorithm=scalar_algorithm, lr=scalar_lr, weight_decay=0.0),
     ]
-    return [group for group in groups if group["params"]]
+    return [g for g in groups if g["params"]]
 
 
-def _head_parameter_ids(model: nn.Module, lm_head: Optional[Union[str, nn.Module]]) -> set[int]:
-    if lm_head is None:
-        raise ValueError(
-            "param_groups: lm_head is required — name the output layer (e.g. lm_head='lm_head') so "
-            "it is trained with AdamW instead of being orthogonalized; it is never guessed"
-        )
+def _head_parameter_ids(model: nn.Module, lm_head: Optional[Union[str, nn.Module, bool]]) -> set[int]:
+    if lm_head is None or lm_head is False:
+        if lm_head is None:
+            _refuse_an_unnamed_head(model)
+        return set()
     if isinstance(lm_head, nn.Module):
         if not any(module is lm_head for module in model.modules()):
             raise ValueError("param_groups: the lm_head module given is not part of the model")
@@ -146,7 +151,25 @@ def _head_parameter_ids(model: nn.Module, lm_head: Optional[Union[str, nn.Module
                 f"(last linear layers: {candidates})"
             )
     else:
-        raise ValueError(f"param_groups: lm_head must be a module name or an nn.Module, got {type(lm_head).__name__}")
+        raise TypeError(f"param_groups: lm_head must be a module name, an nn.Module, None (no head) or False, "
+                        f"got {type(lm_head).__name__}")
     if not params:
         raise ValueError(f"param_groups: lm_head {lm_head!r} has no parameters")
     return {id(p) for p in params}
+
+
+def _refuse_an_unnamed_head(model: nn.Module) -> None:
+    """lm_head=None means the model has no LM head. A linear layer that projects onto the vocabulary
+    of one of its embeddings (out_features = num_embeddings, untied) looks like one: refused by
+    name rather than orthogonalized silently (lm_head=False keeps it a matrix on purpose)."""
+    vocabularies = {m.num_embeddings: n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for name, module in model.named_modules():
+        if (isinstance(module, nn.Linear) and module.out_features in vocabularies
+                and id(module.weight) not in embedded and module.out_features > module.in_features):
+            raise ValueError(
+                f"param_groups: lm_head=None means the model has no LM head, but {name!r} projects "
+                f"{module.in_features} features onto the {module.out_features}-token vocabulary of embedding "
+                f"{vocabularies[module.out_features]!r}: name it (lm_head={name!r}) so that AdamW trains it, or "
+                "pass lm_head=False to orthogonalize it as a matrix"
+            )

@@ -3,6 +3,7 @@ ValueError that names the group, the argument or the parameter (docs/errors.md).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Optional
 
 import torch
@@ -40,7 +41,9 @@ def validate_group(group: dict, index: int) -> None:
     lr_value = float(lr) if isinstance(lr, Tensor) and lr.numel() == 1 else lr
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError(f"{where}: lr tensor must hold one value, got shape {tuple(lr.shape)}")
-    if not isinstance(lr_value, (int, float)) or not math.isfinite(lr_value) or lr_value < 0:
+    if not isinstance(lr, Tensor):
+        check_number(where, "lr", lr)
+    if not math.isfinite(lr_value) or lr_value < 0:
         raise ValueError(f"{where}: lr must be a finite number ≥ 0, got {lr!r}")
     check_range(where, "weight_decay", group["weight_decay"], 0.0, math.inf)
     check_range(where, "epsilon", group["epsilon"], 0.0, math.inf, low_open=True)
@@ -191,8 +194,15 @@ def expected_state_shapes(algorithm: str, param: Tensor, flatten: bool) -> dict[
     return {"momentum": shape, "variance": variance_shape(param, flatten)}
 
 
+def check_number(where, name, value) -> None:
+    """A real number, not a bool (True is an int in Python) nor a string: TypeError naming its type."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}: {name} must be a number, got {type(value).__name__} {value!r}")
+
+
 def check_range(where, name, value, low, high, low_open=False, high_open=False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    check_number(where, name, value)
+    ok = not math.isnan(value)
     if ok:
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     if not ok:

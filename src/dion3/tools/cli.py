@@ -15,7 +15,7 @@ COMMANDS = {
 
 
 def _usage() -> str:
-    lines = ["usage: dion3 COMMAND [options]   (dion3 COMMAND --help for its options)", ""]
+    lines = ["usage: dion3 COMMAND [options]   (dion3 COMMAND --help for its options; dion3 --version)", ""]
     lines += [f"  {name:<14} {text}" for name, (_, text) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -24,6 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from .. import __version__
+        import torch
+
+        print(f"dion3 {__version__} (torch {torch.__version__})")
         return 0
     name = " ".join(argv[:2]) if " ".join(argv[:2]) in COMMANDS else argv[0]
     if name not in COMMANDS:

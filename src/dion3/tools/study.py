@@ -104,12 +104,13 @@ class Run:
     captured: bool = False  # optimizer steps through CapturedStep (CUDA only)
     fraction_allocation: str = "uniform"  # dion3 only: "uniform" or "cost" (per matrix shape, trainer.RunSpec)
     compiled: bool = False  # forward and backward through torch.compile (trainer.train)
+    momentum_dtype: Optional[str] = None  # Muon/NorMuon/Dion3: the matrix momentum's dtype; None: float32
 
     @property
     def setting(self) -> tuple:
         """What the seeds of one setting share (the summary averages over seeds)."""
         return (self.model, self.horizon, self.optimizer, self.fraction, self.fraction_warmup, self.lr, self.mu,
-                self.fraction_allocation, self.compiled)
+                self.fraction_allocation, self.compiled, self.momentum_dtype)
 
     @property
     def key(self) -> str:
@@ -119,6 +120,8 @@ class Run:
             del fields["fraction_allocation"]
         if not fields["compiled"]:
             del fields["compiled"]
+        if fields["momentum_dtype"] is None:
+            del fields["momentum_dtype"]
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
@@ -128,6 +131,8 @@ class Run:
         else:
             name = (f"dion3-f{self.fraction:g}" + ("-cost" if self.fraction_allocation != "uniform" else "")
                     + (f"-warm{self.fraction_warmup}" if self.fraction_warmup else ""))
+        if self.momentum_dtype:
+            name += f"-momentum-{self.momentum_dtype}"
         return f"{name} lr={self.lr:g} mu={self.mu:g} h={self.horizon} seed={self.seed}" + (f" #{self.repeat}" if self.repeat else "")
 
 
@@ -157,6 +162,27 @@ def warmup_steps(spec: str, horizon: int) -> int:
         return int(spec)
     except ValueError:
         raise SystemExit(f"quality_study: --fraction-warmup expects steps or P%, got {spec!r}") from None
+
+
+MOMENTUM_DTYPES = ("float32", "bfloat16")
+
+
+def momentum_dtypes(text: str) -> list[Optional[str]]:
+    """--momentum-dtype → the Run field per dtype: None for float32 (the default, and the key of
+    runs from before the option), else the dtype's name."""
+    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    if not names or any(name not in MOMENTUM_DTYPES for name in names):
+        raise SystemExit(f"quality_study: --momentum-dtype expects some of {MOMENTUM_DTYPES}, got {text!r}")
+    return [None if name == "float32" else name for name in names]
+
+
+def with_momentum_dtypes(runs: Sequence[Run], dtypes: Sequence[Optional[str]]) -> list[Run]:
+    """Each run once per momentum dtype; AdamW runs once (it has no matrix momentum)."""
+    out = []
+    for run in runs:
+        for dtype in (dtypes if run.optimizer != "adamw" else [None]):
+            out.append(dataclasses.replace(run, momentum_dtype=dtype))
+    return list(dict.fromkeys(out))
 
 
 def plan_runs(args: argparse.Namespace) -> list[Run]:
@@ -199,6 +225,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
                     dict.fromkeys(warmups), allocations):
                 runs.append(Run(optimizer="dion3", lr=lr, mu=mu, fraction=fraction, fraction_warmup=warm,
                                 horizon=horizon, seed=seed, fraction_allocation=allocation, **common))
+    runs = with_momentum_dtypes(runs, momentum_dtypes(args.momentum_dtype))
     return [dataclasses.replace(run, repeat=r) for run in runs for r in range(args.repeats)]
 
 
@@ -218,7 +245,7 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
     for record in records:
         run = Run(**{**record["config"], "data": tuple(record["config"]["data"]) if record["config"]["data"] else None})
         if (run.model != args.model or run.horizon != args.best_at or run.optimizer not in families
-                or run.compiled != args.compile):
+                or run.compiled != args.compile or run.momentum_dtype is not None):  # best judged in float32
             continue
         if run.optimizer == "dion3" and (run.fraction not in fractions or run.fraction_warmup not in warmups
                                          or run.fraction_allocation not in allocations):
@@ -241,7 +268,8 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
     ranked = sorted(best.values(), key=lambda item: item[0])
     for mean, run in ranked:
         print(f"best at {args.best_at} steps: {run.label.rsplit(' h=', 1)[0]} (mean {mean:.4f})", flush=True)
-    return [dataclasses.replace(run, horizon=h, seed=s, repeat=0) for h in horizons for s in seeds for _, run in ranked]
+    best_runs = [dataclasses.replace(run, horizon=h, seed=s, repeat=0) for h in horizons for s in seeds for _, run in ranked]
+    return with_momentum_dtypes(best_runs, momentum_dtypes(args.momentum_dtype))
 
 
 # ----------------------------------------------------------------------------- one run (child process)
@@ -294,7 +322,7 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
                         warmup_steps=run.lr_warmup, cooldown_fraction=run.cooldown, read_once=run.read_once)
     # AdamW has no μ (its betas stay the defaults)
     run_spec = RunSpec(run.label, run.optimizer, run.lr, run.fraction, run.mu if run.optimizer != "adamw" else None,
-                       run.fraction_warmup, run.fraction_allocation)
+                       run.fraction_warmup, run.fraction_allocation, run.momentum_dtype if run.optimizer != "adamw" else None)
     started = time.perf_counter()
     result = train(run_spec, config, schedule, data, device, run.seed, bf16=True, model_factory=factory, captured=run.captured,
                    compiled=run.compiled)
@@ -406,7 +434,7 @@ def run_study(runs: Sequence[Run], out: Path, jobs: int, devices: Sequence[str],
 
 
 def _setting_label(setting: tuple) -> tuple[str, str]:
-    _, _, optimizer, fraction, warmup, _, _, allocation, _ = setting
+    _, _, optimizer, fraction, warmup, _, _, allocation, _, _ = setting
     if optimizer != "dion3":
         return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[optimizer], "—"
     if allocation == "cost":
@@ -444,6 +472,7 @@ def summary_table(records: Sequence[dict]) -> str:
          flops_text) in sorted(rows, key=lambda r: r[:3]):
         name, schedule = _setting_label(setting)
         model = f"{model} (compiled)" if setting[8] else model
+        name = f"{name}, {setting[9]} momentum" if setting[9] else name
         lines.append(f"| {model} | {horizon} | {name} | {schedule} | {setting[5]:g} | {setting[6]:g} | {count} | {bad} | {skipped} | "
                      f"{loss_text} | {train_text} | {fraction:.3f} | {step_ms:.2f} | {flops_text} |")
     return "\n".join(lines)
@@ -494,6 +523,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--fraction-allocation", default="uniform",
                         help="Dion3 fractions, comma-separated: uniform (--fraction on every matrix) and/or cost (per "
                              "matrix shape, by orthogonalization cost at the same FLOPs; needs --fraction-warmup 0)")
+    parser.add_argument("--momentum-dtype", default="float32",
+                        help="the matrix momentum's dtype, comma-separated: float32 (default) and/or bfloat16; each "
+                             "Muon, NorMuon and Dion3 setting runs with each (AdamW keeps its own state)")
     parser.add_argument("--captured", action="store_true", help="optimizer steps through CapturedStep (CUDA graphs)")
     parser.add_argument("--compile", action="store_true",
                         help="the model's forward and backward through torch.compile (same math, fused kernels; the "

@@ -272,7 +272,7 @@ def environment() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dion3 bench kernels", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="dion3 bench kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH", help="write all results as JSON to PATH")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--sweep", action="store_true", help="time every config in SWEEP_CONFIGS")

@@ -42,6 +42,7 @@ class RunSpec:
     # Dion3 only: param_groups' fraction_allocation, "uniform" (`fraction` on every matrix) or "cost" (one
     # group per matrix shape, fractions by orthogonalization cost at the FLOPs of the uniform `fraction`)
     fraction_allocation: str = "uniform"
+    momentum_dtype: Optional[str] = None  # the matrix group's momentum_dtype; None keeps the optimizer's (float32)
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,8 @@ def build_optimizer(model: GPT, spec: RunSpec) -> Dion3:
     if spec.fraction_allocation == "cost" and spec.fraction_warmup:
         raise ValueError("fraction_allocation 'cost' needs a fixed fraction (fraction_warmup 0): a fraction "
                          "warm-up sets one fraction on every group, which would undo the per-shape fractions")
-    options = {key: value for key, value in (("fraction", spec.fraction), ("mu", spec.mu)) if value is not None}
+    options = {key: value for key, value in (("fraction", spec.fraction), ("mu", spec.mu),
+                                             ("momentum_dtype", spec.momentum_dtype)) if value is not None}
     return Dion3(param_groups(model, lm_head=model.lm_head, algorithm=spec.algorithm, lr=spec.lr,
                               fraction_allocation=spec.fraction_allocation, **options))
 
