@@ -62,9 +62,10 @@ def measurements() -> list[dict]:
                 best[r["name"]] = min(best.get(r["name"], float("inf")), r["device_ms"])
         rows += [dict(record="one H200, 6b0e2bf", era="single", preset=preset, layout="single", variant=names[n], ms=ms,
                       bytes=None) for n, ms in best.items()]
-    for path, layout, label in (("distributed-step-1xh200-2026-11-29.json", "fsdp=1", "FSDP2 1×H200, 502c714"),
-                                ("distributed-step-2xh200-2026-11-29.json", "fsdp=2", "FSDP2 2×H200, 0d0a9f3")):
-        data = json.loads((RESULTS / path).read_text())
+    distributed = json.loads((RESULTS / "distributed-step-h200-2026-11-29.json").read_text())
+    for key, layout, label in (("distributed-step-1xh200-2026-11-29", "fsdp=1", "FSDP2 1×H200, 502c714"),
+                               ("distributed-step-2xh200-2026-11-29", "fsdp=2", "FSDP2 2×H200, 0d0a9f3")):
+        data = distributed[key]
         for preset, run in data.items():
             for t in run["timing"]:
                 if t["variant"] == "adamw":
@@ -72,11 +73,11 @@ def measurements() -> list[dict]:
                 rows.append(dict(record=label, era=layout, preset=preset, layout=layout, variant=t["variant"],
                                  ms=t["step_ms"], bytes=t.get("bytes_sent") or None))
     # FSDP2 at one rank, one pipeline (12e833a, "new") and the two before it ("old"), two runs each
-    folder = RESULTS / "distributed-ab-h200-2026-12-02"
+    ab = json.loads((RESULTS / "distributed-ab-h200-2026-12-02.json").read_text())  # one entry per run
     for code, era, label in (("new", "ab-new", "FSDP2 1×H200, 12e833a"), ("old", "ab-old", "FSDP2 1×H200, d5c7f3b")):
         for preset in ("llama-1b", "llama-8b"):
             for run in (1, 2):
-                data = json.loads((folder / f"fsdp-{preset}-{code}-run{run}.json").read_text())
+                data = ab[f"fsdp-{preset}-{code}-run{run}"]
                 rows += [dict(record=f"{label} run {run}", era=era, preset=preset, layout="fsdp=1",
                               variant=t["variant"], ms=t["step_ms"], bytes=None) for t in data["timing"]]
     return rows

@@ -5,7 +5,7 @@ The launchers read their module's BLOCK_ROWS / BLOCK_COLS / NUM_WARPS at call ti
 script sets them, times each kernel with CUDA events (median of `triton.testing.do_bench`),
 restores them, and prints one table per kernel and shape plus JSON under $OUT. Since commit
 160640b the momentum pass reads a bucket's gradients through a pointer table in one launch, so
-its rows here time that path (results/elementwise-h200-2026-11-29.md predates it). Usage (CUDA):
+its rows here time that path (results/kernels-h200-2026-11-29.md predates it). Usage (CUDA):
 
     PYTHONPATH=src python3 benchmarks/sweep_elementwise.py
 """

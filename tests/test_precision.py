@@ -38,7 +38,7 @@ def fake_cpu(monkeypatch, identity: precision.CpuIdentity) -> None:
 
 
 @pytest.mark.parametrize("identity, expected", [
-    (AMD_BF16, torch.bfloat16),  # measured 2.2–2.4× (cpu-step-epyc-avx512bf16-2026-12-01.md)
+    (AMD_BF16, torch.bfloat16),  # measured 2.2–2.4× (cpu-2026-12-01.md)
     (INTEL_BF16, torch.float32),  # half the float32 speed on a 2-core Xeon
     (precision.CpuIdentity("AuthenticAMD", frozenset({"avx2"}), "x86_64"), torch.float32),
     (precision.CpuIdentity("GenuineIntel", frozenset({"avx512_bf16", "amx_tile", "amx_bf16"}), "x86_64"), torch.float32),

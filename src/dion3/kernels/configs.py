@@ -50,7 +50,7 @@ class TileConfig:
 # lost or tied (commit 3f8ebe1; kernels-h200-2026-11-29.md).
 # Commit 04783f0: a cap of 128 registers per thread (two 8-warp programs per SM) made whole
 # steps 3–4% faster in alternating A/B runs (Llama-8B Dion3 f=¼ 171.1–172.4 → 165.3–168.0 ms,
-# Llama-1B 18.5 → 17.7 ms, Muon + Gram 633 → 624–632 ms; step-h200-2026-11-29.md, "Findings"),
+# Llama-1B 18.5 → 17.7 ms, Muon + Gram 633 → 624–632 ms; step-h200-2026-12-01.md, "Findings"),
 # although single products move by −8% … +2% (kernels-h200-2026-11-29.md, "Findings").
 REGISTER_CAP = 128
 HOPPER = (

@@ -75,7 +75,7 @@ WIDE_MIN_WAVES = 6
 # (Newton–Schulz's n×n products) take 128×256 tiles wherever 128×128 ones would run: R·R + R at
 # 32×1024 0.092 ms against 0.097 (public Triton kernel 0.090), 64×1024 0.180 against 0.186 (public
 # 0.187); A·Aᵀ 64×1024×4096 (K = 4 n) keeps 128×128 tiles, 0.548 against 0.590 (do_bench side by
-# side, 2026-12-01, kernels-vs-public-h200-2026-12-01-6b0e2bf.md, second table).
+# side, 2026-12-01, kernels-vs-public-h200-2026-12-01.md, second table).
 
 # Tile widths on which a symmetric right factor (R·R, R·Z in Newton–Schulz) is read as its
 # transpose, along K like A: on 128×256 tiles 0.328 vs 0.368 ms at 4×3584 and 0.276 vs 0.299 at

@@ -23,7 +23,7 @@ from torch import Tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # One row per program, 8 warps: 4.7–6% faster momentum pass than 4×512/4 warps on H200, the
-# snapshot unchanged (benchmarks/sweep_elementwise.py; results/elementwise-h200-2026-11-29.md).
+# snapshot unchanged (benchmarks/sweep_elementwise.py; results/kernels-h200-2026-11-29.md).
 BLOCK_ROWS = 1
 BLOCK_COLS = 1024
 NUM_WARPS = 8

@@ -2,7 +2,7 @@
 row. Used to normalize the input of Newton–Schulz (s per matrix, fp32 → bf16/fp16) and for
 NorMuon's per-row scaling (s per row). One read and one write: PyTorch's mixed-dtype broadcast
 multiply takes a generic, unvectorized path that ran at about a third of the copy bandwidth
-(H200 profile recorded in commit 5ab6a50; benchmarks/results/step-h200-2026-11-29.md).
+(H200 profile recorded in commit 5ab6a50; benchmarks/results/step-h200-2026-12-01.md).
 """
 from __future__ import annotations
 

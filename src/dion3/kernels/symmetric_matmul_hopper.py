@@ -393,7 +393,7 @@ def _flat_descriptor(t: Tensor, block_shape: tuple, direct: bool):
     direct: only what a direct launch reads, without TensorDescriptor's checks (~10 µs each on
     the H200 machine; pick_tiling has checked contiguity and alignment). Never kept across
     launches: a descriptor holds its tensor, and a cache of them kept freed activations alive
-    (+20 GB peak on Llama-1B steps, out of memory on Llama-8B: step-h200-2026-11-29.md,
+    (+20 GB peak on Llama-1B steps, out of memory on Llama-8B: step-h200-2026-12-01.md,
     "Findings")."""
     rows, cols = t.numel() // t.shape[-1], t.shape[-1]
     if direct:

@@ -9,11 +9,11 @@ agree_across_ranks). The rule follows the measurements recorded in benchmarks/re
 
   - AMD x86 with AVX-512 BF16 (Zen 4 and later): bf16 products 2.2–2.4× faster than float32
     (2-core EPYC, torch 2.13: 8×256×1024 A·Aᵀ 6.84 ms float32, 2.82 ms bf16;
-    cpu-step-epyc-avx512bf16-2026-12-01.md) → bf16;
+    cpu-2026-12-01.md) → bf16;
   - Intel x86 with AVX-512 BF16 but no AMX: the dot product does as many flops per cycle as
     float32 FMAs, and on a 2-core Xeon with torch 2.13 a bf16 256×256 product ran at half the
     float32 speed → float32;
-  - x86 without AVX-512 BF16 (AVX2-only EPYC and Xeon, cpu-step-2026-12-01.md) → float32;
+  - x86 without AVX-512 BF16 (AVX2-only EPYC and Xeon, cpu-2026-12-01.md) → float32;
   - AMX (Sapphire Rapids and later) and other architectures: not measured here → float32 (set
     bf16 explicitly where it pays).
 
@@ -39,7 +39,7 @@ import torch
 
 ENV_VAR = "DION3_CPU_NS_DTYPE"
 # Standard NS in bf16 against Gram NS in float32 on a 2-core AMD EPYC with AVX-512 BF16, torch
-# 2.13 (benchmarks/results/cpu-step-epyc-avx512bf16-2026-12-01.md): 1.1–1.7× faster for batches of
+# 2.13 (benchmarks/results/cpu-2026-12-01.md): 1.1–1.7× faster for batches of
 # n ≥ 96 rows at m/n ≤ 16, 0.94× at 256×8192, so products in bf16 count as 2.2 times faster there
 # (with it choose_method keeps Gram NS above m/n ≈ 21.6); below 96 rows bf16 products gain nothing
 # (8×64×512: Gram 0.90× of standard's time; 8×16×256: 0.33×).

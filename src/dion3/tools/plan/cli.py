@@ -21,7 +21,7 @@ OVERHEAD_MS, LAUNCH_US = 1.5, 43.0
 # of Llama-8B at 6b0e2bf (Muon + Gram + kernels, Muon baseline); memory passes at the measured
 # copy rate; the fixed device time per distributed bucket fitted to the two-H200 FSDP2 record; the
 # host time per kernel launch of the eager distributed step measured on an H200's host
-# (step-host-time-h200-2026-12-02.md: the step's host time with the device held busy, over its
+# (steps-h200-2026-12-02.md: the step's host time with the device held busy, over its
 # launches; the same host assumed for the other GPUs). Other GPUs scale the rates by datasheet
 # ratios of dense bf16 peak and HBM bandwidth to the H200's.
 GPUS = {

@@ -120,7 +120,7 @@ class RankCost:
 # all-reduce · the rows' exchange · placing, orthogonalizing (+ normalization) and sending back ·
 # apply. Counted on the step of 95c7675 with its CUDA branches replayed on the CPU, one bucket on
 # 2 ranks (benchmarks/distributed_ops.py); the kernels per step the H200 ran on Llama-1B and 8B
-# were within 14% of 4 buckets of these (step-host-time-h200-2026-12-02.md). Global selection sends
+# were within 14% of 4 buckets of these (steps-h200-2026-12-02.md). Global selection sends
 # its row scores first, so it has one stage more; its plan syncs the host once (the split sizes)
 # after the first 19 launches of its second stage, which therefore counts in two parts.
 STAGE_LAUNCHES = {"muon": (5, 7, 30, 11), "normuon": (5, 9, 49, 12), "dion3": (10, 11, 54, 16),
