@@ -249,3 +249,31 @@ def test_dry_run_lists_the_plan_against_the_results_and_runs_nothing(study, tmp_
     assert lines[:2] == [f"done    {planned[0].label}", f"to run  {planned[1].label}"]
     assert lines[2].startswith("2 runs, 1 already in") and lines[2].endswith("1 to run, 8 steps in all")
     assert (tmp_path / "results.jsonl").read_text() == before and not (tmp_path / "logs").exists()
+
+
+def block_matrix_parameters(spec) -> int:
+    """Weights of the attention and MLP matrices of a llama-hf spec, counted by hand."""
+    head = spec.d_model // spec.n_head
+    attention = 2 * spec.d_model * spec.d_model + 2 * spec.d_model * spec.kv_heads * head
+    return spec.n_layer * (attention + 3 * spec.d_model * spec.mlp_width)
+
+
+@pytest.mark.parametrize("name, millions, tolerance", [("llama-hf", 25, 0.05), ("llama-hf-110m", 110, 0.05),
+                                                       ("llama-hf-350m", 350, 0.05)])
+def test_the_scale_trend_shapes_have_their_sizes_and_one_token_budget(study, name, millions, tolerance):
+    spec = study.MODELS[name]
+    assert spec.kind == "llama-hf" and spec.d_model // spec.n_head == 64
+    assert spec.batch_size * spec.seq_len == 16 * 512
+    assert abs(block_matrix_parameters(spec) / 1e6 - millions) <= tolerance * millions
+
+
+def test_the_built_model_holds_the_counted_block_matrices(study):
+    pytest.importorskip("transformers")
+    import torch
+    from dion3.tools.train.model import GPTConfig
+    spec = study.MODELS["llama-hf-110m"]
+    with torch.device("meta"):
+        model = study.build_llama(spec)(GPTConfig(seq_len=spec.seq_len, n_layer=spec.n_layer, n_head=spec.n_head,
+                                                   d_model=spec.d_model, vocab_size=256))
+    blocks = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and ".layers." in name)
+    assert blocks == block_matrix_parameters(spec)

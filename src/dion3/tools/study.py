@@ -24,7 +24,9 @@ device: compare them within one study, or rerun with --jobs 1 for clean times.
 Models: gpt-25m (`dion3 compare --preset gpu-small`'s GPT, 8 × 512, context 1024), gpt-120m
 (16 × 768, 113 M parameters in the blocks), llama-hf (Hugging Face LlamaForCausalLM, 8 × 512, GQA
 8/4 heads, SwiGLU 1536, context 512; needs `pip install 'dion3[study]'`), llama-384 (the same
-class, 12 × 384, GQA 6/2 heads, SwiGLU 1024, batch 32 × 512), gpt-tiny (--smoke). All train
+class, 12 × 384, GQA 6/2 heads, SwiGLU 1024, batch 32 × 512), llama-hf-110m and llama-hf-350m
+(llama-hf's family at 16 × 768 and 24 × 1024, 110 M and 340 M matrix parameters in the blocks, the
+same 16 × 512 tokens per step: the scale trend), gpt-tiny (--smoke). All train
 with bf16 autocast on CUDA, an lr warm-up (--lr-warmup) and a linear decay to zero over the last
 share of the steps (--cooldown).
 
@@ -74,6 +76,10 @@ MODELS = {
     "gpt-120m": ModelSpec("gpt", seq_len=1024, n_layer=16, n_head=12, d_model=768, batch_size=16),
     "llama-hf": ModelSpec("llama-hf", seq_len=512, n_layer=8, n_head=8, d_model=512, batch_size=16, kv_heads=4, mlp_width=1536),
     "llama-384": ModelSpec("llama-hf", seq_len=512, n_layer=12, n_head=6, d_model=384, batch_size=32, kv_heads=2, mlp_width=1024),
+    # The scale trend: llama-hf's family (GQA, head width 64, SwiGLU) at about 110 M and 340 M matrix
+    # parameters in the blocks (llama-hf: 25 M), with llama-hf's 16 × 512 tokens per step.
+    "llama-hf-110m": ModelSpec("llama-hf", seq_len=512, n_layer=16, n_head=12, d_model=768, batch_size=16, kv_heads=4, mlp_width=2304),
+    "llama-hf-350m": ModelSpec("llama-hf", seq_len=512, n_layer=24, n_head=16, d_model=1024, batch_size=16, kv_heads=8, mlp_width=3584),
 }
 # family → (lr flag default, μ flag default or None where the family has no μ)
 FAMILIES = {"adamw": ("0.003", None), "muon": ("0.02", "0.95"), "normuon": ("0.02", "0.6,0.8"), "dion3": ("0.04,0.08", "0.3,0.6")}
