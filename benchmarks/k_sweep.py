@@ -93,16 +93,28 @@ def sweep(args, save=lambda data: None) -> dict:
             opt = Dion3(params, lr=0.01, fraction=1.0)
             ks = ks_for(rows, args.window, args.coarse, fractions)
             started = time.perf_counter()
-            for i, k in enumerate(ks):
-                opt.param_groups[0]["fraction"] = k / rows
-                times = time_steps(opt.step, args.warmup, args.steps, device)
-                n, m = min(k, cols), max(k, cols)
-                results.append(dict(shape=[rows, cols], algorithm="dion3", k=k, ms=statistics.median(times),
-                                    all_ms=times, flops=args.count * step_flops(k, cols, device),
-                                    padded=list(padded_shape(n, m, device, torch.float16))))
-                if (i + 1) % 20 == 0 or i + 1 == len(ks):
-                    print(f"[{index + 1}/{len(shapes)}] {rows}x{cols} dion3: {i + 1}/{len(ks)} k "
-                          f"({time.perf_counter() - started:.0f} s), k={k}: {results[-1]['ms']:.2f} ms", flush=True)
+            # each k beside its next multiple of 128, measured in turns (rounds): slow drifts of the
+            # GPU's clocks over a sweep then fall on a point and its reference alike
+            groups: dict = {}
+            for k in ks:
+                groups.setdefault(min(rows, -(-k // 128) * 128), []).append(k)
+            rounds: dict = {k: [] for k in ks}
+            done = 0
+            for members in groups.values():
+                for _ in range(args.rounds):
+                    for k in members:
+                        opt.param_groups[0]["fraction"] = k / rows
+                        rounds[k].append(time_steps(opt.step, args.warmup, args.steps, device))
+                for k in members:
+                    n, m = min(k, cols), max(k, cols)
+                    results.append(dict(shape=[rows, cols], algorithm="dion3", k=k,
+                                        ms=statistics.median(statistics.median(r) for r in rounds[k]),
+                                        all_ms=[t for r in rounds[k] for t in r], rounds=args.rounds,
+                                        flops=args.count * step_flops(k, cols, device),
+                                        padded=list(padded_shape(n, m, device, torch.float16))))
+                done += len(members)
+                print(f"[{index + 1}/{len(shapes)}] {rows}x{cols} dion3: {done}/{len(ks)} k "
+                      f"({time.perf_counter() - started:.0f} s), k={members[-1]}: {results[-1]['ms']:.2f} ms", flush=True)
             del opt
         del params
         if device.type == "cuda":
@@ -187,6 +199,46 @@ def report(data: dict, md_path: str, plot_path: str) -> bool:
     return ok
 
 
+def busy_points(data: dict) -> dict:
+    """{(rows, cols): [(k, ms)]}: the Dion3 points that keep the GPU busy (shapes of 4096² and up,
+    k ≥ 1024 or every row), where step time follows the work and not the host's launches."""
+    by_shape: dict = {}
+    for r in data["results"]:
+        rows, cols = r["shape"]
+        if r["algorithm"] == "dion3" and rows * cols >= 4096 * 4096 and (r["k"] >= 1024 or r["k"] == rows):
+            by_shape.setdefault((rows, cols), []).append((r["k"], r["ms"]))
+    return by_shape
+
+
+def fit(data: dict) -> str:
+    """Least squares (relative errors) of ms = offset(shape) + count · Σ constant · feature, the
+    features of dion3.ortho.cost.time_features, over busy_points."""
+    from dion3.ortho.cost import TimeModel, time_features
+
+    by_shape = busy_points(data)
+    shapes = list(by_shape)
+    design, target = [], []
+    for i, (shape, points) in enumerate(by_shape.items()):
+        for k, ms in points:
+            features = [data["count"] * x * 1e3 for x in time_features(k, shape[1])]  # ms per second of constant
+            design.append([1.0 / ms if j == i else 0.0 for j in range(len(shapes))] + [x / ms for x in features])
+            target.append(1.0)
+    a = torch.tensor(design, dtype=torch.float64)
+    scale = a.abs().amax(dim=0)  # columns of ~1, so the solve is well conditioned
+    solution = torch.linalg.lstsq(a / scale, torch.ones(len(target), 1, dtype=torch.float64))
+    coefficients = (solution.solution[:, 0] / scale).tolist()
+    model = TimeModel(*coefficients[len(shapes):])
+    errors = []
+    for i, (shape, points) in enumerate(by_shape.items()):
+        for k, ms in points:
+            predicted = coefficients[i] + sum(w * data["count"] * x * 1e3 for w, x in zip(model, time_features(k, shape[1])))
+            errors.append(predicted / ms - 1)
+    rms = (sum(e * e for e in errors) / len(errors)) ** 0.5
+    return (f"{model}\n{len(errors)} points of {len(shapes)} shapes: rms error {rms:.2%}, largest {max(map(abs, errors)):.1%}; "
+            f"{1e-12 / model.square_flops:.0f} and {1e-12 / model.long_flops:.0f} TFLOP/s, "
+            f"{1e-12 / model.product_bytes:.2f} TB/s of product traffic, {1e-12 / model.row_bytes:.2f} TB/s of selected rows")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=",".join(f"{r}x{c}" for r, c in LLAMA_8B + UNALIGNED))
@@ -196,12 +248,19 @@ def main(argv=None) -> int:
     parser.add_argument("--coarse", type=int, default=16, help="points of the coarse sweep over 1…rows (default 16)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="turns over each k and its next multiple of 128; a point is the median of its turns' medians (default 3)")
     parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run)")
     parser.add_argument("--out", help="write the sweep's JSON here")
     parser.add_argument("--report", metavar="JSON", help="write the table (--md) and plot (--plot) of a sweep")
+    parser.add_argument("--fit", metavar="JSON", help="print the time model's constants (dion3.ortho.cost.H200_TIME) fitted to a sweep")
     parser.add_argument("--md", default="k-sweep.md")
     parser.add_argument("--plot", default="k-sweep.png")
     args = parser.parse_args(argv)
+    if args.fit:
+        with open(args.fit) as handle:
+            print(fit(json.load(handle)))
+        return 0
     if args.report:
         with open(args.report) as handle:
             return 0 if report(json.load(handle), args.md, args.plot) else 1

@@ -157,8 +157,9 @@ def test_groups_of_different_fractions_are_scheduled_only_when_named():
     schedule: the default group choice refuses them, an explicit `groups` schedules on purpose."""
     from dion3 import param_groups
 
-    model = torch.nn.Sequential(torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(4, 16, bias=False),
-                                torch.nn.Linear(16, 4, bias=False))
+    # 32×64 and 128×32 matrices: large enough for the modeled time to tell their rows apart
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 128, bias=False),
+                                torch.nn.Linear(128, 32, bias=False))
     opt = Dion3(param_groups(model, lm_head="2", fraction=0.5, fraction_allocation="cost"))
     fractions = [g["fraction"] for g in opt.param_groups[:2]]
     assert len(set(fractions)) == 2

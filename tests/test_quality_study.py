@@ -52,8 +52,17 @@ def test_cost_allocation_runs_beside_uniform_ones_with_fixed_fractions_only(stud
     # a uniform eager float32 run's key is the hash of its settings without the allocation, compile
     # and momentum-dtype fields, as before those fields existed
     fields = {k: v for k, v in json.loads(json.dumps(runs[0].__dict__)).items()
-              if k not in ("fraction_allocation", "compiled", "momentum_dtype")}
+              if k not in ("fraction_allocation", "compiled", "momentum_dtype", "cost_rule")}
     assert runs[0].key == hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    # fractions by cost spend modeled time now; a record of the earlier FLOP rule (config without
+    # cost_rule) keeps its key and reads back as another setting, labelled as such
+    assert runs[1].cost_rule == "time"
+    earlier = {k: v for k, v in json.loads(json.dumps(runs[1].__dict__)).items() if k != "cost_rule"}
+    old = study.Run(**earlier)
+    assert old.label == "dion3-f0.25-cost-flops lr=0.04 mu=0.3 h=100 seed=0"
+    assert old.key == hashlib.sha1(json.dumps({k: v for k, v in earlier.items() if k not in ("compiled", "momentum_dtype")},
+                                              sort_keys=True).encode()).hexdigest()[:16]
+    assert old.key != runs[1].key and old.setting != runs[1].setting
     with pytest.raises(SystemExit, match="--fraction-warmup 0"):
         study.plan_runs(study.parse_args(args + ["--fraction-warmup", "0,50", "--fraction-allocation", "cost"]))
     with pytest.raises(SystemExit, match="--fraction-allocation"):
@@ -163,8 +172,12 @@ def test_summary_names_cost_allocation_and_averages_optimizer_flops(study):
                _record(study, "dion3", 1.50, 0, 0.25, tflop=4.0),
                _record(study, "dion3", 1.60, 0, 0.25)]  # an older record without optimizer FLOPs
     del records[3]["config"]["fraction_allocation"]
-    cost, fixed = study.summary_table(records).splitlines()[2:]
+    for record in records[:2]:
+        record["config"]["cost_rule"] = "time"
+    flop_rule = _record(study, "dion3", 1.45, 0, 0.25, allocation="cost", tflop=5.0)  # a record from before the time rule
+    cost, old, fixed = study.summary_table(records + [flop_rule]).splitlines()[2:]
     assert "| Dion3 f=0.25 | by cost |" in cost and cost.endswith("| 2.5 |")
+    assert "| Dion3 f=0.25 | by cost (FLOP rule) |" in old and old.endswith("| 5 |")
     assert "| Dion3 f=0.25 | fixed |" in fixed and fixed.endswith("| — |")  # one of its two records has no count
 
 

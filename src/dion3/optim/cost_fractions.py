@@ -1,14 +1,17 @@
 """Orthogonalization cost of parameter groups, and Dion3 fractions chosen per matrix shape by it.
 
-`cost_allocated_fractions` spends a uniform fraction's orthogonalization FLOPs where rows are
-cheapest; `cost_allocated_groups` splits a Dion3 group into one group per matrix shape with those
+`cost_allocated_fractions` spends a uniform fraction's step time where rows are cheapest;
+`cost_allocated_groups` splits a Dion3 group into one group per matrix shape with those
 fractions; `step_orthogonalize_flops` counts what one optimizer step orthogonalizes, on the host
 (parameter shapes and group settings only, no device work).
 
-Costs are the executed FLOPs of dion3.ortho.cost (the model of `dion3 bench`'s tables too). The
-symmetric-kernel assumption defaults to that of its H200 table, `h200_symmetric` (symmetric
-products from n ≥ SYMMETRIC_MIN_N, as dion3.kernels dispatches on a GPU with Triton), so the
-counts are the same whichever device a run trains on.
+The allocation spends modeled time (dion3.ortho.cost.modeled_seconds, fitted on one H200: padded
+products, their rates and traffic), not FLOPs: equal FLOPs on Llama-8B stepped 1.10× slower,
+because the rows went to products that run slower per FLOP and to k that pad up to the next
+multiple of 128 (benchmarks/results/steps-h200-2026-12-02.md). The model is the same whichever
+device a run trains on, so every rank and every run allocates alike. FLOP counts
+(step_orthogonalize_flops, orthogonalize_cost) assume the H200 symmetric-kernel rule,
+`h200_symmetric` (symmetric products from n ≥ SYMMETRIC_MIN_N).
 """
 from __future__ import annotations
 
@@ -19,18 +22,23 @@ from torch import Tensor
 
 from ..algorithms import MATRIX_ALGORITHMS, SELECTING_ALGORITHMS
 from ..buckets import matrix_view
-from ..ortho.cost import MatrixShape, Symmetric, h200_symmetric, orthogonalize_flops
+from ..ortho.cost import MatrixShape, Symmetric, h200_symmetric, modeled_seconds, orthogonalize_flops
 from ..rules import selected_row_count
 
-# cost(k, cols): executed FLOPs of orthogonalizing one k × cols matrix
+# cost(k, cols): what selecting k rows of one k × cols matrix costs a step (seconds, FLOPs, ...)
 Cost = Callable[[int, int], float]
 BUDGET_TOLERANCE = 1e-9  # relative: sums of the same FLOPs in another order may differ in the last bits
 
 
 def orthogonalize_cost(method: str = "auto", symmetric: Symmetric = h200_symmetric,
                        schedule: Any = "polar_express") -> Cost:
-    """cost(k, cols) from dion3.tools.bench.step_cost' model with these orthogonalizer settings."""
+    """cost(k, cols): executed orthogonalization FLOPs with these orthogonalizer settings."""
     return lambda k, cols: orthogonalize_flops(k, cols, method, symmetric, schedule)[1]
+
+
+def modeled_time_cost(method: str = "auto", schedule: Any = "polar_express") -> Cost:
+    """cost(k, cols): modeled seconds (dion3.ortho.cost.modeled_seconds) with these settings."""
+    return lambda k, cols: modeled_seconds(k, cols, method, schedule)
 
 
 def _check_shapes(shapes: Sequence) -> None:
@@ -46,25 +54,29 @@ def _check_shapes(shapes: Sequence) -> None:
 
 def cost_allocated_fractions(
     shapes: Sequence[MatrixShape], fraction: float, floor: Optional[float] = None, method: str = "auto",
-    symmetric: Symmetric = h200_symmetric, schedule: Any = "polar_express", cost: Optional[Cost] = None,
+    schedule: Any = "polar_express", cost: Optional[Cost] = None,
 ) -> list[float]:
-    """One fraction per shape (each k/rows, k the rows it selects) whose executed
-    orthogonalization FLOPs add up to at most those of `fraction` on every shape.
+    """One fraction per shape (each k/rows, k the rows it selects) whose costs add up to at most
+    those of `fraction` on every shape.
 
-    shapes: `count` matrices of rows × cols each (dion3.tools.bench.step_cost.MatrixShape, or anything with
+    shapes: `count` matrices of rows × cols each (dion3.ortho.cost.MatrixShape, or anything with
         those three attributes). Shapes with equal rows and cols are one shape: they get one fraction.
     floor: the least fraction of any shape, in (0, fraction]; None: fraction / 4.
-    method, symmetric, schedule: the cost model, as dion3.tools.bench.step_cost.step_cost takes them;
-    cost: cost(k, cols), FLOPs of one k × cols matrix, instead of that model.
+    method, schedule: the orthogonalizer settings the default cost models;
+    cost: cost(k, cols) of one k × cols matrix; None: modeled_time_cost(method, schedule), the
+        modeled H200 seconds (orthogonalize_cost(...) counts executed FLOPs instead).
 
     Rule (water-filling by cost): every shape starts at ⌈floor·rows⌉ rows; then, again and again,
-    the shape whose next row costs the fewest FLOPs (cost(k + 1) − cost(k), first in input order
-    among equals) gets one more row on each of its matrices, among the shapes below all their
-    rows whose additions still fit the budget, until none fits. Orthogonalizing k rows costs about
-    k²·cols, so a row is cheap where k and cols are small: short matrices (k/v projections) and
-    narrow ones get their rows first, and the budget they leave keeps a small fraction on the wide
-    MLP matrices. Any shape below 1 would then exceed the budget with one more row. With a cost
-    that grows with k, identical shapes get exactly `fraction`.
+    the shape whose next row costs the least (cost(k + 1) − cost(k), first in input order among
+    equals) gets one more row on each of its matrices, among the shapes below all their rows whose
+    additions still fit the budget, until none fits. Orthogonalizing k rows costs about k²·cols,
+    so a row is cheap where k and cols are small: short matrices (k/v projections) and narrow ones
+    get their rows first, and the budget they leave keeps a small fraction on the wide MLP
+    matrices. The modeled time is a step function of k (the GPU computes k at its next multiple
+    of 128): after each step up, the rows up to the next one cost nothing and are taken, so a
+    shape ends on a multiple of 128 (or all its rows), and one uniform shape can get more than
+    `fraction` (k = 96 of 384 rows computes 128 anyway). Any shape below 1 would then exceed the
+    budget with one more row.
     """
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
         raise ValueError(f"cost_allocated_fractions: fraction must lie in (0, 1], got {fraction!r}")
@@ -73,7 +85,7 @@ def cost_allocated_fractions(
     if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 < floor <= fraction:
         raise ValueError(f"cost_allocated_fractions: floor must lie in (0, fraction] = (0, {fraction:g}], got {floor!r}")
     _check_shapes(shapes)
-    cost = cost or orthogonalize_cost(method, symmetric, schedule)
+    cost = cost or modeled_time_cost(method, schedule)
 
     # identical shapes are interchangeable: merge them, so they cannot end up with different k
     merged: dict[tuple[int, int], int] = {}
@@ -121,7 +133,7 @@ def matrix_shapes(params: Iterable[Tensor], flatten: bool = False) -> list[Matri
     return [MatrixShape(f"{rows}x{cols}", rows, cols, count) for (rows, cols), count in counts.items()]
 
 
-def _group_cost(group: dict, symmetric: Symmetric) -> Cost:
+def _group_flops(group: dict, symmetric: Symmetric) -> Cost:
     return orthogonalize_cost(group.get("orthogonalizer", "auto"), symmetric, group.get("ns_coefficients", "polar_express"))
 
 
@@ -132,16 +144,18 @@ def _whole_matrices(group: dict, where: str) -> None:
 
 
 def cost_allocated_groups(group: dict, fraction: float, floor: Optional[float] = None,
-                          symmetric: Symmetric = h200_symmetric) -> list[dict]:
+                          cost: Optional[Cost] = None) -> list[dict]:
     """`group` (a Dion3 parameter group) split into one group per matrix shape, each with its
-    fraction from cost_allocated_fractions at the uniform `fraction`, costed with the group's
-    orthogonalizer and ns_coefficients (defaults where it names none). Other settings are copied."""
+    fraction from cost_allocated_fractions at the uniform `fraction`, costed with `cost` or else
+    the modeled time of the group's orthogonalizer and ns_coefficients (defaults where it names
+    none). Other settings are copied."""
     _whole_matrices(group, "cost_allocated_groups")
     params = list(group["params"])
     names = group.get("param_names")
     flatten = bool(group.get("flatten", False))
     shapes = matrix_shapes(params, flatten)
-    fractions = cost_allocated_fractions(shapes, fraction, floor, cost=_group_cost(group, symmetric))
+    cost = cost or modeled_time_cost(group.get("orthogonalizer", "auto"), group.get("ns_coefficients", "polar_express"))
+    fractions = cost_allocated_fractions(shapes, fraction, floor, cost=cost)
     by_shape = {(s.rows, s.cols): f for s, f in zip(shapes, fractions)}
     members: dict[tuple[int, int], list[int]] = {key: [] for key in by_shape}
     for i, p in enumerate(params):
@@ -166,7 +180,7 @@ def step_orthogonalize_flops(groups: Sequence[dict], symmetric: Symmetric = h200
         if algorithm not in MATRIX_ALGORITHMS:
             continue
         _whole_matrices(group, "step_orthogonalize_flops")
-        cost = _group_cost(group, symmetric)
+        cost = _group_flops(group, symmetric)
         selecting = algorithm in SELECTING_ALGORITHMS
         for shape in matrix_shapes(group["params"], bool(group.get("flatten", False))):
             k = selected_row_count(shape.rows, group["fraction"]) if selecting else shape.rows

@@ -31,8 +31,9 @@ with bf16 autocast on CUDA, an lr warm-up (--lr-warmup) and a linear decay to ze
 share of the steps (--cooldown).
 
 `--fraction-allocation uniform,cost` adds Dion3 runs whose fraction is chosen per matrix shape by
-orthogonalization cost at the FLOPs of the uniform --fraction (dion3.optim.cost_fractions; fixed
-fractions only). Every record carries `optimizer_tflop`, the executed orthogonalization FLOPs of
+cost within the modeled step time of the uniform --fraction (dion3.optim.cost_fractions; fixed
+fractions only). Records from before 2026-12-03 allocated by executed FLOPs instead: their
+config has no `cost_rule`, and they are labelled `-cost-flops`. Every record carries `optimizer_tflop`, the executed orthogonalization FLOPs of
 its steps, so settings can be compared at equal optimizer FLOPs as well as at equal steps.
 """
 from __future__ import annotations
@@ -111,12 +112,15 @@ class Run:
     fraction_allocation: str = "uniform"  # dion3 only: "uniform" or "cost" (per matrix shape, trainer.RunSpec)
     compiled: bool = False  # forward and backward through torch.compile (trainer.train)
     momentum_dtype: Optional[str] = None  # Muon/NorMuon/Dion3: the matrix momentum's dtype; None: float32
+    # fractions by cost: "time" (modeled step time, the rule since 2026-12-03); None in the records
+    # of earlier runs, which allocated by executed FLOPs (and in every uniform run)
+    cost_rule: Optional[str] = None
 
     @property
     def setting(self) -> tuple:
         """What the seeds of one setting share (the summary averages over seeds)."""
         return (self.model, self.horizon, self.optimizer, self.fraction, self.fraction_warmup, self.lr, self.mu,
-                self.fraction_allocation, self.compiled, self.momentum_dtype)
+                self.fraction_allocation, self.compiled, self.momentum_dtype, self.cost_rule)
 
     @property
     def key(self) -> str:
@@ -128,6 +132,8 @@ class Run:
             del fields["compiled"]
         if fields["momentum_dtype"] is None:
             del fields["momentum_dtype"]
+        if fields["cost_rule"] is None:
+            del fields["cost_rule"]
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
@@ -135,7 +141,8 @@ class Run:
         if self.optimizer != "dion3":
             name = self.optimizer
         else:
-            name = (f"dion3-f{self.fraction:g}" + ("-cost" if self.fraction_allocation != "uniform" else "")
+            cost = "" if self.fraction_allocation == "uniform" else "-cost" if self.cost_rule else "-cost-flops"
+            name = (f"dion3-f{self.fraction:g}" + cost
                     + (f"-warm{self.fraction_warmup}" if self.fraction_warmup else ""))
         if self.momentum_dtype:
             name += f"-momentum-{self.momentum_dtype}"
@@ -230,7 +237,8 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
                     fractions, _floats(args.dion3_lr, "--dion3-lr"), _floats(args.dion3_mu, "--dion3-mu"),
                     dict.fromkeys(warmups), allocations):
                 runs.append(Run(optimizer="dion3", lr=lr, mu=mu, fraction=fraction, fraction_warmup=warm,
-                                horizon=horizon, seed=seed, fraction_allocation=allocation, **common))
+                                horizon=horizon, seed=seed, fraction_allocation=allocation,
+                                cost_rule="time" if allocation == "cost" else None, **common))
     runs = with_momentum_dtypes(runs, momentum_dtypes(args.momentum_dtype))
     return [dataclasses.replace(run, repeat=r) for run in runs for r in range(args.repeats)]
 
@@ -440,11 +448,11 @@ def run_study(runs: Sequence[Run], out: Path, jobs: int, devices: Sequence[str],
 
 
 def _setting_label(setting: tuple) -> tuple[str, str]:
-    _, _, optimizer, fraction, warmup, _, _, allocation, _, _ = setting
+    _, _, optimizer, fraction, warmup, _, _, allocation, _, _, cost_rule = setting
     if optimizer != "dion3":
         return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[optimizer], "—"
     if allocation == "cost":
-        return f"Dion3 f={fraction:g}", "by cost"
+        return f"Dion3 f={fraction:g}", "by cost" if cost_rule else "by cost (FLOP rule)"
     return f"Dion3 f={fraction:g}", (f"1 → {fraction:g} over {warmup} steps" if warmup else "fixed")
 
 
