@@ -65,6 +65,16 @@ def time_steps(step, warmup: int, steps: int, device: torch.device) -> list[floa
     return [start.elapsed_time(end) for start, end in events]
 
 
+def stepper(opt, args, selections: int):
+    """The step to time: eager, or with --graph a CapturedStep keeping one graph per k (a step's
+    device time without the host's launches, which dominate eager steps of small matrices)."""
+    if not args.graph:
+        return opt.step
+    from dion3.optim.graph import CapturedStep
+
+    return CapturedStep(opt, warmup_steps=1, max_graphs=selections + 1)
+
+
 def sweep(args, save=lambda data: None) -> dict:
     """The measurements; save(data so far) after every shape (a job cut short keeps them)."""
     from dion3 import Dion3, Muon, NorMuon
@@ -83,7 +93,7 @@ def sweep(args, save=lambda data: None) -> dict:
             if name not in args.algorithms:
                 continue
             opt = cls(params, lr=0.01)
-            times = time_steps(opt.step, args.warmup, args.steps, device)
+            times = time_steps(stepper(opt, args, 1), args.warmup, args.steps, device)
             results.append(dict(shape=[rows, cols], algorithm=name, k=rows, ms=statistics.median(times), all_ms=times,
                                 flops=args.count * step_flops(rows, cols, device)))
             print(f"[{index + 1}/{len(shapes)}] {rows}x{cols} {name}: {results[-1]['ms']:.2f} ms", flush=True)
@@ -92,6 +102,7 @@ def sweep(args, save=lambda data: None) -> dict:
             fractions = [0.25] + BY_COST_8B.get((rows, cols), [])
             opt = Dion3(params, lr=0.01, fraction=1.0)
             ks = ks_for(rows, args.window, args.coarse, fractions)
+            step = stepper(opt, args, len(ks))
             started = time.perf_counter()
             # each k beside its next multiple of 128, measured in turns (rounds): slow drifts of the
             # GPU's clocks over a sweep then fall on a point and its reference alike
@@ -104,7 +115,7 @@ def sweep(args, save=lambda data: None) -> dict:
                 for _ in range(args.rounds):
                     for k in members:
                         opt.param_groups[0]["fraction"] = k / rows
-                        rounds[k].append(time_steps(opt.step, args.warmup, args.steps, device))
+                        rounds[k].append(time_steps(step, args.warmup, args.steps, device))
                 for k in members:
                     n, m = min(k, cols), max(k, cols)
                     results.append(dict(shape=[rows, cols], algorithm="dion3", k=k,
@@ -125,7 +136,7 @@ def sweep(args, save=lambda data: None) -> dict:
 
 def _record(args, device, results) -> dict:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    return dict(command=" ".join(sys.argv), count=args.count, steps=args.steps, warmup=args.warmup,
+    return dict(command=" ".join(sys.argv), count=args.count, steps=args.steps, warmup=args.warmup, graph=args.graph,
                 device=name, torch=torch.__version__, results=results)
 
 
@@ -135,7 +146,7 @@ def report(data: dict, md_path: str, plot_path: str) -> bool:
     for r in rows:
         by_shape.setdefault(tuple(r["shape"]), {}).setdefault(r["algorithm"], {})[r["k"]] = r
     lines = [f"Device {data['device']}, torch {data['torch']}; a bucket of {data['count']} fp32 matrices per shape, "
-             f"eager steps, median of {data['steps']} after {data['warmup']} warm-up (CUDA events).", "",
+             f"{'graph-captured' if data.get('graph') else 'eager'} steps, median of {data['steps']} after {data['warmup']} warm-up (CUDA events).", "",
              "| shape | k measured | worst time(k) / time(⌈k⌉₁₂₈) (at k) | time(k) ms at f = 1/4 | Muon ms | NorMuon ms |",
              "|---|---|---|---|---|---|"]
     ok = True
@@ -248,6 +259,8 @@ def main(argv=None) -> int:
     parser.add_argument("--coarse", type=int, default=16, help="points of the coarse sweep over 1…rows (default 16)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--graph", action="store_true",
+                        help="time CUDA-graph replays (CapturedStep) instead of eager steps; --warmup ≥ 3 covers the capture")
     parser.add_argument("--rounds", type=int, default=3,
                         help="turns over each k and its next multiple of 128; a point is the median of its turns' medians (default 3)")
     parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run)")
