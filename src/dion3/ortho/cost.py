@@ -148,7 +148,7 @@ def time_features(k: int, cols: int, method: str = "auto", schedule: Coefficient
     ALIGN_MULTIPLE: ortho.padding), symmetric products from SYMMETRIC_MIN_N at their executed tiles."""
     n = -(-min(k, cols) // SHORT_MULTIPLE) * SHORT_MULTIPLE
     m = -(-max(k, cols) // ALIGN_MULTIPLE) * ALIGN_MULTIPLE
-    symmetric = n >= SYMMETRIC_MIN_N
+    symmetric = h200_symmetric(n)
     share = symmetric_share(n) if symmetric else 1.0
     square = long = traffic = 0.0
     for p in orthogonalize_products(n, m, method, symmetric, schedule):
