@@ -4,7 +4,8 @@ process and spawned gloo workers). Not a test module (no test_ prefix).
 What a captured region may not do, checked on CPU: read a device value on the host (.item(),
 .tolist(), bool(tensor), .cpu(), data-dependent shapes: nonzero, boolean indexing, masked_select,
 unique, repeat_interleave without output_size) or copy a host list to the device (torch.tensor);
-each raises RuntimeError("host sync: ...") inside `captured_region`. And a graph replays the
+each raises RuntimeError("host sync: ...") inside `captured_region`, where the reference kernels
+also take the sync-free path a GPU takes (their CPU-only host checks are off). And a graph replays the
 collectives it recorded: `captured_region` lists every c10d collective the step launches with its
 tensor shapes and split sizes, and a RecordedGraph checks that each replay launches the same ones
 (data-dependent split sizes would differ between steps).
@@ -16,6 +17,7 @@ import contextlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dion3.kernels import reference as reference_kernels
 from dion3.optim.graph import CapturedStep, selection_key, to_device_scalars
 
 _REFUSED_METHODS = ("tolist", "item", "nonzero", "__bool__", "cpu")
@@ -68,17 +70,18 @@ def captured_region():
     collects the collectives launched."""
     launched: list = []
     saved = {name: getattr(torch.Tensor, name) for name in _REFUSED_METHODS}
-    saved_tensor = torch.tensor
+    saved_tensor, saved_checks = torch.tensor, reference_kernels.HOST_CHECKS
     for name in _REFUSED_METHODS:
         setattr(torch.Tensor, name, _refuse(f"Tensor.{name}"))
     torch.tensor = _refuse("torch.tensor (a host-to-device copy)")
+    reference_kernels.HOST_CHECKS = False  # as on a GPU: the guard's sync-free path
     try:
         with _Watch(launched):
             yield launched
     finally:
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
-        torch.tensor = saved_tensor
+        torch.tensor, reference_kernels.HOST_CHECKS = saved_tensor, saved_checks
 
 
 class RecordedGraph:

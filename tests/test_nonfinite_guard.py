@@ -6,6 +6,7 @@ orthogonalization that returns inf/NaN or a huge finite entry for one matrix (wh
 half-precision overflow or a corrupted product would do) and a gradient with a NaN entry."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -187,25 +188,31 @@ def test_owner_functions_mark_a_matrix_above_the_bound():
     assert torch.equal(new[1], variance[1]) and not torch.equal(new[0], variance[0])
 
 
-def test_fused_normalization_path_applies_the_bound(monkeypatch):
-    """The CUDA kernel path of row_normalization_in_place (a stand-in here returning what the
-    kernel returns: factors and O's row norms, variance updated in place) gets the same verdict
-    as the PyTorch path: NaN factors and the old variance for the matrix above the bound."""
+def test_fused_normalization_path_gets_the_bound_as_a_limit(monkeypatch):
+    """The CUDA kernel path of row_normalization_in_place hands the kernel the limit
+    bound·√min(k, C) on ‖O‖_F (the kernel's verdict itself: tests/test_selection_kernels.py); a
+    stand-in applying that limit with the PyTorch formulas gives the PyTorch path's verdict, factors
+    and variance."""
     generator = torch.Generator().manual_seed(5)
     ortho = rules.orthogonalize(torch.randn(3, 6, 10, generator=generator), "newton_schulz", dtype=torch.float32)
     ortho[2] *= 4.0
     variance = torch.rand(3, 6, 1, generator=generator)
     bound = rules.update_bound("polar_express")
     expected_scale, expected_variance = rules.row_normalization(ortho, variance, 0.95, 1e-8, bound)
+    limits = []
 
-    def kernel_stand_in(o, v, rows, beta2, epsilon):
-        scale, new = rules.row_normalization(o, v, beta2, epsilon)  # the kernel knows no bound
-        v.copy_(new)
-        return scale.squeeze(-1), torch.linalg.vector_norm(o, dim=-1)
+    def kernel_stand_in(o, v, rows, beta2, epsilon, limit):
+        limits.append(limit)
+        ok = torch.linalg.vector_norm(o, dim=(-2, -1)) <= limit
+        scale, new = rules.row_normalization(o, v, beta2, epsilon)
+        v.copy_(torch.where(ok.view(-1, 1, 1), new, v))
+        return torch.where(ok.view(-1, 1), scale.squeeze(-1), float("nan")), ok
 
     monkeypatch.setattr(rules, "fused_row_normalization", kernel_stand_in)
     buffer = variance.clone()
-    scale = rules.row_normalization_in_place(ortho, buffer, None, 0.95, 1e-8, bound)
+    scale, ok = rules.row_normalization_in_place(ortho, buffer, None, 0.95, 1e-8, bound)
+    assert limits == [bound * math.sqrt(6)]
+    assert ok.tolist() == [True, True, False]
     torch.testing.assert_close(scale, expected_scale.squeeze(-1), equal_nan=True)
     assert torch.isnan(scale[2]).all() and torch.equal(buffer[2], variance[2])
     torch.testing.assert_close(buffer, torch.where(torch.isnan(expected_scale[:, :1]), variance, expected_variance))

@@ -76,14 +76,28 @@ KERNEL_CASES = textwrap.dedent(
     # row normalization from O's row norms, at selected rows of V or at all of them
     norm_mod = importlib.import_module("dion3.kernels.normalization")
     norm_mod.BLOCK_SLOTS = 8
-    for n, r, k, cols, beta2, selected in [(3, 29, 13, 40, 0.95, True), (2, 21, 21, 7, 0.3, False)]:
+    # guarded: matrix 1 has a NaN row norm, matrix 2 is above the limit (both skipped, old V kept)
+    for n, r, k, cols, beta2, selected, guarded in [(3, 29, 13, 40, 0.95, True, False), (2, 21, 21, 7, 0.3, False, False),
+                                                    (4, 29, 13, 40, 0.95, True, True)]:
         norms = torch.rand(n, k, generator=gen, dtype=torch.float64) * 2 + 0.1
+        limit = float("inf")
+        if guarded:
+            norms[1, 3] = float("nan")
+            norms[2] *= 10
+            limit = float(norms[[0, 3]].pow(2).sum(1).sqrt().max()) * 1.01
         variance = torch.rand(n, r, 1, generator=gen, dtype=torch.float64) * 0.1
         rows = torch.stack([torch.randperm(r, generator=gen)[:k].sort().values for _ in range(n)]) if selected else None
         v = variance.float().to(device)
-        scale = norm_mod.row_normalization_triton(norms.float().to(device), v, None if rows is None else rows.to(device),
-                                                  beta2, 1e-8, cols).cpu()
-        v = v.cpu()
+        scale, ok = norm_mod.row_normalization_triton(norms.float().to(device), v, None if rows is None else rows.to(device),
+                                                      beta2, 1e-8, cols, limit)
+        scale, ok, v = scale.cpu(), ok.cpu(), v.cpu()
+        good = [i for i in range(n) if not (guarded and i in (1, 2))]
+        skipped_kept = all(torch.equal(v[i], variance.float()[i]) and bool(torch.isnan(scale[i]).all())
+                           for i in range(n) if i not in good)
+        verdict = ok.tolist() == [i in good for i in range(n)] and ok.dtype == torch.bool
+        scale, v, norms, variance = scale[good], v[good], norms[good], variance[good]
+        rows = rows[good] if selected else None
+        n = len(good)
         n_sq = norms.float().double() ** 2  # float64 math from the float32 inputs
         picks = rows if selected else torch.arange(r).expand(n, r)
         old = torch.stack([variance.float().double()[i, picks[i], 0] for i in range(n)])
@@ -94,10 +108,10 @@ KERNEL_CASES = textwrap.dedent(
         for i in range(n):
             expected_v[i, picks[i], 0] = new[i]
         results.append(dict(
-            case=f"normalization {n}x{r} k={k} selected={selected}",
+            case=f"normalization {n}x{r} k={k} selected={selected} guarded={guarded}",
             scale_rel=((scale.double() - exact).abs() / exact).max().item(),
             variance_rel=((v.double() - expected_v).abs() / expected_v).max().item(),
-            shape=list(scale.shape)))
+            shape=list(scale.shape), verdict=verdict, skipped_kept=skipped_kept))
     print(json.dumps(results))
     """
 )
@@ -176,12 +190,13 @@ def _check_kernel_cases(results) -> None:
     normalization = [r for r in results if r["case"].startswith("normalization")]
     selections = [r for r in results if r["case"].startswith("select")]
     results = [r for r in results if r not in normalization and r not in selections]
-    assert len(results) == 3 and len(normalization) == 2 and len(selections) == 6
+    assert len(results) == 3 and len(normalization) == 3 and len(selections) == 6
     for r in selections:  # the same rows as the hand-written rule; the norm as selection_norm's
         assert r["rows_exact"] and r["dtype"] == "torch.int64" and r["inverse_attached"], r
         assert r["norm_rel"] <= 1e-6 and r["factor_rel"] <= 1e-6, r
     for r in normalization:  # float32 math against float64 (unselected rows of V: exact)
         assert r["scale_rel"] <= 2e-6 and r["variance_rel"] <= 1e-6, r
+        assert r["verdict"] and r["skipped_kept"], r  # the guard's verdict, and nothing written for a skip
         assert r["shape"] == [int(r["case"].split()[1].split("x")[0]), int(r["case"].split("k=")[1].split()[0])], r
     for r in results:
         assert r["norm_rel"] <= 1e-6 and r["factor_rel"] <= 1e-6, r  # float32 sums of ≤ 40 terms

@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 from .kernels import (
-    accumulate_momentum, restore_momentum, fused_row_normalization, momentum_pass_measures, post_update, scale_cast, select_rows,
-    selection_norm, snapshot_rows,
+    accumulate_momentum, fused_row_normalization, host_checks_free, momentum_pass_measures, post_update, restore_momentum,
+    scale_cast, select_rows, selection_norm, snapshot_rows,
 )
 from .kernels import top_rows as _top_rows
 from .ortho import orthogonalize
@@ -169,7 +169,16 @@ def pre_step(
         # the same row-wise sums as the momentum pass would give: no rounding difference
         squares = torch.linalg.vector_norm(update, dim=-1, dtype=torch.promote_types(update.dtype, torch.float32))
         return PreStep(update, rows, _frobenius(squares.square()))
-    # Off CUDA: the selected rows' norm before the snapshot, so that its factor can tell the
+    if host_checks_free(momentum.device) and (scores is None or bool(torch.isfinite(scores).all())):
+        # No row measured NaN (asked of the host where that is free): snapshot, its norm, then
+        # the scaled copy; the arithmetic of the path below, without its gather of the rows.
+        update = snapshot_rows(momentum, rows, cfg.mu)
+        squares = torch.linalg.vector_norm(update, dim=-1, dtype=torch.promote_types(update.dtype, torch.float32))
+        norm = _frobenius(squares.square())
+        out = empty_padded(*update.shape, scaling.dtype, momentum.device)
+        scale_cast(update, scaling.factor(norm), scaling.dtype, out=out.matrices)
+        return PreStep(marked_matrices(out), rows, norm, True)
+    # Elsewhere: the selected rows' norm before the snapshot, so that its factor can tell the
     # snapshot which matrices the guard will skip (a row whose gradient was not finite measures
     # NaN, reference.accumulate_momentum_reference): they get no error feedback.
     squares = torch.linalg.vector_norm(momentum.gather(-2, rows.unsqueeze(-1).expand(*rows.shape, momentum.shape[-1])),
@@ -254,29 +263,27 @@ def finite_matrices(row_scale: Tensor) -> Tensor:
 
 def row_normalization_in_place(
     ortho: Tensor, variance: Tensor, rows: Optional[Tensor], beta2: float, epsilon: float, bound: float = math.inf
-) -> Tensor:
+) -> tuple[Tensor, Tensor]:
     """row_normalization of O [N, k, C] against the rows `rows` [N, k] (None: every row) of a
-    bucket's second moments V [N, R, 1], writing their new values into V; returns the factors
-    s ([N, k] float32 from the fused kernel on CUDA, which takes O's row norms and does the
-    rest in one launch; else [N, k, 1] as row_normalization gives them). A matrix whose
-    factors are not finite (O not finite, or above the bound) keeps its old V (apply_update
-    then skips it)."""
+    bucket's second moments V [N, R, 1], writing their new values into V: (the factors s, the
+    guard's verdict [N] bool). A matrix whose O is not finite or above the bound keeps its old V
+    and gets NaN factors (apply_update then skips it). On CUDA s is [N, k] float32 from the fused
+    kernel, which takes O's row norms and does the rest, the verdict included, in one launch;
+    else [N, k, 1] as row_normalization gives them."""
+    if ortho.shape[0] and ortho.shape[1]:
+        limit = bound * math.sqrt(min(ortho.shape[-2:])) if bound != math.inf else math.inf
+        fused = fused_row_normalization(ortho, variance, rows, beta2, epsilon, limit)
+        if fused is not None:
+            return fused
     old = variance.clone() if rows is None else gather_rows(variance, rows)  # [N, R or k, 1]: small
-    fused = fused_row_normalization(ortho, variance, rows, beta2, epsilon)
-    if fused is None:
-        row_scale, new = row_normalization(ortho, old, beta2, epsilon, bound)
-    else:
-        row_scale, row_norms = fused
-        if bound != math.inf:  # ‖O‖_F from the row norms the kernel was given: no pass over O
-            frob = torch.linalg.vector_norm(row_norms, dim=-1)
-            row_scale = torch.where(matrices_within(frob, ortho.shape, bound).view(-1, 1), row_scale, math.nan)
-        new = variance if rows is None else gather_rows(variance, rows)
-    kept = torch.where(finite_matrices(row_scale).view(-1, 1, 1), new, old)
+    row_scale, new = row_normalization(ortho, old, beta2, epsilon, bound)
+    ok = finite_matrices(row_scale)
+    kept = torch.where(ok.view(-1, 1, 1), new, old)
     if rows is None:
         variance.copy_(kept)
     else:
         scatter_rows(variance, rows, kept)
-    return row_scale
+    return row_scale, ok
 
 
 def normalize_rows(ortho: Tensor, variance: Tensor, beta2: float, epsilon: float,
@@ -324,8 +331,7 @@ def guard(ortho: Tensor, variance: Optional[Tensor], rows: Optional[Tensor], cfg
     the variance buffer at `rows`, whose new values are written for the good matrices only;
     Muon/Dion2: good means finite and within the bound."""
     if cfg.normalize:
-        row_scale = row_normalization_in_place(ortho, variance, rows, cfg.beta2, cfg.epsilon, bound)
-        return row_scale, finite_matrices(row_scale)
+        return row_normalization_in_place(ortho, variance, rows, cfg.beta2, cfg.epsilon, bound)
     return None, matrices_within(frobenius_norms(ortho), ortho.shape, bound)
 
 

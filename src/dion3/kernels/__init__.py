@@ -16,6 +16,7 @@ import torch
 
 from .reference import (
     accumulate_momentum_reference,
+    host_checks_free,
     post_update_reference,
     restore_momentum_reference,
     selection_positions_reference,
@@ -262,16 +263,17 @@ def select_rows(scores, squares, k: int, norm_scale=None, eps: float = 0.0):
     return (rows, *selection_norm(squares, rows, norm_scale, eps))
 
 
-def fused_row_normalization(ortho, variance, rows, beta2: float, epsilon: float):
-    """(NorMuon's per-row factors [N, k], O's row norms [N, k]), both float32, for O [N, k, C],
-    updating the variance buffer [N, R, 1] in place at rows [N, k] (None: all rows): O's row
-    norms, then one launch for the rest. None where the kernel does not run (the caller then
-    takes the PyTorch path, dion3.rules.row_normalization)."""
+def fused_row_normalization(ortho, variance, rows, beta2: float, epsilon: float, limit: float = float("inf")):
+    """(NorMuon's per-row factors [N, k] float32, the guard's verdict [N] bool) for O [N, k, C]:
+    a matrix is good where ‖O‖_F is finite and at most `limit`; the variance buffer [N, R, 1] is
+    updated in place at rows [N, k] (None: all rows) for the good matrices only, the others get
+    NaN factors. O's row norms, then one launch for the rest. None where the kernel does not run
+    (the caller then takes the PyTorch path, dion3.rules.row_normalization)."""
     if not (_triton_ready(ortho.device) and _normalization_kernel is not None
             and _normalization_kernel.row_normalization_supported(ortho, variance, rows)):
         return None
     norms = torch.linalg.vector_norm(ortho, dim=-1, dtype=torch.float32)
-    return _normalization_kernel.row_normalization_triton(norms, variance, rows, beta2, epsilon, ortho.shape[-1]), norms
+    return _normalization_kernel.row_normalization_triton(norms, variance, rows, beta2, epsilon, ortho.shape[-1], limit)
 
 
 def snapshot_rows(momentum, rows, mu, scale=None, out_dtype=None, out=None):
@@ -341,6 +343,7 @@ __all__ = [
     "copy_into",
     "fused_row_normalization",
     "gram_with_copy",
+    "host_checks_free",
     "scale_cast",
     "select_rows",
     "selection_norm",

@@ -1,8 +1,9 @@
-"""Triton NorMuon row normalization from the row norms of O, one program per matrix: reads the
-second moments of its rows from the bucket's variance buffer (the selected rows for Dion3),
-writes their new values back and returns the per-row factors that the fused post-update
-applies, in one launch where PyTorch needs a gather, about fifteen elementwise ops and
-reductions over [N, k] numbers, and a scatter. The pass over O itself (its row norms) stays a
+"""Triton NorMuon row normalization from the row norms of O, one program per matrix: decides the
+guard's verdict for its matrix (‖O‖_F finite and within the bound), reads the second moments of
+its rows from the bucket's variance buffer (the selected rows for Dion3), writes their new values
+back for a good matrix only and returns the per-row factors that the fused post-update applies,
+in one launch where PyTorch needs gathers, about twenty elementwise ops and reductions over
+[N, k] numbers, and a scatter. The pass over O itself (its row norms) stays a
 PyTorch reduction, so the kernel reads only N·k numbers and its one-program-per-matrix grid
 costs nothing at any size.
 
@@ -13,6 +14,7 @@ the formulas of dion3.rules.row_normalization, summed in another order (blocks o
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -25,37 +27,51 @@ BLOCK_SLOTS = 1024
 
 @triton.jit
 def _row_normalization_kernel(
-    norms_ptr, variance_ptr, rows_ptr, scale_ptr, weight, cols, eps, R, k,
-    HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    norms_ptr, variance_ptr, rows_ptr, scale_ptr, ok_ptr, weight, cols, eps, limit, R, k,
+    HAS_ROWS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     matrix = tl.program_id(0).to(tl.int64)
+    # the guard's verdict first: ‖O‖_F from the row norms, finite and (HAS_LIMIT) within limit
     total = tl.zeros([BLOCK], dtype=tl.float32)
-    scaled_total = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, k, BLOCK):
         slots = start + tl.arange(0, BLOCK)
-        inside = slots < k
-        norm = tl.load(norms_ptr + matrix * k + slots, mask=inside, other=0.0)
-        row_sq = norm * norm
-        if HAS_ROWS:
-            rows = tl.load(rows_ptr + matrix * k + slots, mask=inside, other=0)
-        else:
-            rows = slots
-        old = tl.load(variance_ptr + matrix * R + rows, mask=inside, other=0.0)
-        diff = row_sq / cols - old
-        # torch.lerp's two forms, each exact at its end of the weight range
-        new = tl.where(weight < 0.5, old + weight * diff, row_sq / cols - diff * (1.0 - weight))
-        inverse_rms = 1.0 / (tl.sqrt(new) + eps)
-        tl.store(variance_ptr + matrix * R + rows, new, mask=inside)
-        tl.store(scale_ptr + matrix * k + slots, inverse_rms, mask=inside)
-        total += row_sq
-        scaled_total += row_sq * (inverse_rms * inverse_rms)
-    ratio = tl.sqrt(tl.sum(total, axis=0)) / tl.maximum(tl.sqrt(tl.sum(scaled_total, axis=0)), eps)
-    tl.debug_barrier()  # the factors stored above, by whichever threads stored them
-    for start in range(0, k, BLOCK):
-        slots = start + tl.arange(0, BLOCK)
-        inside = slots < k
-        inverse_rms = tl.load(scale_ptr + matrix * k + slots, mask=inside, other=0.0)
-        tl.store(scale_ptr + matrix * k + slots, inverse_rms * ratio, mask=inside)
+        norm = tl.load(norms_ptr + matrix * k + slots, mask=slots < k, other=0.0)
+        total += norm * norm
+    frobenius_sq = tl.sum(total, axis=0)
+    good = frobenius_sq < float("inf")  # NaN compares false too
+    if HAS_LIMIT:
+        good = good & (tl.sqrt(frobenius_sq) <= limit)
+    tl.store(ok_ptr + matrix, good.to(tl.int8))
+    if good:
+        scaled_total = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, k, BLOCK):
+            slots = start + tl.arange(0, BLOCK)
+            inside = slots < k
+            norm = tl.load(norms_ptr + matrix * k + slots, mask=inside, other=0.0)
+            row_sq = norm * norm
+            if HAS_ROWS:
+                rows = tl.load(rows_ptr + matrix * k + slots, mask=inside, other=0)
+            else:
+                rows = slots
+            old = tl.load(variance_ptr + matrix * R + rows, mask=inside, other=0.0)
+            diff = row_sq / cols - old
+            # torch.lerp's two forms, each exact at its end of the weight range
+            new = tl.where(weight < 0.5, old + weight * diff, row_sq / cols - diff * (1.0 - weight))
+            inverse_rms = 1.0 / (tl.sqrt(new) + eps)
+            tl.store(variance_ptr + matrix * R + rows, new, mask=inside)
+            tl.store(scale_ptr + matrix * k + slots, inverse_rms, mask=inside)
+            scaled_total += row_sq * (inverse_rms * inverse_rms)
+        ratio = tl.sqrt(frobenius_sq) / tl.maximum(tl.sqrt(tl.sum(scaled_total, axis=0)), eps)
+        tl.debug_barrier()  # the factors stored above, by whichever threads stored them
+        for start in range(0, k, BLOCK):
+            slots = start + tl.arange(0, BLOCK)
+            inside = slots < k
+            inverse_rms = tl.load(scale_ptr + matrix * k + slots, mask=inside, other=0.0)
+            tl.store(scale_ptr + matrix * k + slots, inverse_rms * ratio, mask=inside)
+    else:  # skipped: its rows keep their variance, its factors are NaN (rules.guard_rows)
+        for start in range(0, k, BLOCK):
+            slots = start + tl.arange(0, BLOCK)
+            tl.store(scale_ptr + matrix * k + slots, tl.full([BLOCK], float("nan"), tl.float32), mask=slots < k)
 
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of O
@@ -80,10 +96,13 @@ def row_normalization_supported(ortho: Tensor, variance: Tensor, rows: Optional[
 
 
 def row_normalization_triton(
-    norms: Tensor, variance: Tensor, rows: Optional[Tensor], beta2: float, epsilon: float, cols: int
-) -> Tensor:
-    """Per-row factors s [N, k] (float32) from the float32 row norms [N, k] of O [N, k, cols],
-    updating variance [N, R, 1] in place at rows [N, k] (None: every row, k = R)."""
+    norms: Tensor, variance: Tensor, rows: Optional[Tensor], beta2: float, epsilon: float, cols: int,
+    limit: float = math.inf,
+) -> tuple[Tensor, Tensor]:
+    """(Per-row factors s [N, k] float32, the guard's verdict [N] bool) from the float32 row
+    norms [N, k] of O [N, k, cols]: a matrix is good where ‖O‖_F is finite and at most `limit`;
+    a good matrix's variance [N, R, 1] is updated in place at rows [N, k] (None: every row,
+    k = R), a skipped one keeps it and gets NaN factors."""
     if (norms.dim() != 2 or norms.dtype != torch.float32 or not norms.is_contiguous()
             or not _state_fits(norms.shape[0], norms.shape[1], norms.device, variance, rows)):
         raise ValueError(
@@ -92,9 +111,11 @@ def row_normalization_triton(
             f"variance {tuple(variance.shape)} {variance.dtype}")
     n, k = norms.shape
     scale = torch.empty((n, k), dtype=torch.float32, device=norms.device)
+    ok = torch.ones(n, dtype=torch.int8, device=norms.device) if not k else torch.empty(n, dtype=torch.int8, device=norms.device)
     if n and k:
         _row_normalization_kernel[(n,)](
-            norms, variance, norms if rows is None else rows, scale, float(1.0 - beta2), float(cols), float(epsilon),
-            variance.shape[1], k, HAS_ROWS=rows is not None, BLOCK=BLOCK_SLOTS,
+            norms, variance, norms if rows is None else rows, scale, ok, float(1.0 - beta2), float(cols), float(epsilon),
+            float(limit) if limit != math.inf else 0.0, variance.shape[1], k,
+            HAS_ROWS=rows is not None, HAS_LIMIT=limit != math.inf, BLOCK=BLOCK_SLOTS,
         )
-    return scale
+    return scale, ok.view(torch.bool)

@@ -1,6 +1,7 @@
 """PyTorch reference paths for every kernel: used on CPU, for small shapes, and in tests."""
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Optional, Sequence, Union
 
@@ -22,6 +23,18 @@ def symmetric_matmul_reference(
     return torch.baddbmm(c, a, b, beta=beta, alpha=alpha) if a.dim() == 3 else torch.addmm(
         c, a, b, beta=beta, alpha=alpha
     )
+
+
+# Off inside the tests' CPU stand-in for graph capture (tests/graph_standin.py), which runs the
+# sync-free path a GPU takes.
+HOST_CHECKS = True
+
+
+def host_checks_free(device: torch.device) -> bool:
+    """Whether reading a tensor's values on the host costs nothing (CPU tensors: no device to
+    wait for, and no graph being captured). There the guard's masks and restorations run only
+    for the matrices that need them; elsewhere they run sync-free on every step."""
+    return HOST_CHECKS and device.type == "cpu"
 
 
 def row_scale_column(row_scale: Optional[Tensor], update: Tensor) -> Optional[Tensor]:
@@ -67,7 +80,9 @@ def post_update_reference(
     coefficient = step if row_scale is None else row_scale.to(compute) * step
     change = update.to(compute) * coefficient  # [N, k, C]
     if row_scale is not None:  # a factor of 0 leaves the row, also where update is not finite (0·NaN)
-        change.masked_fill_(row_scale == 0, 0.0)  # in place: no second copy of the change
+        zero = row_scale == 0
+        if not host_checks_free(update.device) or bool(zero.any()):
+            change.masked_fill_(zero, 0.0)  # in place: no second copy of the change
     if rows is None:
         torch._foreach_sub_(works, [piece.to(w.dtype) for w, piece in zip(works, change.split([w.shape[0] for w in works]))])
     else:  # one index_add_ per matrix, on views made in bulk (Python indexing costs ~µs each)
@@ -88,25 +103,50 @@ def accumulate_momentum_reference(
     wider: float64 momentum keeps float64), else None in their places.
     An entry whose gradient is not finite keeps its momentum (no decay either), and its row
     measures NaN in both outputs: the guard then skips the matrix (dion3.rules) and the NaN row
-    is selected first (top_rows_reference reads NaN as +inf)."""
+    is selected first (top_rows_reference reads NaN as +inf). On the CPU a piece whose gradient
+    is finite (asked of the host: free there) takes the plain arithmetic; the masked path, row
+    blocks at a time, runs only for the pieces that need it (and always on other devices, which
+    must not sync)."""
     pieces = [grads] if isinstance(grads, Tensor) else list(grads)
     targets = list(momentum.split([g.shape[0] for g in pieces]))
-    flagged = []
-    for target, grad in row_blocks(targets, pieces):  # masks and masked copies of a few rows at a time
+    plain = finite_on_host(pieces) if host_checks_free(momentum.device) else [False] * len(pieces)
+    clean = [(t, g) for t, g, ok in zip(targets, pieces, plain) if ok]
+    if clean:  # the masked path's arithmetic where every entry is finite, without its masks
+        if decay != 1.0:
+            torch._foreach_mul_([t for t, _ in clean], decay)
+        torch._foreach_add_([t for t, _ in clean], [g for _, g in clean])
+    masked = [i for i, ok in enumerate(plain) if not ok]
+    flagged = []  # per row block of the masked pieces, in matrix order: rows with a bad entry
+    for _, _, target, grad in matrix_blocks([targets[i] for i in masked], [pieces[i] for i in masked]):
         finite = torch.isfinite(grad)
         flagged.append(finite.logical_not().any(dim=-1))
         if decay != 1.0:  # decay·m + g where g is finite, m itself elsewhere
             target.mul_(torch.full_like(target, decay).masked_fill_(finite.logical_not(), 1.0))
         target.add_(grad.masked_fill(finite.logical_not(), 0))
-    flagged = torch.cat(flagged).view(momentum.shape[:2]) if flagged else None
-    bad = flagged if flagged is not None else torch.zeros(momentum.shape[:2], dtype=torch.bool)
     dtype = torch.promote_types(momentum.dtype, torch.float32)
     # abs + sum: ~2.5× faster on CPU than vector_norm(ord=1), whose reduction is not vectorized
-    l1 = momentum.abs().sum(dim=-1, dtype=dtype).masked_fill_(bad, math.nan) if scores else None
-    l2_squared = None
-    if squares:
-        l2_squared = torch.linalg.vector_norm(momentum, dim=-1, dtype=dtype).square().masked_fill_(bad, math.nan)
+    l1 = momentum.abs().sum(dim=-1, dtype=dtype) if scores else None
+    l2_squared = torch.linalg.vector_norm(momentum, dim=-1, dtype=dtype).square() if squares else None
+    if flagged:
+        bad = torch.cat(flagged).view(-1, momentum.shape[1])  # the masked pieces' matrices
+        if len(masked) < len(pieces):  # CPU only: place them among the others
+            starts = [0] + list(itertools.accumulate(g.shape[0] for g in pieces))
+            at = torch.tensor([m for i in masked for m in range(starts[i], starts[i + 1])], device=momentum.device)
+            bad = torch.zeros(momentum.shape[:2], dtype=torch.bool, device=momentum.device).index_copy_(0, at, bad)
+        for measured in (l1, l2_squared):
+            if measured is not None:
+                measured.masked_fill_(bad, math.nan)
     return l1, l2_squared
+
+
+def finite_on_host(pieces: Sequence[Tensor]) -> list[bool]:
+    """Whether each tensor's entries are all finite, with one host sync for all of them (CPU
+    tensors: the sync is free). From each tensor's sum, the cheapest pass that meets every
+    entry: not finite iff some entry is not, or the sum overflows (entries near float32's
+    largest), which then only sends the piece down the masked path."""
+    if not pieces:
+        return []
+    return torch.isfinite(torch.stack([piece.sum() for piece in pieces])).tolist()
 
 
 def snapshot_rows_reference(
@@ -119,10 +159,11 @@ def snapshot_rows_reference(
     matrix the guard skips gets no error feedback). out: write U there ([N, k, C], any strides)."""
     width = momentum.shape[-1]
     feedback = None
-    if scale is not None:  # 1 where the factor is finite, else leave the row
+    if scale is not None:  # mu where the factor is finite, else leave the row
         finite = torch.isfinite(scale).expand(*rows.shape, 1)
-        feedback = torch.full(finite.shape, mu, dtype=momentum.dtype, device=momentum.device).masked_fill_(
-            finite.logical_not(), 1.0)
+        if not host_checks_free(momentum.device) or not bool(finite.all()):
+            feedback = torch.full(finite.shape, mu, dtype=momentum.dtype, device=momentum.device).masked_fill_(
+                finite.logical_not(), 1.0)
     if momentum.dim() == 3 and momentum.is_contiguous():  # rows of the flat [N·R, C] view:
         # index_select/index_copy_ move whole rows, ~1.7× faster on CPU than gather/scatter
         count, height, _ = momentum.shape
@@ -158,13 +199,18 @@ def restore_momentum_reference(
     two operations; a kept matrix is not touched. Works through a few rows at a time."""
     pieces = [grads] if isinstance(grads, Tensor) else list(grads)
     count, height = momentum.shape[:2]
+    only = None  # the matrices to restore, where the host may ask (CPU): a normal step does nothing
+    if host_checks_free(momentum.device):
+        only = set(torch.nonzero(keep.logical_not().reshape(-1)).flatten().tolist())
+        if not only:
+            return
     work = torch.promote_types(momentum.dtype, torch.float32)
     keep_rows = keep.view(-1, 1).expand(count, height)
     fed_rows = None
     if positions is not None and fed is not None:
         fed_rows = (positions >= 0) & torch.isfinite(fed.reshape(-1, 1))
     targets = list(momentum.split([g.shape[0] for g in pieces]))
-    for (target, grad), (matrix, rows) in zip(row_blocks(targets, pieces), _block_positions(targets)):
+    for matrix, rows, target, grad in matrix_blocks(targets, pieces, only):
         before = target.to(work, copy=True)
         if fed_rows is not None:
             before.div_(torch.where(fed_rows[matrix, rows], mu, 1.0).to(work).unsqueeze(-1))
@@ -186,22 +232,17 @@ def selection_positions_reference(rows: Tensor, height: int) -> Tensor:
 BLOCK_ROWS = 128
 
 
-def row_blocks(targets, pieces):
-    """(target rows, grad rows) pairs of at most BLOCK_ROWS rows of one matrix each, over pieces
-    [B_i, R, C] (views: writing to a target writes to the momentum)."""
+def matrix_blocks(targets, pieces, only: Optional[set] = None):
+    """(matrix index, row slice, target rows, grad rows) for blocks of at most BLOCK_ROWS rows of
+    one matrix each, over pieces [B_i, R, C] and their momentum targets (views: writing to a
+    target writes to the momentum), matrices counted across the pieces; `only`: just these."""
+    matrix = 0
     for target, grad in zip(targets, pieces):
         for m, g in zip(target.unbind(0), grad.unbind(0)):
-            for start in range(0, m.shape[0], BLOCK_ROWS):
-                yield m[start : start + BLOCK_ROWS], g[start : start + BLOCK_ROWS]
-
-
-def _block_positions(targets):
-    """(matrix index, row slice) of each block of row_blocks, in the same order."""
-    matrix = 0
-    for target in targets:
-        for _ in range(target.shape[0]):
-            for start in range(0, target.shape[1], BLOCK_ROWS):
-                yield matrix, slice(start, min(start + BLOCK_ROWS, target.shape[1]))
+            if only is None or matrix in only:
+                for start in range(0, m.shape[0], BLOCK_ROWS):
+                    rows = slice(start, start + BLOCK_ROWS)
+                    yield matrix, rows, m[rows], g[rows]
             matrix += 1
 
 

@@ -10,12 +10,14 @@ agree_across_ranks). The rule follows the measurements recorded in benchmarks/re
   - AMD x86 with AVX-512 BF16 (Zen 4 and later): bf16 products 2.2–2.4× faster than float32
     (2-core EPYC, torch 2.13: 8×256×1024 A·Aᵀ 6.84 ms float32, 2.82 ms bf16;
     cpu-2026-12-01.md) → bf16;
+  - x86 with AMX (Intel Sapphire Rapids and later): bf16 products 3.0–6.3× faster than float32
+    from 96 rows up (2-core Xeon, torch 2.13: 8×256×1024 A·Aᵀ 4.01 ms float32, 0.64 ms bf16;
+    cpu-amx-2026-12-03.md) → bf16;
   - Intel x86 with AVX-512 BF16 but no AMX: the dot product does as many flops per cycle as
     float32 FMAs, and on a 2-core Xeon with torch 2.13 a bf16 256×256 product ran at half the
     float32 speed → float32;
   - x86 without AVX-512 BF16 (AVX2-only EPYC and Xeon, cpu-2026-12-01.md) → float32;
-  - AMX (Sapphire Rapids and later) and other architectures: not measured here → float32 (set
-    bf16 explicitly where it pays).
+  - other architectures: not measured here → float32 (set bf16 explicitly where it pays).
 
 Where standard NS runs in bf16, the "auto" method choice weighs that: cpu_standard_speedup gives
 ortho.choose_method how much faster standard NS multiplies than Gram NS's float32.
@@ -38,12 +40,17 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 ENV_VAR = "DION3_CPU_NS_DTYPE"
-# Standard NS in bf16 against Gram NS in float32 on a 2-core AMD EPYC with AVX-512 BF16, torch
-# 2.13 (benchmarks/results/cpu-2026-12-01.md): 1.1–1.7× faster for batches of
-# n ≥ 96 rows at m/n ≤ 16, 0.94× at 256×8192, so products in bf16 count as 2.2 times faster there
-# (with it choose_method keeps Gram NS above m/n ≈ 21.6); below 96 rows bf16 products gain nothing
-# (8×64×512: Gram 0.90× of standard's time; 8×16×256: 0.33×).
+# How much faster bf16 products count as than float32 where the rule picks bf16: the figure
+# choose_method weighs standard NS (bf16) against Gram NS (float32) with, fixed per kind of CPU
+# from the measurements (never a timing taken at run time). AMD EPYC with AVX-512 BF16, torch 2.13
+# (cpu-2026-12-01.md): standard NS in bf16 1.1–1.7× faster than Gram NS at n ≥ 96, m/n ≤ 16, 0.94×
+# at 256×8192, so 2.2 (choose_method then keeps Gram NS above m/n ≈ 21.6). Xeon with AMX
+# (cpu-amx-2026-12-03.md): bf16 products 3.0–6.3× float32 at n ≥ 96 and standard NS in bf16
+# 1.5–3.1× faster than Gram NS up to m/n = 32, so 3.0 (above 2.5 standard NS wins at every
+# aspect ratio). Below 96 rows bf16 products gain little on either (8×64×256 standard NS in bf16
+# 1.25× Gram NS's time on both kinds; 8×16×256: 2.5–3×).
 BF16_NOMINAL_SPEEDUP = 2.2
+AMX_BF16_NOMINAL_SPEEDUP = 3.0
 BF16_MIN_ROWS = 96
 _NAMES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 _CHOICES = (None, torch.float32, torch.bfloat16)
@@ -85,13 +92,13 @@ def cpu_compute_dtype(rows: Optional[int] = None) -> torch.dtype:
 
 def cpu_standard_speedup(rows: int) -> float:
     """How much faster standard NS multiplies n×n and n×m blocks (n = rows) than Gram NS on
-    this CPU: BF16_NOMINAL_SPEEDUP where standard NS runs in bf16 on a CPU whose bf16 products
+    this CPU: nominal_bf16_speedup where standard NS runs in bf16 on a CPU whose bf16 products
     are fast by its identity and n ≥ BF16_MIN_ROWS, else 1 (both float32, or bf16 forced where it is not
     faster). A fixed figure rather than the measured ratio: the method must not flip between
     runs with the timing noise of a shared machine."""
-    if rows < BF16_MIN_ROWS or cpu_compute_dtype() != torch.bfloat16 or not native_bf16_matmul():
+    if rows < BF16_MIN_ROWS or cpu_compute_dtype() != torch.bfloat16:
         return 1.0
-    return BF16_NOMINAL_SPEEDUP
+    return nominal_bf16_speedup(cpu_identity())
 
 
 class CpuIdentity(NamedTuple):
@@ -128,10 +135,21 @@ def cpu_identity() -> CpuIdentity:
     return CpuIdentity(vendor, frozenset(flags), platform.machine().lower())
 
 
+def nominal_bf16_speedup(identity: CpuIdentity) -> float:
+    """bf16 products' speed over float32 on a CPU of this identity, as measured on its kind (the
+    module docstring), 1.0 where bf16 was not measured clearly faster."""
+    if identity.machine not in ("x86_64", "amd64"):
+        return 1.0
+    if "amx_bf16" in identity.flags or "amx_tile" in identity.flags:
+        return AMX_BF16_NOMINAL_SPEEDUP
+    if identity.vendor == "AuthenticAMD" and "avx512_bf16" in identity.flags:
+        return BF16_NOMINAL_SPEEDUP
+    return 1.0
+
+
 def bf16_products_faster(identity: CpuIdentity) -> bool:
     """The rule of the module docstring: bf16 only where it was measured clearly faster."""
-    x86 = identity.machine in ("x86_64", "amd64")
-    return x86 and identity.vendor == "AuthenticAMD" and "avx512_bf16" in identity.flags
+    return nominal_bf16_speedup(identity) > 1.0
 
 
 def native_bf16_matmul() -> bool:

@@ -74,6 +74,11 @@ PRESETS = {
     # with fp32 parameters, gradients, momentum and Muon's workspace.
     "llama-70b": llama("llama-70b", layers=8, dim=8192, kv_dim=1024, hidden=28672, vocab=128256, tied=False,
                        of_layers=80),
+    # The quality study's models (dion3.tools.study.MODELS, byte vocabulary): small matrices whose
+    # eager steps the host's launches set, so `dion3 bench` also reports launches per step.
+    "llama-384": llama("llama-384", layers=12, dim=384, kv_dim=128, hidden=1024, vocab=256, tied=False),
+    "llama-hf-110m": llama("llama-hf-110m", layers=16, dim=768, kv_dim=256, hidden=2304, vocab=256, tied=False),
+    "llama-hf-350m": llama("llama-hf-350m", layers=24, dim=1024, kv_dim=512, hidden=3584, vocab=256, tied=False),
 }
 
 # Whole models for `dion3 plan` (planned on meta tensors, never allocated): every layer.

@@ -4,7 +4,7 @@ Each variant (AdamW, the standard-NS Muon baseline, Muon with kernels and Gram N
 Dion3 at several fractions, uniform or per shape by cost) runs alone, eager and graph-captured,
 on fixed random gradients; memory is freed between runs and a failing variant reports its error
 in its row. Reported per row: median device ms (CUDA events; perf_counter on CPU), median host
-ms (time for the step call to return), first step s (optimizer construction to the end of the
+ms (time for the step call to return), kernel launches per step (CUDA), first step s (optimizer construction to the end of the
 first step, including compilation and autotuning), ready s (to the end of warm-up, capture
 included), effective TFLOP/s and GB/s from the cost model in flops.py, bytes sent per step,
 speedup vs the baseline.
@@ -31,6 +31,7 @@ from ... import kernels
 from ...optim import Dion3, Muon, NorMuon
 from ...optim.cost_fractions import cost_allocated_fractions, cost_allocated_groups
 from . import step_cost as flops
+from .launches import launches_per_step
 from .presets import PRESETS, Preset, get_preset, parse_shapes
 
 GRAPH_WARMUP = 3  # eager steps CapturedStep runs before capturing
@@ -205,11 +206,13 @@ def measure(variant: Variant, graph: bool, preset: Preset, args, device: torch.d
     ready = time.perf_counter() - start
     device_ms, host_ms = timed_calls(step, args.steps, device, lambda i: progress(f"step {i}/{args.steps}"))
     sent = getattr(optimizer, "communication_bytes", None)  # this rank, last step (dion3 optimizers)
+    launches = launches_per_step(step, device)  # one more step, after the timed ones
     result = dict(
         device_ms=statistics.median(device_ms), host_ms=statistics.median(host_ms),
         device_ms_all=device_ms, first_step_s=first, ready_s=ready,
         bytes_sent=float(sent or 0),
         bytes_sent_source="optimizer.communication_bytes" if sent is not None else "none (not a dion3 optimizer)",
+        launches=launches,
     )
     result.update(_peak(device))
     return result
@@ -272,7 +275,8 @@ def add_speedups(rows: list[dict]) -> None:
 # ------------------------------------------------------------------------ output
 COLUMNS = (
     ("variant", "name", "{}"), ("mode", "mode", "{}"), ("device ms", "device_ms", "{:.2f}"),
-    ("host ms", "host_ms", "{:.3f}"), ("first s", "first_step_s", "{:.2f}"), ("ready s", "ready_s", "{:.2f}"),
+    ("host ms", "host_ms", "{:.3f}"), ("launches", "launches", "{}"), ("first s", "first_step_s", "{:.2f}"),
+    ("ready s", "ready_s", "{:.2f}"),
     ("TFLOP/s", "tflops", "{:.3g}"), ("GB/s", "gbps", "{:.3g}"), ("sent MB", "bytes_sent", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}x"), ("peak GB", "peak_gb", "{:.1f}"), ("ms/layer", "layer_ms", "{:.2f}"),
 )
