@@ -16,7 +16,7 @@ Bad updates are skipped per matrix, on the device and without a host sync: a mat
 not finite, or larger than any orthogonalization can be (‖O‖_F above update_bound·√min(k, C):
 Newton–Schulz keeps every singular value inside its schedule's band, so a larger O is a
 corrupted computation, not an update), keeps its variance, is not moved by apply_update (its
-weight decay still applies) and adds one to the `skipped` counter that apply_update is given.
+weight decay still applies) and is noted in the `skipped` tally that apply_update is given.
 The bound is checked where whole matrices are (one device, or a distributed owner); a rank that
 holds only some rows of a matrix sees the owner's verdict as NaN rows. Gradients are not checked
 here (check_finite=True in the optimizer raises on them).
@@ -343,7 +343,7 @@ def apply_update(
     weight_decay: float,
     scale: float,
     row_scale: Optional[Tensor] = None,
-    skipped: Optional[Tensor] = None,
+    skipped=None,
     bound: float = math.inf,
     ok: Optional[Tensor] = None,
 ) -> None:
@@ -352,7 +352,7 @@ def apply_update(
     params: [B_i, R, C] views whose batches concatenate to update's N. row_scale [N, k, 1]
     (from row_normalization) multiplies each row of update inside the same pass.
     A matrix whose update (or row_scale) is not finite is only decayed (guard_rows), and
-    counted in `skipped` (a 0-d integer tensor on update's device, added to in place); so is
+    noted in `skipped` (the device's buckets.SkipTally, which counts at the end of the step); so is
     one above `bound` (update_bound) when update is whole matrices of O (Muon on one device).
     ok ([N] bool, the guard's verdict when already known) skips only those matrices instead.
     """
@@ -369,7 +369,7 @@ def apply_update(
     else:
         row_scale = torch.where(ok.view(-1, *[1] * (row_scale.dim() - 1)), row_scale, 0.0)
     if skipped is not None:
-        skipped.add_(ok.logical_not().sum())
+        skipped.add(ok)
     post_update(params, update, rows, decay, step, row_scale)
 
 

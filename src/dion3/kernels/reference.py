@@ -78,7 +78,10 @@ def post_update_reference(
         factor = decay.to(dtype) if isinstance(decay, Tensor) else decay
         torch._foreach_mul_(group, factor)
     coefficient = step if row_scale is None else row_scale.to(compute) * step
-    change = update.to(compute) * coefficient  # [N, k, C]
+    if isinstance(coefficient, Tensor) and coefficient.dim() and coefficient.dtype == compute:
+        change = torch.mul(update, coefficient)  # [N, k, C]: promoted in the product, no copy of update
+    else:  # (a float or 0-d factor would not promote a half update)
+        change = update.to(compute) * coefficient
     if row_scale is not None:  # a factor of 0 leaves the row, also where update is not finite (0·NaN)
         zero = row_scale == 0
         if not host_checks_free(update.device) or bool(zero.any()):

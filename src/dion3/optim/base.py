@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .. import distributed, matrix_step, rules
-from ..buckets import Bucket, add_matrix, bucket_subset, matrix_view, momentum_dtype, write_back_subset
+from ..buckets import Bucket, SkipTally, add_matrix, bucket_subset, matrix_view, momentum_dtype, write_back_subset
 from ..ortho.precision import agree_across_ranks
 from . import scalar
 from .validation import (
@@ -48,7 +48,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         self.communication_bytes_by_kind: dict[str, int] = {}
         self.check_finite = bool(check_finite)
         # matrices whose update was not finite and was skipped, per device (nonfinite_updates)
-        self._skipped: dict[torch.device, Tensor] = {}
+        self._skipped: dict[torch.device, SkipTally] = {}
         self._step_number: dict[torch.device, Tensor] = {}  # step() calls, counted on each device
         self._last_skip: dict[torch.device, Tensor] = {}  # the latest step number that skipped a matrix
         self._seen: dict[torch.device, Tensor] = {}
@@ -105,7 +105,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         only decay, its per-row variance, error feedback and momentum stay as they were before
         the step (docs/errors.md, "Non-finite gradients and updates"); each skip counts once, in
         the step it happens, and `last_nonfinite_step` holds that step's number."""
-        return self._sum_over_devices(self._skipped)
+        return self._sum_over_devices({device: tally.count for device, tally in self._skipped.items()})
 
     @property
     def last_nonfinite_step(self) -> Tensor:
@@ -130,9 +130,11 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         return total
 
     def _count_step(self) -> None:
-        """Advance the step number and note it where this step skipped something (three launches
-        per device, no host sync)."""
-        for device, counter in self._skipped.items():
+        """Count this step's skips, advance the step number and note it where this step skipped
+        something (five launches per device, no host sync)."""
+        for device, tally in self._skipped.items():
+            tally.flush()
+            counter = tally.count
             number, last, seen = self._step_number[device], self._last_skip[device], self._seen[device]
             number.add_(1)
             torch.where(counter > seen, number, last, out=last)
@@ -142,7 +144,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         """Give a bucket the skip counter of its device (shared by every bucket there)."""
         device = distributed.local_tensor(bucket.params[0]).device
         if device not in self._skipped:
-            self._skipped[device] = torch.zeros((), dtype=torch.int64, device=device)
+            self._skipped[device] = SkipTally(device)
             self._step_number[device] = torch.zeros((), dtype=torch.int64, device=device)
             self._last_skip[device] = torch.zeros((), dtype=torch.int64, device=device)
             self._seen[device] = torch.zeros((), dtype=torch.int64, device=device)  # the counter a step ago
