@@ -1,0 +1,7 @@
+"""`python -m dion3.tools.study`."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""One run of the study, in its own process (`python -m dion3.tools.study --run-one ...`): build
+the model and the data, train, and return the record that results.jsonl keeps."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Optional
+
+from .runs import MODELS, ModelSpec, Run
+
+
+def build_llama(spec: ModelSpec):
+    """A factory for the trainer: Hugging Face LlamaForCausalLM of `spec`'s shape, mapping
+    (tokens, targets) to the mean loss, with its head exposed as `lm_head`."""
+    import torch.nn.functional as F
+    from torch import nn
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class CausalLM(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.llama = LlamaForCausalLM(LlamaConfig(
+                vocab_size=config.vocab_size, hidden_size=spec.d_model, intermediate_size=spec.mlp_width,
+                num_hidden_layers=spec.n_layer, num_attention_heads=spec.n_head, num_key_value_heads=spec.kv_heads,
+                max_position_embeddings=spec.seq_len, tie_word_embeddings=False, attn_implementation="sdpa",
+            ))
+
+        @property
+        def lm_head(self):
+            return self.llama.lm_head
+
+        def forward(self, tokens, targets):
+            logits = self.llama(input_ids=tokens).logits
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    return CausalLM
+
+
+def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
+    import torch
+
+    from dion3.tools.train.corpus import python_source_corpus
+    from dion3.tools.train.data import load_data
+    from dion3.tools.train.model import GPT, GPTConfig
+    from dion3.tools.train.trainer import RunSpec, Schedule, resolve_device, train
+
+    if threads:
+        torch.set_num_threads(threads)
+    spec = MODELS[run.model]
+    device = resolve_device(device_name)
+    if run.data is None:
+        data = python_source_corpus(progress=lambda line: print(line, flush=True))
+    else:
+        data = load_data(None if run.data == ("stdlib",) else list(run.data))
+    config = GPTConfig(seq_len=spec.seq_len, n_layer=spec.n_layer, n_head=spec.n_head, d_model=spec.d_model)
+    factory = GPT if spec.kind == "gpt" else build_llama(spec)
+    schedule = Schedule(steps=run.horizon, batch_size=run.batch_size, eval_every=run.horizon, eval_batches=run.eval_batches,
+                        warmup_steps=run.lr_warmup, cooldown_fraction=run.cooldown, read_once=run.read_once)
+    # AdamW has no μ (its betas stay the defaults)
+    run_spec = RunSpec(run.label, run.optimizer, run.lr, run.fraction, run.mu if run.optimizer != "adamw" else None,
+                       run.fraction_warmup, run.fraction_allocation, run.momentum_dtype if run.optimizer != "adamw" else None)
+    started = time.perf_counter()
+    result = train(run_spec, config, schedule, data, device, run.seed, bf16=True, model_factory=factory, captured=run.captured,
+                   compiled=run.compiled)
+    return {
+        "key": run.key, "config": dataclasses.asdict(run), "seed": run.seed, "horizon": run.horizon,
+        "final_val_loss": result.final_val_loss,
+        # the train/validation gap shows when a long horizon starts to overfit the repeated data
+        "final_train_loss": statistics.fmean(result.train_losses[-50:]),
+        "average_fraction": result.average_fraction if run.optimizer == "dion3" else 1.0,
+        "optimizer_ms_median": result.optimizer_ms_median, "optimizer_ms_mean": result.optimizer_ms,
+        "total_ms_mean": result.total_ms, "minutes": (time.perf_counter() - started) / 60,
+        # executed orthogonalization FLOPs of all steps at each step's fractions, counted on the host with
+        # `dion3 bench`'s H200 model (symmetric kernels from n ≥ SYMMETRIC_MIN_N, flops.h200_symmetric)
+        # whatever the device: AdamW 0, Muon/NorMuon every row, Dion3 ⌈f·rows⌉ rows per matrix
+        "optimizer_tflop": result.optimizer_flops / 1e12,
+        "device": str(device), "torch": torch.__version__, "data": data.description,
+        # the first step whose training loss was not finite (None: every step finite)
+        "first_nonfinite_step": next((i for i, v in enumerate(result.train_losses) if not math.isfinite(v)), None),
+        "nonfinite_updates": result.nonfinite_updates,
+        "skipped_update_steps": result.skipped_update_steps,
+        "nonfinite_parameters": result.nonfinite_parameters,
+    }
+
+

@@ -1,0 +1,239 @@
+"""The frontier: each optimizer setting's final loss on a study model against its optimizer step
+time on a large model, so that a user can read off which setting keeps Muon's loss and how much
+faster its step is.
+
+    python -m dion3.tools.study.frontier --results benchmarks/results/quality-study-llama-384 \\
+        --steps STEPS-llama-8b.json [STEPS-llama-1b.json ...] --out DIR
+
+--results: study folders (or their results.jsonl). --steps: `dion3 bench --json` files; the first
+one's preset is the picture's x-axis, every one gets a column. For each model in the results, at
+--horizon steps: the best setting (lowest mean final validation loss over its seeds) of each family
+(AdamW, Muon, NorMuon) and of each Dion3 variant (fraction, uniform or by cost; fixed fractions),
+with its step times: Muon's are `muon-gram`'s (dion3.Muon's defaults), Dion3 F by cost's are
+`dion3-F-cost`'s. Writes DIR/frontier.md (a table per model and two picks) and
+DIR/frontier-MODEL.png (loss against step time, one standard deviation over seeds as error bars,
+Muon and NorMuon marked).
+
+The picks: "Muon quality", the Dion3 setting with the shortest step whose mean loss is at most
+Muon's best mean plus one standard deviation of Muon's seeds; "fastest", the Dion3 setting with
+the shortest step. Records of fractions by cost from before the modeled-time rule (no
+`cost_rule`) and runs with bf16 momentum are left out: no benchmark times their rule now.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .launch import read_results
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a point of the frontier is: an optimizer family, or a Dion3 fraction and allocation."""
+
+    optimizer: str  # adamw, muon, normuon, dion3
+    fraction: Optional[float] = None
+    allocation: str = "uniform"
+
+    @property
+    def label(self) -> str:
+        if self.optimizer != "dion3":
+            return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[self.optimizer]
+        text = str(Fraction(self.fraction).limit_denominator(64)).replace("/", "⁄")
+        return f"Dion3 {text}" + (" by cost" if self.allocation == "cost" else " on every matrix")
+
+
+@dataclass
+class Point:
+    variant: Variant
+    lr: float
+    mu: float
+    losses: list[float]
+    step_ms: dict  # (preset, mode) → median device ms
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.losses)
+
+    @property
+    def sd(self) -> float:
+        return statistics.stdev(self.losses) if len(self.losses) > 1 else 0.0
+
+
+def best_points(records: Sequence[dict], model: str, horizon: int, compiled: bool) -> dict[Variant, Point]:
+    """The best lr/μ of each variant for one model and horizon (lowest mean over its seeds; among
+    equal means, more seeds). Non-finite runs never count (they are bugs to explain, not samples)."""
+    settings: dict[tuple, tuple[Variant, float, float, dict[int, float]]] = {}
+    for record in records:
+        config = record["config"]
+        if (config["model"] != model or config["horizon"] != horizon or config.get("compiled", False) != compiled
+                or config.get("momentum_dtype") or config.get("fraction_warmup", 0)):
+            continue
+        allocation = config.get("fraction_allocation", "uniform")
+        if allocation == "cost" and not config.get("cost_rule"):
+            continue  # allocated by the FLOP rule that fractions by cost no longer follow
+        if not math.isfinite(record["final_val_loss"]) or record.get("nonfinite_parameters"):
+            continue
+        dion3 = config["optimizer"] == "dion3"
+        variant = Variant(config["optimizer"], config["fraction"] if dion3 else None, allocation if dion3 else "uniform")
+        key = (variant, config["lr"], config["mu"])
+        settings.setdefault(key, (variant, config["lr"], config["mu"], {}))[3][record["seed"]] = record["final_val_loss"]
+    best: dict[Variant, Point] = {}
+    for variant, lr, mu, by_seed in settings.values():
+        point = Point(variant, lr, mu, [by_seed[s] for s in sorted(by_seed)], {})
+        current = best.get(variant)
+        if current is None or (point.mean, -len(point.losses)) < (current.mean, -len(current.losses)):
+            best[variant] = point
+    return best
+
+
+def bench_variant(row: dict) -> Optional[Variant]:
+    """The frontier variant a `dion3 bench` row times, if any (the default Muon, NorMuon, AdamW,
+    fixed-fraction Dion3 in float32 momentum)."""
+    spec = row.get("variant", {})
+    if spec.get("momentum_dtype") or spec.get("warmup_steps"):
+        return None
+    if spec.get("algorithm") == "muon" and spec.get("orthogonalizer", "auto") != "auto":
+        return None  # the standard-NS baseline, not the Muon users get
+    if spec.get("algorithm") == "dion3":
+        return Variant("dion3", spec["fraction"], spec.get("allocation", "uniform"))
+    return Variant(spec["algorithm"]) if spec.get("algorithm") in ("adamw", "muon", "normuon") else None
+
+
+def read_steps(paths: Sequence[Path]) -> tuple[list[str], dict[Variant, dict]]:
+    """(the presets in order, variant → {(preset, mode): device ms}) from `dion3 bench --json` files."""
+    presets, times = [], {}
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        preset = report["source"]["name"]
+        presets.append(preset)
+        for row in report["results"]:
+            variant = bench_variant(row)
+            if variant is not None and "device_ms" in row:
+                times.setdefault(_rounded(variant), {})[(preset, row["mode"])] = row["device_ms"]
+    return presets, times
+
+
+def _rounded(variant: Variant) -> Variant:
+    """Variants compared by their fraction to 1e-9 (0.375 written as 3/8 or 0.375)."""
+    fraction = None if variant.fraction is None else round(variant.fraction, 9)
+    return Variant(variant.optimizer, fraction, variant.allocation)
+
+
+def picks(points: Sequence[Point], axis: tuple) -> dict[str, Optional[Point]]:
+    """"muon quality" and "fastest" among the Dion3 points timed on `axis` (preset, mode)."""
+    timed = sorted((p for p in points if p.variant.optimizer == "dion3" and axis in p.step_ms), key=lambda p: p.step_ms[axis])
+    muon = next((p for p in points if p.variant.optimizer == "muon"), None)
+    quality = None
+    if muon is not None:
+        quality = next((p for p in timed if p.mean <= muon.mean + muon.sd), None)
+    return {"muon quality": quality, "fastest": timed[0] if timed else None}
+
+
+def frontier_table(model: str, points: Sequence[Point], presets: Sequence[str]) -> str:
+    muon = next((p for p in points if p.variant.optimizer == "muon"), None)
+    reference = (presets[0], "eager") if presets else None
+    muon_ms = muon.step_ms.get(reference) if muon and reference else None
+    head = ["setting", "lr", "μ", "seeds", "final val loss", "vs Muon's best"]
+    head += [f"{preset} ms (eager / graph)" for preset in presets] + ([f"× Muon's step ({presets[0]})"] if presets else [])
+    lines = [f"### {model}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for point in sorted(points, key=lambda p: p.mean):
+        cells = [point.variant.label, f"{point.lr:g}", "—" if point.variant.optimizer == "adamw" else f"{point.mu:g}",
+                 str(len(point.losses)), f"{point.mean:.4f} ± {point.sd:.4f}",
+                 "—" if muon is None or point is muon else f"{point.mean - muon.mean:+.4f}"]
+        for preset in presets:
+            eager, graph = point.step_ms.get((preset, "eager")), point.step_ms.get((preset, "graph"))
+            cells.append(" / ".join("—" if t is None else f"{t:.1f}" for t in (eager, graph)))
+        if presets:
+            mine = point.step_ms.get(reference)
+            cells.append("—" if mine is None or not muon_ms else f"{mine / muon_ms:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    if reference:
+        chosen = picks(points, reference)
+        lines.append("")
+        for name, point in chosen.items():
+            if point is None:
+                lines.append(f"- {name}: none measured" + (" within one seed sd of Muon's best" if name == "muon quality" else ""))
+            else:
+                gap = f", {point.mean - muon.mean:+.4f} against Muon's best ({muon.mean:.4f} ± {muon.sd:.4f})" if muon else ""
+                ratio = f", {point.step_ms[reference] / muon_ms:.2f}× Muon's" if muon_ms else ""
+                lines.append(f"- {name}: {point.variant.label} (lr {point.lr:g}, μ {point.mu:g}), {point.mean:.4f} ± "
+                             f"{point.sd:.4f}{gap}; {presets[0]} step {point.step_ms[reference]:.1f} ms{ratio}")
+    return "\n".join(lines)
+
+
+def frontier_picture(model: str, points: Sequence[Point], axis: tuple, path: Path) -> bool:
+    """Loss against step time on `axis`; False (nothing written) when no point is timed there."""
+    timed = [p for p in points if axis in p.step_ms]
+    if not timed:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, ax = plt.subplots(figsize=(7.5, 4.8))
+    styles = {"muon": ("s", "tab:red"), "normuon": ("D", "tab:green"), "adamw": ("v", "tab:gray")}
+    for index, point in enumerate(sorted(timed, key=lambda p: p.step_ms[axis])):
+        marker, colour = styles.get(point.variant.optimizer, ("o", "tab:blue"))
+        x = point.step_ms[axis]
+        ax.errorbar(x, point.mean, yerr=point.sd, fmt=marker, color=colour, capsize=3, markersize=7)
+        # neighbours' labels on alternate sides, so that close points stay readable
+        ax.annotate(point.variant.label, (x, point.mean), textcoords="offset points", xytext=(6, 5 if index % 2 else -11),
+                    fontsize=8)
+    for point in points:
+        if point.variant.optimizer in ("muon", "normuon"):  # the references, drawn across the picture
+            _, colour = styles[point.variant.optimizer]
+            ax.axhline(point.mean, color=colour, linestyle="--", linewidth=1, label=f"{point.variant.label} best")
+            if point.variant.optimizer == "muon" and point.sd:
+                ax.axhspan(point.mean - point.sd, point.mean + point.sd, color=colour, alpha=0.1, label="Muon best ± sd")
+    ax.set_xlabel(f"optimizer step on {axis[0]} shapes, one H200 ({axis[1]}), ms")
+    ax.set_ylabel("final validation loss, nats per byte")
+    ax.set_title(f"{model}: loss against step time (mean ± sd over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dion3.tools.study.frontier", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, nargs="+", required=True, help="study folders or results.jsonl files")
+    parser.add_argument("--steps", type=Path, nargs="*", default=[], help="`dion3 bench --json` files; the first is the x-axis")
+    parser.add_argument("--horizon", type=int, default=1500, help="training steps of the runs compared (default 1500)")
+    parser.add_argument("--eager", action="store_true", help="compare eager runs (default: runs with --compile)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for frontier.md and frontier-MODEL.png")
+    args = parser.parse_args(argv)
+    records = [r for path in args.results for r in read_results(path / "results.jsonl" if path.is_dir() else path)]
+    if not records:
+        parser.error(f"--results: no finished runs in {[str(p) for p in args.results]}")
+    presets, times = read_steps(args.steps)
+    args.out.mkdir(parents=True, exist_ok=True)
+    models = sorted({r["config"]["model"] for r in records})
+    sections = [f"# Frontier at {args.horizon} steps ({'eager' if args.eager else 'compiled'} runs)", "",
+                "Command: `python -m dion3.tools.study.frontier " + " ".join(sys.argv[1:] if argv is None else argv) + "`", ""]
+    for model in models:
+        points = list(best_points(records, model, args.horizon, not args.eager).values())
+        if not points:
+            continue
+        for point in points:
+            point.step_ms = times.get(_rounded(point.variant), {})
+        sections += [frontier_table(model, points, presets), ""]
+        if presets and frontier_picture(model, points, (presets[0], "eager"), args.out / f"frontier-{model}.png"):
+            sections += [f"![{model}](frontier-{model}.png)", ""]
+    (args.out / "frontier.md").write_text("\n".join(sections))
+    print("\n".join(sections))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The study's runs: the models, the Run record (its key names a finished run in results.jsonl),
+and the plans that turn the command line's grids (plan_runs) or an earlier study's best settings
+(plan_best_runs) into runs."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    kind: str  # "gpt" (dion3.tools.train.model.GPT) or "llama-hf"
+    seq_len: int
+    n_layer: int
+    n_head: int
+    d_model: int
+    batch_size: int
+    kv_heads: int = 0  # llama-hf only
+    mlp_width: int = 0  # llama-hf only
+
+
+MODELS = {
+    "gpt-tiny": ModelSpec("gpt", seq_len=32, n_layer=2, n_head=2, d_model=64, batch_size=4),
+    "gpt-25m": ModelSpec("gpt", seq_len=1024, n_layer=8, n_head=8, d_model=512, batch_size=16),
+    "gpt-120m": ModelSpec("gpt", seq_len=1024, n_layer=16, n_head=12, d_model=768, batch_size=16),
+    "llama-hf": ModelSpec("llama-hf", seq_len=512, n_layer=8, n_head=8, d_model=512, batch_size=16, kv_heads=4, mlp_width=1536),
+    "llama-384": ModelSpec("llama-hf", seq_len=512, n_layer=12, n_head=6, d_model=384, batch_size=32, kv_heads=2, mlp_width=1024),
+    # The scale trend: llama-hf's family (GQA, head width 64, SwiGLU) at about 110 M and 340 M matrix
+    # parameters in the blocks (llama-hf: 25 M), with llama-hf's 16 × 512 tokens per step.
+    "llama-hf-110m": ModelSpec("llama-hf", seq_len=512, n_layer=16, n_head=12, d_model=768, batch_size=16, kv_heads=4, mlp_width=2304),
+    "llama-hf-350m": ModelSpec("llama-hf", seq_len=512, n_layer=24, n_head=16, d_model=1024, batch_size=16, kv_heads=8, mlp_width=3584),
+}
+# family → (lr flag default, μ flag default or None where the family has no μ)
+FAMILIES = {"adamw": ("0.003", None), "muon": ("0.02", "0.95"), "normuon": ("0.02", "0.6,0.8"), "dion3": ("0.04,0.08", "0.3,0.6")}
+FRACTION_ALLOCATIONS = ("uniform", "cost")  # Dion3's fractions: dion3.optim.param_groups.FRACTION_ALLOCATIONS
+
+
+@dataclass(frozen=True)
+class Run:
+    model: str
+    optimizer: str  # "adamw", "muon", "normuon" or "dion3"
+    lr: float
+    mu: float
+    fraction: Optional[float]  # dion3 only
+    fraction_warmup: int  # dion3 only: steps of the linear warm-up from 1 (0: fixed fraction)
+    horizon: int
+    seed: int
+    batch_size: int
+    lr_warmup: int
+    cooldown: float
+    eval_batches: int
+    data: Optional[tuple[str, ...]]
+    read_once: bool = True  # disjoint windows (data.read_once_batches); False: random, may repeat
+    repeat: int = 0  # the same run again (--repeats: GPU runs are not bit-reproducible; stress tests)
+    captured: bool = False  # optimizer steps through CapturedStep (CUDA only)
+    fraction_allocation: str = "uniform"  # dion3 only: "uniform" or "cost" (per matrix shape, trainer.RunSpec)
+    compiled: bool = False  # forward and backward through torch.compile (trainer.train)
+    momentum_dtype: Optional[str] = None  # Muon/NorMuon/Dion3: the matrix momentum's dtype; None: float32
+    # fractions by cost: "time" (modeled step time, the rule since 2026-12-03); None in the records
+    # of earlier runs, which allocated by executed FLOPs (and in every uniform run)
+    cost_rule: Optional[str] = None
+
+    @property
+    def setting(self) -> tuple:
+        """What the seeds of one setting share (the summary averages over seeds)."""
+        return (self.model, self.horizon, self.optimizer, self.fraction, self.fraction_warmup, self.lr, self.mu,
+                self.fraction_allocation, self.compiled, self.momentum_dtype, self.cost_rule)
+
+    @property
+    def key(self) -> str:
+        fields = dataclasses.asdict(self)
+        # the keys of runs from before these fields stay valid
+        if fields["fraction_allocation"] == "uniform":
+            del fields["fraction_allocation"]
+        if not fields["compiled"]:
+            del fields["compiled"]
+        if fields["momentum_dtype"] is None:
+            del fields["momentum_dtype"]
+        if fields["cost_rule"] is None:
+            del fields["cost_rule"]
+        return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def label(self) -> str:
+        if self.optimizer != "dion3":
+            name = self.optimizer
+        else:
+            cost = "" if self.fraction_allocation == "uniform" else "-cost" if self.cost_rule else "-cost-flops"
+            name = (f"dion3-f{self.fraction:g}" + cost
+                    + (f"-warm{self.fraction_warmup}" if self.fraction_warmup else ""))
+        if self.momentum_dtype:
+            name += f"-momentum-{self.momentum_dtype}"
+        return f"{name} lr={self.lr:g} mu={self.mu:g} h={self.horizon} seed={self.seed}" + (f" #{self.repeat}" if self.repeat else "")
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"quality_study: {flag} expects comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise SystemExit(f"quality_study: {flag} is empty")
+    return values
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    values = _floats(text, flag)
+    if any(v != int(v) or v < 0 for v in values):
+        raise SystemExit(f"quality_study: {flag} expects comma-separated integers ≥ 0, got {text!r}")
+    return [int(v) for v in values]
+
+
+def warmup_steps(spec: str, horizon: int) -> int:
+    """"200" → 200 steps; "15%" → 15% of the horizon."""
+    spec = spec.strip()
+    try:
+        if spec.endswith("%"):
+            return round(float(spec[:-1]) / 100 * horizon)
+        return int(spec)
+    except ValueError:
+        raise SystemExit(f"quality_study: --fraction-warmup expects steps or P%, got {spec!r}") from None
+
+
+MOMENTUM_DTYPES = ("float32", "bfloat16")
+
+
+def momentum_dtypes(text: str) -> list[Optional[str]]:
+    """--momentum-dtype → the Run field per dtype: None for float32 (the default, and the key of
+    runs from before the option), else the dtype's name."""
+    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    if not names or any(name not in MOMENTUM_DTYPES for name in names):
+        raise SystemExit(f"quality_study: --momentum-dtype expects some of {MOMENTUM_DTYPES}, got {text!r}")
+    return [None if name == "float32" else name for name in names]
+
+
+def with_momentum_dtypes(runs: Sequence[Run], dtypes: Sequence[Optional[str]]) -> list[Run]:
+    """Each run once per momentum dtype; AdamW runs once (it has no matrix momentum)."""
+    out = []
+    for run in runs:
+        for dtype in (dtypes if run.optimizer != "adamw" else [None]):
+            out.append(dataclasses.replace(run, momentum_dtype=dtype))
+    return list(dict.fromkeys(out))
+
+
+def plan_runs(args: argparse.Namespace) -> list[Run]:
+    """Every run of the study, short horizons first (a partial study then covers every setting)."""
+    horizons, seeds = sorted(set(_ints(args.horizons, "--horizons"))), _ints(args.seeds, "--seeds")
+    if any(h < 1 for h in horizons):
+        raise SystemExit("quality_study: --horizons must be positive")
+    families = [f.strip() for f in args.optimizers.split(",") if f.strip()]
+    for family in families:
+        if family not in FAMILIES:
+            raise SystemExit(f"quality_study: --optimizers: unknown {family!r}; expected some of {tuple(FAMILIES)}")
+    fractions = list(dict.fromkeys(_floats(args.fraction, "--fraction")))
+    if any(not 0.0 < f <= 1.0 for f in fractions):
+        raise SystemExit(f"quality_study: --fraction values must lie in (0, 1], got {args.fraction!r}")
+    allocations = list(dict.fromkeys(a.strip() for a in args.fraction_allocation.split(",") if a.strip()))
+    if not allocations or any(a not in FRACTION_ALLOCATIONS for a in allocations):
+        raise SystemExit(f"quality_study: --fraction-allocation expects some of {FRACTION_ALLOCATIONS}, "
+                         f"got {args.fraction_allocation!r}")
+    model = MODELS[args.model]
+    common = dict(model=args.model, batch_size=args.batch_size or model.batch_size, lr_warmup=args.lr_warmup,
+                  cooldown=args.cooldown, eval_batches=args.eval_batches, data=tuple(args.data) if args.data else None,
+                  read_once=not args.allow_repeat, captured=args.captured, compiled=args.compile)
+    if args.repeats < 1:
+        raise SystemExit(f"quality_study: --repeats must be ≥ 1, got {args.repeats}")
+    runs = []
+    for horizon, seed in itertools.product(horizons, seeds):
+        for family in (f for f in FAMILIES if f != "dion3" and f in families):
+            lrs = _floats(getattr(args, f"{family}_lr"), f"--{family}-lr")
+            mus = _floats(getattr(args, f"{family}_mu"), f"--{family}-mu") if FAMILIES[family][1] else [0.0]
+            for lr, mu in itertools.product(lrs, mus):
+                runs.append(Run(optimizer=family, lr=lr, mu=mu, fraction=None, fraction_warmup=0, horizon=horizon, seed=seed, **common))
+        if "dion3" in families:
+            warmups = [warmup_steps(w, horizon) for w in args.fraction_warmup.split(",") if w.strip()]
+            if "cost" in allocations and any(warmups):
+                # FractionScheduler sets one fraction on every group: it would undo the per-shape fractions
+                raise SystemExit("quality_study: --fraction-allocation cost needs fixed fractions: add "
+                                 f"--fraction-warmup 0 (got warm-ups {sorted(set(warmups))} at horizon {horizon})")
+            for fraction, lr, mu, warm, allocation in itertools.product(
+                    fractions, _floats(args.dion3_lr, "--dion3-lr"), _floats(args.dion3_mu, "--dion3-mu"),
+                    dict.fromkeys(warmups), allocations):
+                runs.append(Run(optimizer="dion3", lr=lr, mu=mu, fraction=fraction, fraction_warmup=warm,
+                                horizon=horizon, seed=seed, fraction_allocation=allocation,
+                                cost_rule="time" if allocation == "cost" else None, **common))
+    runs = with_momentum_dtypes(runs, momentum_dtypes(args.momentum_dtype))
+    return [dataclasses.replace(run, repeat=r) for run in runs for r in range(args.repeats)]
+
+
+def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Run]:
+    """The best setting of each family (and of each Dion3 variant: fraction, warm-up, allocation)
+    among `records` at horizon --best-at, compiled or not as --compile says, run again at
+    --horizons with --seeds; every other field (lr, μ, batch, schedules, data) is the best run's
+    own. Best: the lowest mean final validation loss over the seeds that every setting of the
+    variant has (a seed-0 sweep whose winner then ran more seeds is judged on seed 0), or over
+    each setting's own seeds when they share none. Families: --optimizers; Dion3 variants: those
+    of --fraction, --fraction-warmup (in steps) and --fraction-allocation."""
+    families = [f.strip() for f in args.optimizers.split(",") if f.strip()]
+    fractions = set(_floats(args.fraction, "--fraction"))
+    warmups = set(_ints(args.fraction_warmup, "--fraction-warmup"))
+    allocations = {a.strip() for a in args.fraction_allocation.split(",") if a.strip()}
+    by_setting: dict[tuple, tuple[Run, dict[int, float]]] = {}  # setting → (a run of it, loss per seed)
+    for record in records:
+        run = Run(**{**record["config"], "data": tuple(record["config"]["data"]) if record["config"]["data"] else None})
+        if (run.model != args.model or run.horizon != args.best_at or run.optimizer not in families
+                or run.compiled != args.compile or run.momentum_dtype is not None):  # best judged in float32
+            continue
+        if run.optimizer == "dion3" and (run.fraction not in fractions or run.fraction_warmup not in warmups
+                                         or run.fraction_allocation not in allocations):
+            continue
+        if math.isfinite(record["final_val_loss"]) and not record.get("nonfinite_parameters"):
+            by_setting.setdefault(run.setting, (run, {}))[1][run.seed] = record["final_val_loss"]
+    variants: dict[tuple, list[tuple[Run, dict[int, float]]]] = {}
+    for run, losses in by_setting.values():
+        variants.setdefault((run.optimizer, run.fraction, run.fraction_warmup, run.fraction_allocation), []).append((run, losses))
+    best: dict[tuple, tuple[float, Run]] = {}
+    for variant, settings in variants.items():
+        shared = set.intersection(*(set(losses) for _, losses in settings))
+        scored = [(statistics.fmean(loss for seed, loss in losses.items() if not shared or seed in shared), run)
+                  for run, losses in settings]
+        best[variant] = min(scored, key=lambda item: item[0])
+    if not best:
+        raise SystemExit(f"quality_study: --best-from holds no finite {args.model} run at horizon {args.best_at} "
+                         f"of {families} (and the Dion3 variants asked for)")
+    horizons, seeds = sorted(set(_ints(args.horizons, "--horizons"))), _ints(args.seeds, "--seeds")
+    ranked = sorted(best.values(), key=lambda item: item[0])
+    for mean, run in ranked:
+        print(f"best at {args.best_at} steps: {run.label.rsplit(' h=', 1)[0]} (mean {mean:.4f})", flush=True)
+    best_runs = [dataclasses.replace(run, horizon=h, seed=s, repeat=0) for h in horizons for s in seeds for _, run in ranked]
+    return with_momentum_dtypes(best_runs, momentum_dtypes(args.momentum_dtype))
+
+

@@ -1,0 +1,96 @@
+"""dion3.tools.study.frontier: the best setting per variant, the join with `dion3 bench` step times,
+the two picks, and the command's table and picture, on hand-made records whose answers are
+worked out here."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dion3.tools.study import frontier
+
+
+def record(optimizer, lr, mu, seed, loss, fraction=None, allocation="uniform", cost_rule="time", **config):
+    base = dict(model="tiny", optimizer=optimizer, lr=lr, mu=mu, fraction=fraction, fraction_warmup=0, horizon=100,
+                seed=seed, compiled=True, momentum_dtype=None, fraction_allocation=allocation,
+                cost_rule=cost_rule if allocation == "cost" else None)
+    base.update(config)
+    return {"config": base, "seed": seed, "final_val_loss": loss}
+
+
+RECORDS = [
+    # Muon: lr 0.01 (mean 0.700, sd 0.002) beats lr 0.02 (0.710)
+    record("muon", 0.01, 0.8, 0, 0.698), record("muon", 0.01, 0.8, 1, 0.700), record("muon", 0.01, 0.8, 2, 0.702),
+    record("muon", 0.02, 0.8, 0, 0.710),
+    record("normuon", 0.02, 0.6, 0, 0.690), record("normuon", 0.02, 0.6, 1, 0.692),
+    # Dion3 3/8 by cost: mean 0.7015 ≤ 0.700 + 0.002; 1/4 by cost: 0.712, outside
+    record("dion3", 0.02, 0.6, 0, 0.701, 0.375, "cost"), record("dion3", 0.02, 0.6, 1, 0.702, 0.375, "cost"),
+    record("dion3", 0.03, 0.6, 0, 0.712, 0.25, "cost"), record("dion3", 0.03, 0.6, 1, 0.712, 0.25, "cost"),
+    # left out: another horizon, the FLOP rule, bf16 momentum, eager, a warm-up, a NaN
+    record("dion3", 0.03, 0.6, 0, 0.600, 0.25, "cost", horizon=50),
+    record("dion3", 0.03, 0.6, 0, 0.600, 0.125, "cost", cost_rule=None),
+    record("muon", 0.01, 0.8, 3, 0.500, momentum_dtype="bfloat16"),
+    record("normuon", 0.02, 0.6, 3, 0.500, compiled=False),
+    record("dion3", 0.03, 0.6, 0, 0.600, 0.5, fraction_warmup=200),
+    record("muon", 0.005, 0.8, 0, float("nan")),
+]
+
+
+def bench_report(preset, times):
+    rows = []
+    for (algorithm, fraction, allocation, orthogonalizer), (eager, graph) in times.items():
+        variant = dict(algorithm=algorithm, fraction=fraction, allocation=allocation, orthogonalizer=orthogonalizer,
+                       kernels=orthogonalizer == "auto", warmup_steps=None, momentum_dtype=None)
+        rows += [dict(name=f"{algorithm}-{fraction}", mode="eager", device_ms=eager, variant=variant),
+                 dict(name=f"{algorithm}-{fraction}", mode="graph", device_ms=graph, variant=variant)]
+    return {"source": {"name": preset}, "results": rows}
+
+
+TIMES = {("muon", None, "uniform", "auto"): (600.0, 598.0), ("muon", None, "uniform", "newton_schulz"): (1200.0, 1190.0),
+         ("normuon", None, "uniform", "auto"): (601.0, 600.0), ("dion3", 0.375, "cost", "auto"): (240.0, 239.0),
+         ("dion3", 0.25, "cost", "auto"): (160.0, 159.0)}
+
+
+def test_best_points_pick_the_lowest_mean_and_leave_out_what_does_not_compare():
+    best = frontier.best_points(RECORDS, "tiny", 100, compiled=True)
+    muon = best[frontier.Variant("muon")]
+    assert (muon.lr, muon.losses) == (0.01, [0.698, 0.700, 0.702])
+    assert muon.mean == pytest.approx(0.700) and muon.sd == pytest.approx(0.002)
+    assert best[frontier.Variant("normuon")].losses == [0.690, 0.692]  # not the eager run's 0.5
+    assert set(best) == {frontier.Variant("muon"), frontier.Variant("normuon"), frontier.Variant("dion3", 0.375, "cost"),
+                         frontier.Variant("dion3", 0.25, "cost")}  # no FLOP rule, no warm-up
+
+
+def test_step_times_join_the_default_muon_not_the_baseline(tmp_path):
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps(bench_report("llama-8b", TIMES)))
+    presets, times = frontier.read_steps([path])
+    assert presets == ["llama-8b"]
+    assert times[frontier.Variant("muon")] == {("llama-8b", "eager"): 600.0, ("llama-8b", "graph"): 598.0}
+    assert times[frontier.Variant("dion3", 0.375, "cost")][("llama-8b", "eager")] == 240.0
+
+
+def test_muon_quality_is_the_cheapest_dion3_within_one_sd_of_muon(tmp_path):
+    best = frontier.best_points(RECORDS, "tiny", 100, compiled=True)
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps(bench_report("llama-8b", TIMES)))
+    _, times = frontier.read_steps([path])
+    for point in best.values():
+        point.step_ms = times.get(point.variant, {})
+    chosen = frontier.picks(list(best.values()), ("llama-8b", "eager"))
+    assert chosen["muon quality"].variant == frontier.Variant("dion3", 0.375, "cost")  # 0.7015 ≤ 0.702
+    assert chosen["fastest"].variant == frontier.Variant("dion3", 0.25, "cost")
+
+
+def test_the_command_writes_the_table_and_the_picture(tmp_path):
+    results = tmp_path / "study"
+    results.mkdir()
+    (results / "results.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps(bench_report("llama-8b", TIMES)))
+    out = tmp_path / "out"
+    assert frontier.main(["--results", str(results), "--steps", str(steps), "--horizon", "100", "--out", str(out)]) == 0
+    text = (out / "frontier.md").read_text()
+    assert "| Dion3 3⁄8 by cost | 0.02 | 0.6 | 2 | 0.7015 ± 0.0007 | +0.0015 | 240.0 / 239.0 | 0.40 |" in text
+    assert "- muon quality: Dion3 3⁄8 by cost" in text and "0.40× Muon's" in text
+    assert (out / "frontier-tiny.png").stat().st_size > 10_000
