@@ -29,6 +29,7 @@ through Triton's JIT costs several times an aten op's host time, see results/ker
     PYTHONPATH=src python3 benchmarks/eager_ops.py --path cpu --host-ms
     PYTHONPATH=src python3 benchmarks/eager_ops.py --path cuda --host-ms   # one path per process
     PYTHONPATH=src python3 benchmarks/eager_ops.py --path cuda --ops dion3-f0.25   # the ops, by name
+    PYTHONPATH=src python3 benchmarks/eager_ops.py --path cuda --run-kernels --tiny   # Dion3 too (its rows are read)
 """
 from __future__ import annotations
 
@@ -149,8 +150,8 @@ def build(name: str, tiny: bool):
     return model, optimizer
 
 
-def count(name: str, warmup: int, counter_ref: list) -> OpCounter:
-    _, optimizer = build(name, tiny=False)
+def count(name: str, warmup: int, counter_ref: list, tiny: bool = False) -> OpCounter:
+    _, optimizer = build(name, tiny=tiny)
     for _ in range(warmup):
         optimizer.step()
     return count_step(optimizer, counter_ref)
@@ -199,6 +200,9 @@ def main(argv=None) -> None:
                         help="cuda path: run the Triton kernels in the interpreter (slow: minutes) instead of only counting them")
     parser.add_argument("--host-ms", action="store_true",
                         help="also time the step of the path counted on tiny matrices (quietest of --repeats medians of --steps)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="count on the tiny model of --host-ms (same buckets and parameters): with --run-kernels "
+                             "the interpreted kernels then take seconds, not minutes")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
@@ -217,7 +221,7 @@ def main(argv=None) -> None:
     listed = {}
     for path in paths:
         for name in names:
-            c = count(name, args.warmup, counter_ref)
+            c = count(name, args.warmup, counter_ref, args.tiny)
             triton = sum(c.triton.values())
             print(f"| {path} | {name} | {sum(c.ops.values())} | {c.launching} | {triton} | {c.syncs} | {c.launching + triton} |")
             if name == args.ops:
