@@ -6,13 +6,16 @@ exchange → selection → replicated, sharded (the routes of dion3.matrix_step)
 from .bucket import LayoutBucket, ShardedBucket
 from .exchange import Traffic
 from .layout import MatrixLayout, classify, matrix_layout
-from .mesh import MeshInfo, all_ranks_true, axes_group, is_dtensor, local_row_span, local_tensor, resolve_mesh
+from .mesh import (
+    MeshInfo, agree_on_pieces, all_ranks_true, axes_group, is_dtensor, local_row_span, local_tensor, resolve_mesh,
+    settled,
+)
 from .owners import owned_matrices
 from .bucketing import build_buckets
 from .interleave import run_step
 
 __all__ = [
-    "LayoutBucket", "MatrixLayout", "MeshInfo", "ShardedBucket", "Traffic", "all_ranks_true", "axes_group",
+    "LayoutBucket", "MatrixLayout", "MeshInfo", "ShardedBucket", "Traffic", "agree_on_pieces", "all_ranks_true", "axes_group",
     "build_buckets", "classify", "is_dtensor", "local_row_span", "local_tensor", "matrix_layout", "owned_matrices",
-    "resolve_mesh", "run_step",
+    "resolve_mesh", "run_step", "settled",
 ]

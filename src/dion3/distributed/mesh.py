@@ -257,3 +257,36 @@ def all_ranks_true(flags: Tensor, mesh: Optional[MeshInfo]) -> Tensor:
     agreed = flags.to(torch.int32)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=None if mesh is None else mesh.group)
     return agreed.bool()
+
+
+def settled(tensor: Tensor) -> Tensor:
+    """A DTensor with pending reductions (Partial placements) reduced (Replicate there), so that
+    its local piece holds final values; anything else as it is."""
+    if not isinstance(tensor, DTensor) or not any(p.is_partial() for p in tensor.placements):
+        return tensor
+    return tensor.redistribute(tensor.device_mesh, [Replicate() if p.is_partial() else p for p in tensor.placements])
+
+
+def agree_on_pieces(ok: Tensor, params) -> Tensor:
+    """ok ([P] bool, one per parameter: "its local gradient is finite") made the same on every rank
+    holding a piece of each DTensor parameter: elementwise AND over every dimension of its mesh,
+    one all-reduce per dimension of each mesh the parameters use. Plain tensors keep their local
+    verdict (a replicated gradient is the same everywhere)."""
+    by_mesh: dict[int, tuple[object, list[int]]] = {}
+    for index, param in enumerate(params):
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            by_mesh.setdefault(id(mesh), (mesh, []))[1].append(index)
+    if not by_mesh:
+        return ok
+    ok = ok.clone()
+    for mesh, indices in by_mesh.values():
+        at = torch.tensor(indices, device=ok.device) if len(indices) < ok.numel() else None
+        agreed = (ok if at is None else ok[at]).to(torch.int32)
+        for dim in range(mesh.ndim):
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
+        if at is None:
+            ok = agreed.bool()
+        else:
+            ok[at] = agreed.bool()
+    return ok

@@ -16,6 +16,7 @@ import torch
 
 from .reference import (
     accumulate_momentum_reference,
+    finite_on_host,
     host_checks_free,
     post_update_reference,
     restore_momentum_reference,
@@ -342,6 +343,7 @@ __all__ = [
     "contiguous_cast",
     "copy_into",
     "fused_row_normalization",
+    "finite_on_host",
     "gram_with_copy",
     "host_checks_free",
     "scale_cast",

@@ -1,10 +1,17 @@
 """AdamW and Lion for the parameters that should not be orthogonalized (embeddings, norms,
 biases, LM head). Multi-tensor (foreach) and free of host syncs, so they run inside a captured
-CUDA graph; `lr` may be a float or a 0-d tensor."""
+CUDA graph; `lr` may be a float or a 0-d tensor.
+
+The guard, as for the matrices: a parameter whose gradient has a non-finite entry skips the step
+(its weights only decay; its moments and step count stay as they were). The optimizer either
+leaves such parameters out of the lists (where the host may look at the gradients: CPU tensors),
+or passes `ok`, one bool per parameter on the device, and the step masks them itself: their
+gradient is replaced by what leaves each moment unchanged (lerp(m, m, w) = m exactly), their step
+count does not advance and their update is zero, without a host sync."""
 from __future__ import annotations
 
 import math
-from typing import Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -44,14 +51,22 @@ def adamw_step(
     beta2: float,
     epsilon: float,
     weight_decay: Scalar,
+    ok: Optional[Tensor] = None,
 ) -> None:
-    """Decoupled-weight-decay Adam, the same update as torch.optim.AdamW."""
+    """Decoupled-weight-decay Adam, the same update as torch.optim.AdamW. ok ([P] bool, one per
+    parameter): skip the others (module docstring); their weights still decay."""
     if not params:
         return
-    torch._foreach_add_(steps, 1.0)
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+    if ok is None:
+        torch._foreach_add_(steps, 1.0)
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+    else:
+        kept = ok.unbind()
+        torch._foreach_add_(steps, list(ok.to(steps[0].dtype).unbind()))
+        torch._foreach_lerp_(exp_avgs, _or_state(kept, grads, exp_avgs), 1.0 - beta1)
+        torch._foreach_lerp_(exp_avg_sqs, _or_state(kept, torch._foreach_mul(grads, grads), exp_avg_sqs), 1.0 - beta2)
     if isinstance(weight_decay, Tensor) or weight_decay != 0.0:  # tensors: no host sync
         _foreach_scale_(params, 1.0 - lr * weight_decay)
     # bias corrections as tensors: 1 − β^t = −expm1(t·ln β). Not 1 − pow(β, t): in float32 that
@@ -65,7 +80,18 @@ def adamw_step(
     update = torch._foreach_div(exp_avgs, denom)
     torch._foreach_div_(update, correction1)
     _foreach_scale_(update, lr)
+    if ok is not None:
+        update = _or_zero(kept, update)
     torch._foreach_sub_(params, update)
+
+
+def _or_state(kept: Sequence[Tensor], values: list[Tensor], state: list[Tensor]) -> list[Tensor]:
+    """values where the parameter is kept, else its state (a lerp towards it leaves it as it is)."""
+    return [torch.where(keep, value, current) for keep, value, current in zip(kept, values, state)]
+
+
+def _or_zero(kept: Sequence[Tensor], values: list[Tensor]) -> list[Tensor]:
+    return [torch.where(keep, value, 0.0) for keep, value in zip(kept, values)]
 
 
 def lion_step(
@@ -76,12 +102,18 @@ def lion_step(
     beta1: float,
     beta2: float,
     weight_decay: Scalar,
+    ok: Optional[Tensor] = None,
 ) -> None:
-    """Lion: X ← (1 − lr·λ)X − lr·sign(β₁m + (1−β₁)g); m ← β₂m + (1−β₂)g."""
+    """Lion: X ← (1 − lr·λ)X − lr·sign(β₁m + (1−β₁)g); m ← β₂m + (1−β₂)g. ok: as adamw_step."""
     if not params:
         return
+    if ok is not None:
+        kept = ok.unbind()
+        grads = _or_state(kept, grads, exp_avgs)
     update = torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_sign_(update)
+    if ok is not None:
+        update = _or_zero(kept, update)
     if isinstance(weight_decay, Tensor) or weight_decay != 0.0:  # tensors: no host sync
         _foreach_scale_(params, 1.0 - lr * weight_decay)
     _foreach_scale_(update, lr)
