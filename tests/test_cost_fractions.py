@@ -346,3 +346,26 @@ def test_describe_fractions_prints_the_groups_allocation():
     with pytest.raises(ValueError, match="fraction must lie in"):
         describe_fractions(groups, 1.5)
 
+
+def test_dion3_fractions_command(capsys):
+    """`dion3 fractions`: a preset's fractions and k as cost_allocated_fractions gives them (llama-384
+    at ¼: q/o ⅓, k/v 1, gate/up ⅛, down ⅔, as docs/training.md lists them); --shapes; bad input."""
+    from dion3.tools.bench.presets import PRESETS
+    from dion3.tools.cli import main
+
+    assert main(["fractions", "--preset", "llama-384", "--fraction", "0.25"]) == 0
+    text = capsys.readouterr().out
+    shapes = PRESETS["llama-384"].matrices
+    expected = cost_allocated_fractions(shapes, 0.25)
+    rows = _table(text)
+    assert [r["parameters"] for r in rows] == ["q,o", "k,v", "gate,up", "down"]
+    assert [float(r["fraction"]) for r in rows] == pytest.approx(expected, rel=1e-3)
+    assert [int(r["k"]) for r in rows] == [selected_row_count(s.rows, f) for s, f in zip(shapes, expected)] \
+        == [128, 128, 128, 256]
+    assert [int(r["k at 0.25"]) for r in rows] == [96, 32, 256, 96]
+    assert "CPU included" in text
+    assert main(["fractions", "--shapes", "64x64:2,16x64:3", "--fraction", "0.5"]) == 0
+    assert [(r["rows × cols"], r["matrices"]) for r in _table(capsys.readouterr().out)] == [("64×64", "2"), ("16×64", "3")]
+    assert main(["fractions", "--preset", "nope"]) == 2
+    assert "unknown preset 'nope'" in capsys.readouterr().err
+    assert main(["fractions", "--fraction", "0"]) == 2
