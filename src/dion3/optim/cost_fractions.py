@@ -2,9 +2,9 @@
 
 `cost_allocated_fractions` spends a uniform fraction's step time where rows are cheapest;
 `cost_allocated_groups` splits a Dion3 group into one group per matrix shape with those
-fractions; `describe_fractions` prints what they came to (per shape: fraction, k, modeled time,
-against the uniform fraction's); `step_orthogonalize_flops` counts what one optimizer step orthogonalizes, on the host
-(parameter shapes and group settings only, no device work).
+fractions; `describe_fractions` tabulates what they came to (per shape: fraction, k, modeled
+time, against the uniform fraction's); `step_orthogonalize_flops` counts what one optimizer step
+orthogonalizes. All on the host (parameter shapes and group settings only, no device work).
 
 The allocation spends modeled time (dion3.ortho.cost.modeled_seconds, fitted on one H200: padded
 products, their rates and traffic), not FLOPs: equal FLOPs on Llama-8B stepped 1.10× slower,
@@ -216,7 +216,7 @@ def _names(names: Optional[Sequence[str]]) -> str:
 
 def _is_matrix_group(group: dict) -> bool:
     algorithm = group.get("algorithm")
-    if algorithm is None:  # the optimizer class decides; param_groups leaves only its matrices so
+    if algorithm is None:  # the optimizer class decides: a matrix group if it holds matrices only
         return all(p.dim() >= 2 for p in group["params"])
     return algorithm in MATRIX_ALGORITHMS
 
