@@ -298,3 +298,74 @@ def test_training_run_counts_its_optimizer_flops():
     with pytest.raises(ValueError, match="fixed fraction"):
         trainer.build_optimizer(trainer.GPT(config), trainer.RunSpec("d", "dion3", 0.04, 0.25, fraction_warmup=5,
                                                                      fraction_allocation="cost"))
+
+
+def _table(text: str) -> list[dict]:
+    """The rows of describe_fractions' table (not its total), by column name."""
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    columns = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(columns, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
+    return [r for r in rows if r["group"] != "all"]
+
+
+def test_describe_fractions_prints_the_groups_allocation():
+    """The table of param_groups(..., fraction_allocation="cost") on Tiny at ½ (newton_schulz):
+    the fractions and k that cost_allocated_groups gives the same matrices, the k checked by hand
+    (k = ⌈f·rows⌉: 4×8 at ¼ is 1 row, 8×2 at 1 all 8; at the uniform ½, 2 and 4), the modeled
+    time of each shape's matrices, and the line that the allocation is the same on every device."""
+    from dion3 import describe_fractions, param_groups
+
+    model = Tiny()
+    options = dict(lm_head="lm_head", lr=0.1, fraction=0.5, orthogonalizer="newton_schulz")
+    groups = param_groups(model, fraction_allocation="cost", **options)
+    text = describe_fractions(groups, 0.5)
+    rows = _table(text)
+    by_hand = cost_allocated_groups(dict(params=[model.a.weight, model.b.weight, model.c.weight],
+                                         orthogonalizer="newton_schulz"), 0.5)
+    assert [(r["rows × cols"], int(r["matrices"])) for r in rows] == [("4×8", 2), ("8×2", 1)]
+    assert [float(r["fraction"]) for r in rows] == [g["fraction"] for g in by_hand] == [0.25, 1.0]
+    assert [int(r["k"]) for r in rows] == [selected_row_count(4, 0.25), selected_row_count(8, 1.0)] == [1, 8]
+    assert [int(r["k at 0.5"]) for r in rows] == [2, 4]
+    assert [r["parameters"] for r in rows] == ["{a,c}.weight", "b.weight"]
+    for row, (k, cols, count) in zip(rows, [(1, 8, 2), (8, 2, 1)]):
+        assert float(row["modeled µs"]) == pytest.approx(count * modeled_seconds(k, cols, "newton_schulz") * 1e6, rel=1e-3)
+    assert "same fractions" in text and "every device and every rank, CPU included" in text and "H200" in text
+    assert "Not orthogonalized: groups 2, 3 (adamw, 3 parameters)" in text
+    # a model in, the same table: param_groups(model, fraction=..., fraction_allocation="cost", ...)
+    assert describe_fractions(model, **options) == text
+    # uniform groups: one group, every shape at ½, the comparison equal to the allocation
+    uniform = _table(describe_fractions(param_groups(model, **options)))
+    assert [(r["group"], r["fraction"], r["k"], r["k at 0.5"]) for r in uniform] == [("0", "0.5", "2", "2"),
+                                                                                   ("0", "0.5", "4", "4")]
+    # without the uniform fraction, groups of different fractions are listed without a comparison
+    assert "k at" not in describe_fractions(groups) and "pass fraction=" in describe_fractions(groups)
+    with pytest.raises(ValueError, match="a model needs fraction="):
+        describe_fractions(model, lm_head="lm_head")
+    with pytest.raises(TypeError, match="are for a model"):
+        describe_fractions(groups, 0.5, lm_head="lm_head")
+    with pytest.raises(ValueError, match="fraction must lie in"):
+        describe_fractions(groups, 1.5)
+
+
+def test_dion3_fractions_command(capsys):
+    """`dion3 fractions`: a preset's fractions and k as cost_allocated_fractions gives them (llama-384
+    at ¼: q/o ⅓, k/v 1, gate/up ⅛, down ⅔, as docs/training.md lists them); --shapes; bad input."""
+    from dion3.tools.bench.presets import PRESETS
+    from dion3.tools.cli import main
+
+    assert main(["fractions", "--preset", "llama-384", "--fraction", "0.25"]) == 0
+    text = capsys.readouterr().out
+    shapes = PRESETS["llama-384"].matrices
+    expected = cost_allocated_fractions(shapes, 0.25)
+    rows = _table(text)
+    assert [r["parameters"] for r in rows] == ["q,o", "k,v", "gate,up", "down"]
+    assert [float(r["fraction"]) for r in rows] == pytest.approx(expected, rel=1e-3)
+    assert [int(r["k"]) for r in rows] == [selected_row_count(s.rows, f) for s, f in zip(shapes, expected)] \
+        == [128, 128, 128, 256]
+    assert [int(r["k at 0.25"]) for r in rows] == [96, 32, 256, 96]
+    assert "CPU included" in text
+    assert main(["fractions", "--shapes", "64x64:2,16x64:3", "--fraction", "0.5"]) == 0
+    assert [(r["rows × cols"], r["matrices"]) for r in _table(capsys.readouterr().out)] == [("64×64", "2"), ("16×64", "3")]
+    assert main(["fractions", "--preset", "nope"]) == 2
+    assert "unknown preset 'nope'" in capsys.readouterr().err
+    assert main(["fractions", "--fraction", "0"]) == 2

@@ -494,10 +494,54 @@ def test_compare_command_writes_table_logs_and_plot(tmp_path, monkeypatch, capsy
     with open(out / "history.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert len(rows) == 4 * 3 and {r["optimizer"] for r in rows} == set(runs)
-    assert (out / "val_loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "val_loss.png").read_bytes()[:4] == b"\x89PNG" and summary["settings"]["loss_unit"] == "nats per byte"
     assert (out / "summary.md").read_text().startswith("| optimizer |")
     assert "| average fraction |" in printed.out and "| 0.250 |" in printed.out
 
+
+
+def test_the_plot_shows_every_curve_whole_in_nats_and_tells_the_runs_apart(tmp_path):
+    """validation_figure: log-scale y-axes that span every evaluation (the untrained loss at step 0
+    too), the unit in the y label, five runs of distinct colours and markers, each line style other
+    than the run before's; the zoom panel holds the runs that end close to the best.
+    plot_validation writes it as a PNG, and the module's command redraws a compare record's curves."""
+    import matplotlib.pyplot as plt
+
+    from dion3.tools.train import plot
+
+    runs = []
+    for i, (label, end) in enumerate([("adamw", 2.2), ("muon", 1.54), ("normuon", 1.545), ("dion3-f0.5", 1.53),
+                                      ("dion3-f0.25", 1.538)]):
+        steps = [0, 25, 50, 100, 150, 200]
+        losses = [5.545] + [end + (2.4 - end) * (1 - s / 200) ** 2 for s in steps[1:]]
+        runs.append(trainer.RunResult(label, label, 0.02, None, None, eval_steps=steps,
+                                      eval_seconds=[s * (0.5 + 0.1 * i) for s in steps], val_losses=losses))
+    figure = plot.validation_figure(runs, "test", "nats per byte")
+    try:
+        by_step, by_time, zoom = figure.axes
+        for axis in (by_step, by_time):
+            assert axis.get_yscale() == "log"
+            low, high = axis.get_ylim()
+            assert low <= 1.53 and high >= 5.545  # the whole curve, first evaluation included
+            assert "nats per byte" in axis.get_ylabel()
+            styles = [(line.get_color(), str(line.get_linestyle()), line.get_marker()) for line in axis.get_lines()]
+            assert len(styles) == 5
+            # every colour and marker its own; line styles differ between runs drawn one after another
+            assert len({c for c, _, _ in styles}) == len({m for _, _, m in styles}) == 5, styles
+            assert all(a[1] != b[1] for a, b in zip(styles, styles[1:])), styles
+            assert [line.get_label() for line in axis.get_lines()] == [r.label for r in runs]
+        assert "nats per byte" in zoom.get_ylabel()
+        assert [line.get_label() for line in zoom.get_lines()] == ["muon", "normuon", "dion3-f0.5", "dion3-f0.25"]
+        assert all(min(line.get_xdata()) >= 100 for line in zoom.get_lines())
+    finally:
+        plt.close(figure)
+    assert plot.plot_validation(runs, tmp_path / "p.png", "test").read_bytes()[:4] == b"\x89PNG"
+    assert plot.loss_unit(256) == "nats per byte" and plot.loss_unit(50257) == "nats per token"
+    record = plot.Path(__file__).parents[1] / "benchmarks" / "results" / "compare-cpu-tiny-2026-12-01.json"
+    loaded, settings = plot.load_results(record)
+    assert [r.label for r in loaded] == list(compare.DEFAULT_OPTIMIZERS) and settings["preset"] == "cpu-tiny"
+    assert plot.main([str(record), str(tmp_path / "replot.png")]) == 0
+    assert (tmp_path / "replot.png").read_bytes()[:4] == b"\x89PNG"
 
 def test_compare_rejects_bad_options(tmp_path, capsys):
     assert compare.main(["--optimizers", "sgd", "--out", str(tmp_path)]) == 2

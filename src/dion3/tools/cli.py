@@ -1,6 +1,6 @@
 """The `dion3` command: `dion3 compare` (training comparison), `dion3 bench` (optimizer step
 time), `dion3 bench kernels` (kernel micro-benchmarks), `dion3 plan` (the distributed step at W GPUs, planned
-on this CPU)."""
+on this CPU), `dion3 fractions` (Dion3's fractions by cost per matrix shape)."""
 from __future__ import annotations
 
 import importlib
@@ -11,6 +11,7 @@ COMMANDS = {
     "bench": ("dion3.tools.bench.step_time", "time optimizer steps on model-shaped parameters"),
     "bench kernels": ("dion3.tools.bench.kernel_time", "time symmetric-matmul kernels and NS variants against cuBLAS"),
     "plan": ("dion3.tools.plan.cli", "predict step time, traffic and memory per rank on W GPUs (real planner, on CPU)"),
+    "fractions": ("dion3.tools.plan.fractions", "Dion3's fractions by cost per matrix shape, with k and modeled H200 time"),
 }
 
 

@@ -2,7 +2,8 @@
 same batches, and compare final validation loss and step times.
 
 Writes to --out: summary.md (the table), results.json (settings and every curve), history.csv
-(one row per evaluation) and val_loss.png (validation loss against step and wall-clock time).
+(one row per evaluation) and val_loss.png (validation loss, nats per byte or per token, against
+step and wall-clock time).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 
 from .data import load_data
 from .model import GPTConfig
-from .plot import plot_validation
+from .plot import loss_unit, plot_validation
 from .trainer import RunResult, RunSpec, Schedule, resolve_device, train, use_captured_step
 
 DEFAULT_OPTIMIZERS = ("adamw", "muon", "normuon", "dion3-f0.5", "dion3-f0.25")
@@ -234,12 +235,14 @@ def _compare(args: argparse.Namespace) -> int:
     settings = {
         "preset": args.preset, "model": dataclasses.asdict(preset.model), "schedule": dataclasses.asdict(schedule),
         "device": str(device), "bf16": preset.bf16, "captured_step": captured, "seed": args.seed, "data": data.description,
+        "loss_unit": loss_unit(data.vocab_size),
         "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.platform(),
         "total_minutes": round(total_minutes, 2),
     }
     write_logs(out, results, settings)
     (out / "summary.md").write_text(table + "\n")
-    plot = plot_validation(results, out / "val_loss.png", f"dion3 compare --preset {args.preset} ({device})")
+    plot = plot_validation(results, out / "val_loss.png", f"dion3 compare --preset {args.preset} ({device})",
+                           settings["loss_unit"])
     print(f"\n{table}\n\n{total_minutes:.1f} min in all; wrote {out}/summary.md, results.json, history.csv, {plot.name}")
     return 0
 

@@ -1,0 +1,65 @@
+"""`dion3 fractions`: the fractions that `param_groups(..., fraction_allocation="cost")` gives
+each matrix shape of a preset (or of --shapes), with the rows each selects and their modeled H200
+time against the uniform fraction's (dion3.optim.cost_fractions.describe_fractions). Host-side:
+the matrices are meta tensors, nothing is allocated or run on a device."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+import torch
+
+from ...optim.cost_fractions import cost_allocated_groups, describe_fractions
+from ..bench.presets import MODELS, PRESETS, parse_shapes
+
+CHOICES = {**PRESETS, **MODELS}  # MODELS wins where both name one: every layer of the model
+ORTHOGONALIZERS = ("auto", "newton_schulz", "gram")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dion3 fractions", description=__doc__)
+    p.add_argument("--preset", default="llama-8b", help=f"one of {sorted(CHOICES)} (default llama-8b)")
+    p.add_argument("--shapes", help="custom matrices ROWSxCOLS[:COUNT],... instead of a preset")
+    p.add_argument("--fraction", type=float, default=0.25, help="the uniform fraction to allocate (default 0.25)")
+    p.add_argument("--orthogonalizer", default="auto", choices=ORTHOGONALIZERS,
+                   help="the group's orthogonalizer, which the time model prices (default auto)")
+    return p
+
+
+def groups(matrices, fraction: float, orthogonalizer: str = "auto") -> list[dict]:
+    """One Dion3 group of meta matrices (named as the preset names them), split by cost as
+    param_groups splits a model's."""
+    params, names = [], []
+    for shape in matrices:
+        params += [torch.empty(shape.rows, shape.cols, device="meta") for _ in range(shape.count)]
+        names += [shape.name] * shape.count
+    group = dict(params=params, param_names=names)
+    if orthogonalizer != "auto":
+        group["orthogonalizer"] = orthogonalizer
+    return cost_allocated_groups(group, fraction)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if not 0 < args.fraction <= 1:
+            raise ValueError(f"--fraction must be in (0, 1], got {args.fraction}")
+        if args.shapes:
+            preset = parse_shapes(args.shapes)
+        elif args.preset in CHOICES:
+            preset = CHOICES[args.preset]
+        else:
+            raise ValueError(f"--preset: unknown preset {args.preset!r}; expected one of {sorted(CHOICES)}")
+    except ValueError as error:
+        print(f"dion3 fractions: {error}", file=sys.stderr)
+        return 2
+    print(f"{preset.name} ({preset.description}): Dion3 fractions by cost at {args.fraction:g} "
+          f"(param_groups(..., fraction={args.fraction:g}, fraction_allocation=\"cost\"), "
+          f"orthogonalizer {args.orthogonalizer})\n")
+    print(describe_fractions(groups(preset.matrices, args.fraction, args.orthogonalizer), args.fraction))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
