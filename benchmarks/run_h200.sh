@@ -24,7 +24,7 @@ for stage in "$@"; do
       run python3 -m pytest -q -m gpu tests/test_elementwise_kernels.py tests/test_graph.py 2>&1 | tee "$OUT/gpu-tests-quick.txt"
       run dion3 bench --preset llama-8b --optimizers muon,muon-gram,dion3-1/4 --steps 10 --warmup 4 --json "$OUT/step-llama-8b-quick.json" 2>&1 | tee "$OUT/step-llama-8b-quick.txt"
       run dion3 bench --preset llama-1b --optimizers muon,muon-gram,dion3-1/4 --steps 20 --json "$OUT/step-llama-1b-quick.json" 2>&1 | tee "$OUT/step-llama-1b-quick.txt" ;;
-    kernels)  # what the optimizer runs: issue 3's table
+    kernels)  # what the optimizer runs: the kernel-target table of kernels-h200-2026-11-29.md
       run dion3 bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" ;;
     sweep)  # symmetric-kernel variants, each checked against float64 first
       n=$(ls -d "$OUT"/sweep*/ 2>/dev/null | wc -l); dir="$OUT/sweep$n"  # a repeated stage keeps both runs
