@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One GPU job = one or more stages; results under $OUT (the device tool's output folder).
+# One GPU job = the stages named as arguments, run in order. Each stage writes its files into a fresh
+# temporary folder; at the end that folder is packed into $OUT/results.tgz, with OUT taken from the
+# environment (default /tmp/dion3-out, created if missing), plus env.txt with the torch/Triton versions.
 #   bash benchmarks/run_h200.sh check step cold      # GPU tests, step-time tables, cold first step
 #   bash benchmarks/run_h200.sh train dist            # gpu-small comparison, NCCL distributed script
 #   bash benchmarks/run_h200.sh kernels sweep         # dion3 bench kernels; variant sweep (VARIANTS=a,b,c: which ones,
@@ -10,7 +12,7 @@
 # Stages, commands and the results files they produce: benchmarks/README.md.
 set -uo pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-FINAL=${OUT:-/tmp/dion3-out}; OUT=$(mktemp -d)  # everything lands in $FINAL/results.tgz (the tool returns few files)
+FINAL=${OUT:-/tmp/dion3-out}; mkdir -p "$FINAL"; OUT=$(mktemp -d)  # stages write into $OUT; packed into $FINAL/results.tgz at the end
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 run() { echo "== $*"; local t=$SECONDS; "$@"; echo "== rc=$? in $((SECONDS - t)) s"; }
 dion3() { python3 -m dion3.tools.cli "$@"; }
@@ -38,7 +40,7 @@ for stage in "$@"; do
     ab-narrow)  # whole steps with the Hopper kernel's 128×128 tiles off (wide tiles and the Triton kernel only), then on
       for narrow in off on; do
         for preset in llama-8b:10 llama-1b:20; do
-          run timeout 200 python3 -c "import sys; from dion3 import cli; from dion3.kernels import hopper_tiling as h
+          run timeout 200 python3 -c "import sys; from dion3.tools import cli; from dion3.kernels import hopper_tiling as h
 h.NARROW_MIN_BLOCK = 1 << 30 if '$narrow' == 'off' else h.NARROW_MIN_BLOCK
 sys.exit(cli.main(['bench', '--preset', '${preset%%:*}', '--optimizers', 'muon,muon-gram,dion3-1/4', '--steps', '${preset#*:}', '--warmup', '4', '--json', '$OUT/step-${preset%%:*}-narrow-$narrow.json']))" 2>&1 | tail -7 | tee "$OUT/step-${preset%%:*}-narrow-$narrow.txt"
         done
