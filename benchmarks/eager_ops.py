@@ -1,5 +1,6 @@
 """Operations dispatched per eager optimizer.step() on the `dion3 compare --preset gpu-small`
-model (issue 18, point 3), counted on the CPU.
+model (the eager small-matrix target: Dion3's eager step no slower than NorMuon's at
+gpu-small shapes), counted on the CPU.
 
 At gpu-small's size (512-wide matrices) an eager step is bound by host time per dispatched op,
 so the number of ops per step is what sets the step time. The model of the preset is built on

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# One job on a GPU machine whose output folder comes back as a few files only: records the machine,
-# builds (or finds) the cached corpus, runs COMMAND with $WORK as its output folder, and packs $WORK
-# into ARCHIVE every 30 s and at the end, so a job stopped at its time limit still returns every run
-# that finished.
+# One job on a GPU machine, packed into one archive: makes a fresh temporary folder $WORK (exported),
+# records the machine in $WORK/machine.txt (date, GPU, driver, torch/CUDA/Triton versions, cores),
+# builds (or finds) the cached corpus under $DION3_CACHE (default /tmp/dion3-cache; log in
+# $WORK/corpus.log), runs COMMAND with bash, and packs $WORK into ARCHIVE every 30 s and once more at
+# the end, so a job killed before it ends still leaves every run that finished in ARCHIVE. The exit
+# status is COMMAND's.
 #
-#   benchmarks/gpu_job.sh ARCHIVE.tgz 'COMMAND'       # e.g. ARCHIVE=$OUT/job.tgz; COMMAND writes under $WORK
+#   benchmarks/gpu_job.sh ARCHIVE.tgz 'COMMAND'       # COMMAND writes its outputs under $WORK
+#   e.g. benchmarks/gpu_job.sh /tmp/study.tgz 'python -m dion3.tools.study --model llama-384 --out $WORK/study'
 set -u
 archive=${1:?ARCHIVE.tgz}; command=${2:?COMMAND}
 WORK=$(mktemp -d); export WORK

@@ -28,7 +28,7 @@ LLAMA_8B = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
 UNALIGNED = [(1000, 3000), (1001, 3001), (1008, 3008), (5120, 13824), (3584, 18944)]
 # (rows, cols) → the neighbours an unaligned shape's time per FLOP is compared with
 NEIGHBOURS = {(1001, 3001): [(1000, 3000), (1008, 3008)]}
-# Llama-8B's fractions by cost at f = 1/4 (param_groups(fraction_allocation="cost"), issue record)
+# Llama-8B's fractions by cost at f = 1/4 (param_groups(fraction_allocation="cost") under the FLOP rule used before 2026-12-03)
 BY_COST_8B = {(4096, 4096): [0.653], (1024, 4096): [1.0], (14336, 4096): [0.187], (4096, 14336): [0.429]}
 
 

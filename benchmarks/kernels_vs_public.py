@@ -31,7 +31,7 @@ from dion3.kernels.reference import symmetric_matmul_reference
 from dion3.kernels.symmetric_matmul import symmetric_matmul_triton
 
 # (label, batch, n, k, product) — "gram": A·Aᵀ with A [B, n, k]; "square": 0.9·R·R − 1.7·R.
-# The issue's comparison shapes, then the Llama-8B/70B optimizer shapes (Dion3 f=¼ selects a
+# The kernel targets' comparison shapes (A·Aᵀ against cuBLAS, kernels-h200-2026-11-29.md), then the Llama-8B/70B optimizer shapes (Dion3 f=¼ selects a
 # quarter of the rows; Muon orthogonalizes whole matrices in the wide orientation).
 SHAPES = {
     "compare": (

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One GPU job = one or more stages; results under $OUT (the device tool's output folder).
+# One GPU job = the stages named as arguments, run in order. Each stage writes its files into a fresh
+# temporary folder; at the end that folder is packed into $OUT/results.tgz, with OUT taken from the
+# environment (default /tmp/dion3-out, created if missing), plus env.txt with the torch/Triton versions.
 #   bash benchmarks/run_h200.sh check step cold      # GPU tests, step-time tables, cold first step
 #   bash benchmarks/run_h200.sh train dist            # gpu-small comparison, NCCL distributed script
 #   bash benchmarks/run_h200.sh kernels sweep         # dion3 bench kernels; variant sweep (VARIANTS=a,b,c: which ones,
@@ -10,7 +12,7 @@
 # Stages, commands and the results files they produce: benchmarks/README.md.
 set -uo pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-FINAL=${OUT:-/tmp/dion3-out}; OUT=$(mktemp -d)  # everything lands in $FINAL/results.tgz (the tool returns few files)
+FINAL=${OUT:-/tmp/dion3-out}; mkdir -p "$FINAL"; OUT=$(mktemp -d)  # stages write into $OUT; packed into $FINAL/results.tgz at the end
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 run() { echo "== $*"; local t=$SECONDS; "$@"; echo "== rc=$? in $((SECONDS - t)) s"; }
 dion3() { python3 -m dion3.tools.cli "$@"; }
@@ -24,7 +26,7 @@ for stage in "$@"; do
       run python3 -m pytest -q -m gpu tests/test_elementwise_kernels.py tests/test_graph.py 2>&1 | tee "$OUT/gpu-tests-quick.txt"
       run dion3 bench --preset llama-8b --optimizers muon,muon-gram,dion3-1/4 --steps 10 --warmup 4 --json "$OUT/step-llama-8b-quick.json" 2>&1 | tee "$OUT/step-llama-8b-quick.txt"
       run dion3 bench --preset llama-1b --optimizers muon,muon-gram,dion3-1/4 --steps 20 --json "$OUT/step-llama-1b-quick.json" 2>&1 | tee "$OUT/step-llama-1b-quick.txt" ;;
-    kernels)  # what the optimizer runs: issue 3's table
+    kernels)  # what the optimizer runs: the kernel-target table of kernels-h200-2026-11-29.md
       run dion3 bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" ;;
     sweep)  # symmetric-kernel variants, each checked against float64 first
       n=$(ls -d "$OUT"/sweep*/ 2>/dev/null | wc -l); dir="$OUT/sweep$n"  # a repeated stage keeps both runs
@@ -38,7 +40,7 @@ for stage in "$@"; do
     ab-narrow)  # whole steps with the Hopper kernel's 128×128 tiles off (wide tiles and the Triton kernel only), then on
       for narrow in off on; do
         for preset in llama-8b:10 llama-1b:20; do
-          run timeout 200 python3 -c "import sys; from dion3 import cli; from dion3.kernels import hopper_tiling as h
+          run timeout 200 python3 -c "import sys; from dion3.tools import cli; from dion3.kernels import hopper_tiling as h
 h.NARROW_MIN_BLOCK = 1 << 30 if '$narrow' == 'off' else h.NARROW_MIN_BLOCK
 sys.exit(cli.main(['bench', '--preset', '${preset%%:*}', '--optimizers', 'muon,muon-gram,dion3-1/4', '--steps', '${preset#*:}', '--warmup', '4', '--json', '$OUT/step-${preset%%:*}-narrow-$narrow.json']))" 2>&1 | tail -7 | tee "$OUT/step-${preset%%:*}-narrow-$narrow.txt"
         done

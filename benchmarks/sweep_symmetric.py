@@ -1,4 +1,5 @@
-"""One-job sweep of symmetric-matmul kernel variants against cuBLAS (H200, issue 3).
+"""One-job sweep of symmetric-matmul kernel variants against cuBLAS (H200; the kernel targets of
+results/kernels-h200-2026-11-29.md).
 
     PYTHONPATH=src python3 benchmarks/sweep_symmetric.py            # GPU: check + time
     TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/sweep_symmetric.py --dry   # CPU logic check

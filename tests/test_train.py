@@ -361,7 +361,7 @@ def test_compare_run_spec_names_with_a_fraction_warmup():
                 "dion3-f0.25-warm10-cost", "dion3-f-cost", "dion3-f0-cost"):
         with pytest.raises(ValueError, match="--optimizers"):
             compare.run_spec(bad, preset, {}, {})
-    # by cost: fixed per-shape fractions at f's FLOPs, with f's lr and μ unless named itself
+    # by cost: fixed per-shape fractions within f's modeled step time, with f's lr and μ unless named itself
     spec = compare.run_spec("dion3-f0.25-cost", preset, {}, {"dion3-f0.25-cost": 0.6})
     assert (spec.fraction, spec.fraction_allocation, spec.fraction_warmup) == (0.25, "cost", 0)
     assert (spec.lr, spec.mu) == (preset.lrs["dion3-f0.25"], 0.6)

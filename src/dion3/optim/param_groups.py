@@ -62,8 +62,9 @@ def param_groups(
     head_lr, embed_lr, scalar_lr: learning rates of the AdamW (or Lion) groups.
     fraction_allocation: Dion3's fractions. "uniform" (default): one matrix group, `fraction` (or
         the optimizer's default) on every matrix. "cost": one matrix group per matrix shape, each
-        with its own fraction, chosen by orthogonalization cost at the FLOPs of `fraction` on every
-        matrix (dion3.optim.cost_fractions.cost_allocated_fractions): short and narrow matrices (k/v
+        with its own fraction, chosen so that the step's modeled H200 time (dion3.ortho.cost.
+        modeled_seconds) stays within that of `fraction` on every matrix
+        (dion3.optim.cost_fractions.cost_allocated_fractions): short and narrow matrices (k/v
         projections) keep more of their rows, wide MLP matrices fewer. Needs `fraction`, a Dion3 or
         Dion2 group (or `algorithm` None with the Dion3 class) and whole matrices (no num_heads or
         split_sizes). The fractions are fixed: a FractionScheduler sets one fraction on every
@@ -85,7 +86,7 @@ def param_groups(
     if fraction_allocation == "cost":
         if options.get("fraction") is None:
             raise ValueError("param_groups: fraction_allocation='cost' needs fraction=..., the uniform fraction "
-                             "whose orthogonalization FLOPs the per-shape fractions share")
+                             "whose modeled step time the per-shape fractions share")
         if algorithm is not None and algorithm not in ("dion3", "dion2"):
             raise ValueError(f"param_groups: fraction_allocation='cost' needs a row-selecting algorithm (dion3, "
                              f"dion2), got algorithm={algorithm!r}")

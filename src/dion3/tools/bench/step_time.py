@@ -45,8 +45,8 @@ class Variant:
     fraction: Optional[float] = None
     orthogonalizer: str = "auto"
     kernels: bool = True  # Triton kernels enabled (dion3.kernels.set_kernels_enabled)
-    # dion3: "uniform" (`fraction` on every matrix) or "cost" (one fraction per matrix shape, by
-    # orthogonalization cost at the FLOPs of `fraction` on every matrix: dion3.optim.cost_fractions)
+    # dion3: "uniform" (`fraction` on every matrix) or "cost" (one fraction per matrix shape, within
+    # the modeled H200 step time of `fraction` on every matrix: dion3.optim.cost_fractions)
     allocation: str = "uniform"
     # dion3: the fraction warms up from 1 to `fraction` over this many steps (FractionWarmup, the
     # documented schedule); every step of the warm-up is timed and the row reports their mean
@@ -65,7 +65,7 @@ DEFAULT_OPTIMIZERS = "adamw,muon,muon-gram,normuon,dion3-1/2,dion3-1/4,dion3-1/8
 
 def parse_variant(name: str) -> Variant:
     """A named variant; dion3-F with F a fraction in (0, 1] such as 1/4 or 0.25; dion3-F-cost:
-    per-shape fractions by orthogonalization cost at the FLOPs of dion3-F; dion3-F-warmupN: the
+    per-shape fractions within the modeled H200 step time of dion3-F; dion3-F-warmupN: the
     fraction warmed up from 1 to F over N steps (FractionWarmup). Any orthogonal variant with
     ":bf16" (e.g. dion3-1/4:bf16) keeps its momentum in bf16 (momentum_dtype="bfloat16")."""
     if name.endswith(":bf16") and name != ":bf16":
@@ -336,8 +336,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     source.add_argument("--shapes", help="custom matrices ROWSxCOLS[:COUNT],... e.g. 4096x4096:32,1024x4096:64")
     parser.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS,
                         help=f"comma list (default {DEFAULT_OPTIMIZERS}); dion3-F takes any fraction F in (0, 1], "
-                        "dion3-F-cost (e.g. dion3-1/4-cost) fractions per matrix shape by orthogonalization cost "
-                        "at dion3-F's FLOPs")
+                        "dion3-F-cost (e.g. dion3-1/4-cost) fractions per matrix shape within dion3-F's modeled "
+                        "H200 step time (dion3.ortho.cost.modeled_seconds)")
     parser.add_argument("--skip", default="", help="comma list of optimizers to leave out (e.g. adamw on llama-8b)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run (median reported; default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first, the first step included (default 5)")

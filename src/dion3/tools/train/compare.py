@@ -71,7 +71,7 @@ PRESETS: dict[str, Preset] = {
 def run_spec(name: str, preset: Preset, lr_overrides: dict, mu_overrides: dict) -> RunSpec:
     """"adamw", "muon", "normuon", "dion3-f<fraction>", "dion3-f<fraction>-warm<steps>" (the
     fraction warmed up linearly from 1 over the first <steps> steps) or "dion3-f<fraction>-cost"
-    (fixed fractions per matrix shape by orthogonalization cost at <fraction>'s FLOPs,
+    (fixed fractions per matrix shape within <fraction>'s modeled H200 step time,
     param_groups' fraction_allocation="cost"). A Dion3 run without its own
     lr/momentum takes those of its fraction without warm-up, else the f=¼ lr scaled by the 1/√f
     rule of thumb (and the f=¼ momentum)."""
@@ -108,7 +108,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--preset", default="cpu-tiny", choices=sorted(PRESETS), help="model size, steps, lrs (default cpu-tiny)")
     parser.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
                         help="comma-separated; dion3-f<f>-warm<steps> warms the fraction up from 1, dion3-f<f>-cost "
-                             "sets fractions per matrix shape by cost at f's FLOPs (default: %(default)s)")
+                             "sets fractions per matrix shape within f's modeled H200 step time "
+                             "(dion3.ortho.cost.modeled_seconds) (default: %(default)s)")
     parser.add_argument("--steps", type=int, help="training steps per optimizer (preset default otherwise)")
     parser.add_argument("--batch-size", type=int, help="sequences per step")
     parser.add_argument("--eval-every", type=int, help="steps between validation evaluations")

@@ -40,7 +40,7 @@ class RunSpec:
     mu: Optional[float] = None  # momentum of the matrix group; None keeps the optimizer default
     fraction_warmup: int = 0  # Dion3 only: steps of a linear fraction warm-up from 1 to `fraction`
     # Dion3 only: param_groups' fraction_allocation, "uniform" (`fraction` on every matrix) or "cost" (one
-    # group per matrix shape, fractions by orthogonalization cost at the FLOPs of the uniform `fraction`)
+    # group per matrix shape, fractions within the modeled H200 step time of the uniform `fraction`)
     fraction_allocation: str = "uniform"
     momentum_dtype: Optional[str] = None  # the matrix group's momentum_dtype; None keeps the optimizer's (float32)
 
