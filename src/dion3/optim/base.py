@@ -31,6 +31,7 @@ from .validation import (
     SCALAR_ALGORITHMS,
     SELECTING_ALGORITHMS,
     check_fractions,
+    check_group_keys,
     check_state_dict,
     param_label,
     validate_group,
@@ -70,6 +71,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             group["algorithm"] = ALIASES.get(group["algorithm"], group["algorithm"])
         if "params" not in group:
             raise ValueError(f"parameter group {len(self.param_groups)} has no 'params' entry")
+        check_group_keys(group, len(self.param_groups), self.defaults)  # stricter than torch: a typo is not ignored
         params = group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
         names = None

@@ -2,6 +2,7 @@
 ValueError that names the group, the argument or the parameter (docs/errors.md)."""
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from typing import Any, Optional
@@ -19,6 +20,32 @@ from ..algorithms import (  # noqa: F401 (re-exported: the front-ends read them 
     ALIASES, MATRIX_ALGORITHMS, NORMALIZING_ALGORITHMS, SCALAR_ALGORITHMS, SELECTING_ALGORITHMS,
 )
 SCOPES = ("local", "global")
+
+# Keys a parameter group may hold besides the optimizer's settings (its defaults): the tensors,
+# their names (torch.optim keeps "param_names"), and what torch's LR schedulers and SWA write into
+# a running optimizer's groups (a group copied from one holds them; dion3.tools.train reads
+# initial_lr). Any other key is refused by name: it would be kept and never read.
+GROUP_KEYS = ("params", "param_names", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
+# torch.optim's names of settings that dion3 spells otherwise: suggested where difflib would not
+TORCH_NAMES = {"momentum": "mu", "eps": "epsilon"}
+
+
+def check_group_keys(group: dict, index: int, settings) -> None:
+    """Raise ValueError naming every key of the group that is neither a setting of the optimizer
+    (`settings`, its defaults) nor one of GROUP_KEYS, with the closest known key."""
+    known = sorted(set(settings) | set(GROUP_KEYS))
+    unknown = [key for key in group if key not in known]
+    if not unknown:
+        return
+    named, guessed = [], True
+    for key in unknown:
+        close = [TORCH_NAMES[key]] if key in TORCH_NAMES else difflib.get_close_matches(str(key), known, n=1)
+        named.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+        guessed = guessed and bool(close)
+    keys = f"an unknown key {named[0]}" if len(named) == 1 else f"unknown keys {', '.join(named)}"
+    allowed = sorted(settings) + list(GROUP_KEYS[:2])
+    listed = "" if guessed else f"; a group may hold {', '.join(allowed[:-1])} and {allowed[-1]}"
+    raise ValueError(f"parameter group {index} has {keys}, which would be ignored{listed}")
 
 
 def param_label(names, group_index: int, index: int, param: Tensor) -> str:
