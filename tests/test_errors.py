@@ -63,6 +63,14 @@ def fraction_set_between_steps():
     opt.step()
 
 
+def muon_state_into_dion3():
+    w = param(4, 4)
+    muon = Muon([w])
+    w.grad = torch.randn_like(w)
+    muon.step()
+    Dion3([w]).load_state_dict(muon.state_dict())
+
+
 def shared_param():
     w = param(4, 4)
     Dion3([{"params": [w]}, {"params": [w], "algorithm": "muon"}])
@@ -151,6 +159,8 @@ CASES = [
     ("state-dict-param-count", lambda: load_into([(4, 6), (3, 5), (2, 2)]), ValueError, "has 2 parameters but this optimizer's has 3"),
     ("state-dict-shape", lambda: load_into([(6, 4), (3, 5)]), ValueError, "has shape (4, 6) in the state dict, expected (6, 4)"),
     ("state-dict-missing-entry", lambda: load_into([(4, 6), (3, 5)], drop_variance), ValueError, "state dict has no 'variance'"),
+    ("state-dict-other-algorithm", muon_state_into_dion3, ValueError,
+     "parameter group 0 of the state dict was saved by algorithm 'muon', but this optimizer's group 0 runs 'dion3'"),
     ("state-dict-not-an-optimizer-state", lambda: load_into([(4, 6), (3, 5)], lambda sd: sd.pop("state")), ValueError, "must have 'state' and 'param_groups'"),
 ]
 

@@ -2,5 +2,6 @@
 from .base import OrthogonalOptimizer
 from .fraction_schedule import FractionScheduler, FractionWarmup
 from .optimizers import Dion3, Muon, NorMuon
+from .state_dicts import convert_state_dict
 
-__all__ = ["Dion3", "FractionScheduler", "FractionWarmup", "Muon", "NorMuon", "OrthogonalOptimizer"]
+__all__ = ["Dion3", "FractionScheduler", "FractionWarmup", "Muon", "NorMuon", "OrthogonalOptimizer", "convert_state_dict"]

@@ -272,6 +272,8 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         for group, before in zip(self.param_groups, current):
             for key, value in before.items():
                 group.setdefault(key, value)
+            # check_state_dict let only this algorithm in: keep its name, not a saved alias ("nordion2")
+            group["algorithm"] = before["algorithm"]
             # the state's dtype is this optimizer's choice, not the checkpoint's: a run may resume
             # with bf16 momentum from float32 state or the other way (the values are cast)
             if "momentum_dtype" in before:
