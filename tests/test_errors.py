@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import pathlib
+import re
 
 import pytest
 import torch
@@ -62,6 +63,14 @@ def fraction_set_between_steps():
     opt.step()
 
 
+def muon_state_into_dion3():
+    w = param(4, 4)
+    muon = Muon([w])
+    w.grad = torch.randn_like(w)
+    muon.step()
+    Dion3([w]).load_state_dict(muon.state_dict())
+
+
 def shared_param():
     w = param(4, 4)
     Dion3([{"params": [w]}, {"params": [w], "algorithm": "muon"}])
@@ -77,6 +86,8 @@ CASES = [
     ("complex-matrix", lambda: Muon([param(4, 4, dtype=torch.complex64)]), ValueError, "has dtype torch.complex64"),
     ("empty-matrix", lambda: NorMuon([param(0, 4)]), ValueError, "is empty (a dimension is 0)"),
     ("named-parameter-label", lambda: Dion3([{"params": [("layer.bias", param(8))]}]), ValueError, "'layer.bias' is 1-D"),
+    ("group-unknown-key", lambda: Dion3([{"params": [param(4, 4)], "fracton": 0.5}]), ValueError,
+     "parameter group 0 has an unknown key 'fracton' (did you mean 'fraction'?)"),
     ("group-without-params", lambda: Dion3([{"lr": 0.1}]), ValueError, "parameter group 0 has no 'params' entry"),
     ("parameter-in-two-groups", shared_param, ValueError, "already belongs to parameter group 0"),
     ("fraction-zero", lambda: Dion3([param(4, 4)], fraction=0.0), ValueError, "fraction must lie in (0.0, 1.0]"),
@@ -148,6 +159,8 @@ CASES = [
     ("state-dict-param-count", lambda: load_into([(4, 6), (3, 5), (2, 2)]), ValueError, "has 2 parameters but this optimizer's has 3"),
     ("state-dict-shape", lambda: load_into([(6, 4), (3, 5)]), ValueError, "has shape (4, 6) in the state dict, expected (6, 4)"),
     ("state-dict-missing-entry", lambda: load_into([(4, 6), (3, 5)], drop_variance), ValueError, "state dict has no 'variance'"),
+    ("state-dict-other-algorithm", muon_state_into_dion3, ValueError,
+     "parameter group 0 of the state dict was saved by algorithm 'muon', but this optimizer's group 0 runs 'dion3'"),
     ("state-dict-not-an-optimizer-state", lambda: load_into([(4, 6), (3, 5)], lambda sd: sd.pop("state")), ValueError, "must have 'state' and 'param_groups'"),
 ]
 
@@ -183,6 +196,33 @@ def test_muon_rejects_a_misspelled_keyword_instead_of_ignoring_it():
         NorMuon([weight], weight_decy=0.0)
     # settings of the other algorithms stay accepted (groups may switch algorithm)
     Muon([weight], fraction=0.5, muon_beta2=0.9, selection_scope="global")
+
+
+def test_a_misspelled_group_key_is_refused_with_the_key_it_resembles():
+    w = param(4, 4)
+    with pytest.raises(ValueError, match=re.escape("parameter group 0 has an unknown key 'fracton' (did you mean 'fraction'?)")):
+        Dion3([{"params": [w], "fracton": 0.5}])
+    with pytest.raises(ValueError, match=re.escape("unknown key 'momentum' (did you mean 'mu'?)")):  # torch's name
+        Muon([{"params": [w], "momentum": 0.9}])
+    opt = NorMuon([w])
+    with pytest.raises(ValueError, match=re.escape("parameter group 1 has an unknown key 'weight_decy' (did you mean 'weight_decay'?)")):
+        opt.add_param_group({"params": [param(3, 3)], "weight_decy": 0.0})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match="unknown key 'colour', which would be ignored; a group may hold adjust_lr, "):
+        Dion3([{"params": [w], "colour": "red"}])
+
+
+def test_the_keys_dion3_and_torch_write_into_groups_are_accepted():
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8),
+                                torch.nn.Linear(8, 16))
+    for allocation in ("uniform", "cost"):
+        groups = param_groups(model, lm_head="3", fraction=0.5, fraction_allocation=allocation, mu=0.9)
+        Dion3(groups)
+    w = param(4, 4)
+    opt = Muon([{"params": [w], "fraction": 0.5, "muon_beta2": 0.9, "selection_scope": "global", "momentum_dtype": "bf16",
+                 "num_heads": 2, "initial_lr": 0.01}])
+    torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10, cycle_momentum=False)
+    Muon(opt.param_groups)  # groups copied from a running optimizer (scheduler keys included)
 
 
 @pytest.mark.parametrize("shapes, edit", [([(4, 6)], None), ([(6, 4), (3, 5)], None), ([(4, 6), (3, 5)], drop_variance)])

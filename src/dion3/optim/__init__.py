@@ -3,5 +3,7 @@ from .base import OrthogonalOptimizer
 from .cost_fractions import describe_fractions
 from .fraction_schedule import FractionScheduler, FractionWarmup
 from .optimizers import Dion3, Muon, NorMuon
+from .state_dicts import convert_state_dict
 
-__all__ = ["Dion3", "FractionScheduler", "FractionWarmup", "Muon", "NorMuon", "OrthogonalOptimizer", "describe_fractions"]
+__all__ = ["Dion3", "FractionScheduler", "FractionWarmup", "Muon", "NorMuon", "OrthogonalOptimizer", "convert_state_dict",
+           "describe_fractions"]

@@ -32,6 +32,7 @@ from .validation import (
     SCALAR_ALGORITHMS,
     SELECTING_ALGORITHMS,
     check_fractions,
+    check_group_keys,
     check_state_dict,
     param_label,
     validate_group,
@@ -71,6 +72,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             group["algorithm"] = ALIASES.get(group["algorithm"], group["algorithm"])
         if "params" not in group:
             raise ValueError(f"parameter group {len(self.param_groups)} has no 'params' entry")
+        check_group_keys(group, len(self.param_groups), self.defaults)  # stricter than torch: a typo is not ignored
         params = group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
         names = None
@@ -274,6 +276,8 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         for group, before in zip(self.param_groups, current):
             for key, value in before.items():
                 group.setdefault(key, value)
+            # check_state_dict let only this algorithm in: keep its name, not a saved alias ("nordion2")
+            group["algorithm"] = before["algorithm"]
             # the state's dtype is this optimizer's choice, not the checkpoint's: a run may resume
             # with bf16 momentum from float32 state or the other way (the values are cast)
             if "momentum_dtype" in before:

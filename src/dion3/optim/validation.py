@@ -2,6 +2,7 @@
 ValueError that names the group, the argument or the parameter (docs/errors.md)."""
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from typing import Any, Optional
@@ -19,6 +20,52 @@ from ..algorithms import (  # noqa: F401 (re-exported: the front-ends read them 
     ALIASES, MATRIX_ALGORITHMS, NORMALIZING_ALGORITHMS, SCALAR_ALGORITHMS, SELECTING_ALGORITHMS,
 )
 SCOPES = ("local", "global")
+
+# Keys a parameter group may hold besides the optimizer's settings (its defaults): the tensors,
+# their names (torch.optim keeps "param_names"), and what torch's LR schedulers and SWA write into
+# a running optimizer's groups (a group copied from one holds them; dion3.tools.train reads
+# initial_lr). Any other key is refused by name: it would be kept and never read.
+GROUP_KEYS = ("params", "param_names", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
+# torch.optim's names of settings that dion3 spells otherwise: suggested where difflib would not
+TORCH_NAMES = {"momentum": "mu", "eps": "epsilon"}
+
+# The state entries each algorithm keeps per parameter (expected_state_shapes gives their shapes).
+STATE_ENTRIES = {
+    "adamw": ("step", "exp_avg", "exp_avg_sq"),
+    "lion": ("exp_avg",),
+    "muon": ("momentum",),
+    "dion2": ("momentum",),
+    "dion3": ("momentum", "variance"),
+    "normuon": ("momentum", "variance"),
+}
+
+
+def check_group_keys(group: dict, index: int, settings) -> None:
+    """Raise ValueError naming every key of the group that is neither a setting of the optimizer
+    (`settings`, its defaults) nor one of GROUP_KEYS, with the closest known key."""
+    known = sorted(set(settings) | set(GROUP_KEYS))
+    unknown = [key for key in group if key not in known]
+    if not unknown:
+        return
+    named, guessed = [], True
+    for key in unknown:
+        close = [TORCH_NAMES[key]] if key in TORCH_NAMES else difflib.get_close_matches(str(key), known, n=1)
+        named.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+        guessed = guessed and bool(close)
+    keys = f"an unknown key {named[0]}" if len(named) == 1 else f"unknown keys {', '.join(named)}"
+    allowed = sorted(settings) + list(GROUP_KEYS[:2])
+    listed = "" if guessed else f"; a group may hold {', '.join(allowed[:-1])} and {allowed[-1]}"
+    raise ValueError(f"parameter group {index} has {keys}, which would be ignored{listed}")
+
+
+def saved_algorithm(name, where: str) -> Optional[str]:
+    """The algorithm a saved group names, aliases resolved (None: saved before groups had one)."""
+    if name is None:
+        return None
+    name = ALIASES.get(name, name)
+    if name not in STATE_ENTRIES:
+        raise ValueError(f"{where} has unknown algorithm {name!r}; expected one of {tuple(STATE_ENTRIES)}")
+    return name
 
 
 def param_label(names, group_index: int, index: int, param: Tensor) -> str:
@@ -147,8 +194,9 @@ def _rows_view_in_place(param: Tensor) -> bool:
 
 
 def check_state_dict(state_dict: dict[str, Any], param_groups: list[dict]) -> None:
-    """Raise ValueError unless state_dict has, for every parameter, each state entry its
-    (saved) algorithm needs with the parameter's shape."""
+    """Raise ValueError unless each saved group ran this optimizer's algorithm for its group (a
+    group saved before groups named one counts as this one) and state_dict has, for every
+    parameter, each state entry that algorithm keeps, with the parameter's shape."""
     saved_groups = state_dict.get("param_groups")
     if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
         raise ValueError("state dict must have 'state' and 'param_groups' entries (from optimizer.state_dict())")
@@ -163,7 +211,17 @@ def check_state_dict(state_dict: dict[str, Any], param_groups: list[dict]) -> No
                 f"parameter group {index} of the state dict has {len(saved['params'])} parameters but "
                 f"this optimizer's has {len(group['params'])}; the state dict does not match these parameters"
             )
-        algorithm = ALIASES.get(saved.get("algorithm"), saved.get("algorithm", group["algorithm"]))
+        algorithm = group["algorithm"]
+        saved_as = saved_algorithm(saved.get("algorithm"), f"parameter group {index} of the state dict")
+        if saved_as is not None and saved_as != algorithm:  # torch would take the saved group's algorithm
+            raise ValueError(
+                f"parameter group {index} of the state dict was saved by algorithm {saved_as!r}, but this "
+                f"optimizer's group {index} runs {algorithm!r}: loading it would train the group with "
+                f"{saved_as!r} and the saved settings. To start {algorithm!r} from this state on purpose, "
+                "load dion3.convert_state_dict(state_dict, optimizer) instead: it carries over the state entries "
+                "both algorithms keep (the momentum), starts the others at zero and takes this optimizer's "
+                'settings (docs/training.md, "Switching algorithms")'
+            )
         flatten = saved.get("flatten", group.get("flatten", False))
         for i, (pid, p) in enumerate(zip(saved["params"], group["params"])):
             entry = state_dict["state"].get(pid, {})
@@ -185,13 +243,8 @@ def check_state_dict(state_dict: dict[str, Any], param_groups: list[dict]) -> No
 def expected_state_shapes(algorithm: str, param: Tensor, flatten: bool) -> dict[str, tuple[int, ...]]:
     """The state entries (and their shapes) the optimizer keeps for param under algorithm."""
     shape = tuple(param.shape)
-    if algorithm == "adamw":
-        return {"step": (), "exp_avg": shape, "exp_avg_sq": shape}
-    if algorithm == "lion":
-        return {"exp_avg": shape}
-    if algorithm not in NORMALIZING_ALGORITHMS:  # Muon, Dion2
-        return {"momentum": shape}
-    return {"momentum": shape, "variance": variance_shape(param, flatten)}
+    return {key: () if key == "step" else variance_shape(param, flatten) if key == "variance" else shape
+            for key in STATE_ENTRIES[algorithm]}
 
 
 def check_number(where, name, value) -> None:

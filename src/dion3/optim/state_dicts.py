@@ -1,0 +1,155 @@
+"""`convert_state_dict`: start an optimizer from a state dict saved by another algorithm.
+
+`load_state_dict` refuses a state dict whose group was saved by another algorithm than the one
+the optimizer's group runs: torch.optim replaces each group by the saved one, so a Muon
+checkpoint loaded into Dion3 would quietly train Muon with the saved settings. Switching on
+purpose (start Dion3 from a Muon run's momentum, say) goes through `convert_state_dict`, which
+rewrites the saved state dict into the one the target optimizer would save: a normal state dict
+of the target's algorithms, which `optimizer.load_state_dict` and torch.distributed.checkpoint's
+`set_optimizer_state_dict` (it calls `load_state_dict` with it) load without arguments.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Union
+
+import torch
+
+from .validation import STATE_ENTRIES, saved_algorithm
+
+_STATE, _GROUPS = "state.", "param_groups."  # keys of DCP's flat form (flatten_optimizer_state_dict=True)
+
+
+def convert_state_dict(state_dict: Mapping[str, Any],
+                       target: Union[torch.optim.Optimizer, Mapping[str, Any]]) -> dict[str, Any]:
+    """`state_dict`, saved by a dion3 optimizer (any algorithm in any group), rewritten as the
+    state dict that `target` would save, for `target.load_state_dict(...)` (or DCP's
+    `set_optimizer_state_dict`): the switch of algorithm that `load_state_dict` refuses on its own.
+
+    target: the optimizer that will load the result (its `state_dict()` is the template), or that
+        optimizer's own state dict in the form of `state_dict`: for a state dict read through
+        torch.distributed.checkpoint, `get_optimizer_state_dict(model, optimizer, options=...)`
+        with the options that one was read with (parameters are then matched by FQN; the flat
+        form of `flatten_optimizer_state_dict=True`, torchtitan's, included). Otherwise
+        parameters are matched by position, group by group, as `load_state_dict` matches them.
+
+    Per parameter, each state entry the target keeps is the saved one when the saved algorithm
+    keeps an entry of that name too (the momentum between Dion3, Dion2, Muon and NorMuon, the
+    per-row variance between Dion3 and NorMuon, `exp_avg` between AdamW and Lion, every entry
+    between equal algorithms), else zero (Dion3 started from Muon gets zero variance); saved
+    entries the target does not keep are left out. Everything else is the target's: each group's
+    algorithm and settings (lr, fraction, mu, ...), not the saved ones, and in the flat form any
+    key outside the optimizer state. Loading casts the momentum to the target's momentum dtype.
+    A group saved before groups named their algorithm counts as the target's. Neither argument
+    is modified: the result's state tensors are the saved ones and new zeros, none of the target's.
+    """
+    template = target.state_dict() if isinstance(target, torch.optim.Optimizer) else target
+    for name, value in (("state_dict", state_dict), ("target's state dict", template)):
+        if not isinstance(value, Mapping):
+            raise TypeError(f"convert_state_dict: {name} must be a state dict (a mapping), got {type(value).__name__}")
+    structured = [_is_structured(d) for d in (state_dict, template)]
+    if structured[0] != structured[1]:
+        forms = ["{'state': ..., 'param_groups': [...]}" if s else "flat ('state.<fqn>.<entry>' keys)"
+                 for s in structured]
+        raise ValueError(f"convert_state_dict: the state dict has the form {forms[0]} but the target's has the form "
+                         f"{forms[1]}; pass the target's state dict in the saved one's form (docs/training.md, "
+                         '"Switching algorithms")')
+    if structured[0]:
+        return _convert_structured(state_dict, template)
+    return _convert_flat(state_dict, template)
+
+
+def _is_structured(state_dict: Mapping[str, Any]) -> bool:
+    if "state" in state_dict and "param_groups" in state_dict:
+        return True
+    if any(isinstance(k, str) and k.startswith((_STATE, _GROUPS)) for k in state_dict):
+        return False
+    raise ValueError("convert_state_dict: a state dict must have 'state' and 'param_groups' entries "
+                     "(from optimizer.state_dict() or DCP's get_optimizer_state_dict)")
+
+
+def _target_algorithm(group: Mapping[str, Any], where: str) -> str:
+    algorithm = saved_algorithm(group.get("algorithm"), where)
+    if algorithm is None:
+        raise ValueError(f"convert_state_dict: {where} names no algorithm; the target must be a dion3 optimizer "
+                         "(Dion3, Muon, NorMuon) or its state dict")
+    return algorithm
+
+
+def _entries(saved: Mapping[str, Any], own: Mapping[str, Any], saved_as: str, where: str) -> dict[str, Any]:
+    """The target's entries of one parameter: saved where the saved algorithm keeps them, else zero."""
+    out = {}
+    for key, value in own.items():
+        if key not in STATE_ENTRIES[saved_as]:
+            out[key] = torch.zeros_like(value)
+        elif key in saved:
+            out[key] = saved[key]
+        else:
+            raise ValueError(f"convert_state_dict: the state dict has no {key!r} for parameter {where} ({saved_as}); "
+                             "the state dict does not match these parameters")
+    return out
+
+
+def _convert_structured(state_dict: Mapping[str, Any], template: Mapping[str, Any]) -> dict[str, Any]:
+    saved_groups, groups = list(state_dict["param_groups"]), list(template["param_groups"])
+    ids = [pid for g in saved_groups + groups for pid in g["params"]]
+    if ids and all(isinstance(pid, str) for pid in ids):  # FQNs (torch.distributed.checkpoint): by name
+        owner = {pid: g for g in saved_groups for pid in g["params"]}
+        missing = [pid for g in groups for pid in g["params"] if pid not in owner]
+        if missing:
+            raise ValueError(f"convert_state_dict: the state dict has no parameter {missing[0]!r} (of "
+                             f"{len(missing)} missing); it does not match these parameters")
+        pairs = [[(pid, pid, owner[pid]) for pid in g["params"]] for g in groups]
+    else:  # by position, as load_state_dict matches them
+        if len(saved_groups) != len(groups):
+            raise ValueError(f"convert_state_dict: the state dict has {len(saved_groups)} parameter groups but the "
+                             f"target has {len(groups)}; the state dict does not match these parameters")
+        for index, (saved, group) in enumerate(zip(saved_groups, groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"convert_state_dict: parameter group {index} of the state dict has {len(saved['params'])} "
+                    f"parameters but the target's has {len(group['params'])}; the state dict does not match "
+                    "these parameters")
+        pairs = [list(zip(g["params"], s["params"], [s] * len(g["params"]))) for g, s in zip(groups, saved_groups)]
+    state: dict[Any, Any] = {}
+    for index, (group, members) in enumerate(zip(groups, pairs)):
+        target_as = _target_algorithm(group, f"parameter group {index} of the target")
+        names = group.get("param_names")
+        for i, (pid, saved_pid, saved_group) in enumerate(members):
+            if pid not in template["state"]:  # no state of its own (not ours: dion3 creates it up front)
+                continue
+            label = repr(pid) if isinstance(pid, str) else repr(names[i]) if names else f"{i} of group {index}"
+            saved_as = saved_algorithm(saved_group.get("algorithm"), f"the state dict's group of parameter {label}")
+            state[pid] = _entries(state_dict["state"].get(saved_pid, {}), template["state"][pid],
+                                  saved_as or target_as, label)
+    return {"state": state, "param_groups": [dict(g, params=list(g["params"])) for g in groups]}
+
+
+def _split(state_dict: Mapping[str, Any], prefix: str) -> dict[tuple[str, str], Any]:
+    """{(fqn, name): value} of the flat keys `prefix + fqn + "." + name` (names hold no dot)."""
+    out = {}
+    for key, value in state_dict.items():
+        if isinstance(key, str) and key.startswith(prefix) and "." in key[len(prefix):]:
+            fqn, name = key[len(prefix):].rsplit(".", 1)
+            out[(fqn, name)] = value
+    return out
+
+
+def _convert_flat(state_dict: Mapping[str, Any], template: Mapping[str, Any]) -> dict[str, Any]:
+    saved_groups, groups = _split(state_dict, _GROUPS), _split(template, _GROUPS)
+    saved_state, own_state = _split(state_dict, _STATE), _split(template, _STATE)
+    saved_fqns = {fqn for fqn, _ in saved_groups}
+    out = {k: v for k, v in template.items() if not (isinstance(k, str) and k.startswith(_STATE))}
+    by_param: dict[str, dict[str, Any]] = {}
+    for (fqn, name), value in own_state.items():
+        by_param.setdefault(fqn, {})[name] = value
+    for fqn, own in by_param.items():
+        if fqn not in saved_fqns:
+            raise ValueError(f"convert_state_dict: the state dict has no parameter {fqn!r}; it does not match "
+                             "these parameters")
+        target_as = _target_algorithm({"algorithm": groups.get((fqn, "algorithm"))}, f"the target's group of {fqn!r}")
+        saved_as = saved_algorithm(saved_groups.get((fqn, "algorithm")), f"the state dict's group of {fqn!r}") or target_as
+        saved = {name: saved_state[(fqn, name)] for name in own if (fqn, name) in saved_state}
+        for name, value in _entries(saved, own, saved_as, repr(fqn)).items():
+            out[f"{_STATE}{fqn}.{name}"] = value
+    return out
