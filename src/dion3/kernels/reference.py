@@ -123,8 +123,11 @@ def accumulate_momentum_reference(
     for _, _, target, grad in matrix_blocks([targets[i] for i in masked], [pieces[i] for i in masked]):
         finite = torch.isfinite(grad)
         flagged.append(finite.logical_not().any(dim=-1))
-        if decay != 1.0:  # decay·m + g where g is finite, m itself elsewhere
-            target.mul_(torch.full_like(target, decay).masked_fill_(finite.logical_not(), 1.0))
+        if decay != 1.0:  # decay·m + g where g is finite, m itself elsewhere (the factor in float32
+            # or wider, as the plain path's Python float: a half momentum is rounded once, not its factor too)
+            factor = torch.full(target.shape, decay, dtype=torch.promote_types(target.dtype, torch.float32),
+                                device=target.device)
+            target.mul_(factor.masked_fill_(finite.logical_not(), 1.0))
         target.add_(grad.masked_fill(finite.logical_not(), 0))
     dtype = torch.promote_types(momentum.dtype, torch.float32)
     # abs + sum: ~2.5× faster on CPU than vector_norm(ord=1), whose reduction is not vectorized
@@ -165,20 +168,21 @@ def snapshot_rows_reference(
     if scale is not None:  # mu where the factor is finite, else leave the row
         finite = torch.isfinite(scale).expand(*rows.shape, 1)
         if not host_checks_free(momentum.device) or not bool(finite.all()):
-            feedback = torch.full(finite.shape, mu, dtype=momentum.dtype, device=momentum.device).masked_fill_(
-                finite.logical_not(), 1.0)
+            # in float32 or wider, as the plain path's Python float (mu is not rounded to a half momentum's dtype)
+            feedback = torch.full(finite.shape, mu, dtype=torch.promote_types(momentum.dtype, torch.float32),
+                                  device=momentum.device).masked_fill_(finite.logical_not(), 1.0)
     if momentum.dim() == 3 and momentum.is_contiguous():  # rows of the flat [N·R, C] view:
         # index_select/index_copy_ move whole rows, ~1.7× faster on CPU than gather/scatter
         count, height, _ = momentum.shape
         flat = momentum.view(count * height, width)
         index = (rows + torch.arange(count, device=rows.device).unsqueeze(1) * height).reshape(-1)
         update = flat.index_select(0, index).view(*rows.shape, width)
-        decayed = update * (mu if feedback is None else feedback)
+        decayed = (update * (mu if feedback is None else feedback)).to(momentum.dtype)
         flat.index_copy_(0, index, decayed.view(-1, width))
     else:
         index = rows.unsqueeze(-1).expand(*rows.shape, width)
         update = momentum.gather(-2, index)
-        momentum.scatter_(-2, index, update * (mu if feedback is None else feedback))
+        momentum.scatter_(-2, index, (update * (mu if feedback is None else feedback)).to(momentum.dtype))
     if scale is None:
         result = update if out_dtype in (None, update.dtype) else update.to(out_dtype)
     else:
