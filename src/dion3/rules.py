@@ -176,7 +176,7 @@ def pre_step(
         squares = torch.linalg.vector_norm(update, dim=-1, dtype=torch.promote_types(update.dtype, torch.float32))
         norm = _frobenius(squares.square())
         out = empty_padded(*update.shape, scaling.dtype, momentum.device)
-        scale_cast(update, scaling.factor(norm), scaling.dtype, out=out.matrices)
+        torch.mul(update, scaling.factor(norm), out=out.matrices)  # U·factor in NS's dtype (the snapshot's product)
         return PreStep(marked_matrices(out), rows, norm, True)
     # Elsewhere: the selected rows' norm before the snapshot, so that its factor can tell the
     # snapshot which matrices the guard will skip (a row whose gradient was not finite measures

@@ -115,8 +115,9 @@ def accumulate_momentum_reference(
     plain = finite_on_host(pieces) if host_checks_free(momentum.device) else [False] * len(pieces)
     clean = [(t, g) for t, g, ok in zip(targets, pieces, plain) if ok]
     if clean:  # the masked path's arithmetic where every entry is finite, without its masks
-        if decay != 1.0:
-            torch._foreach_mul_([t for t, _ in clean], decay)
+        if decay != 1.0:  # one mul_ each: the CPU's _foreach_mul_ rounds a Python factor to a half dtype first
+            for target, _ in clean:
+                target.mul_(decay)
         torch._foreach_add_([t for t, _ in clean], [g for _, g in clean])
     masked = [i for i, ok in enumerate(plain) if not ok]
     flagged = []  # per row block of the masked pieces, in matrix order: rows with a bad entry
