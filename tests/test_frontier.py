@@ -68,6 +68,10 @@ def test_step_times_join_the_default_muon_not_the_baseline(tmp_path):
     assert presets == ["llama-8b"]
     assert times[frontier.Variant("muon")] == {("llama-8b", "eager"): 600.0, ("llama-8b", "graph"): 598.0}
     assert times[frontier.Variant("dion3", 0.375, "cost")][("llama-8b", "eager")] == 240.0
+    both = tmp_path / "both.json"  # a list of reports: one file for several presets
+    both.write_text(json.dumps([bench_report("llama-8b", TIMES), bench_report("llama-1b", {("muon", None, "uniform", "auto"): (47.0, 46.0)})]))
+    presets, times = frontier.read_steps([both])
+    assert presets == ["llama-8b", "llama-1b"] and times[frontier.Variant("muon")][("llama-1b", "graph")] == 46.0
 
 
 def test_muon_quality_is_the_cheapest_dion3_within_one_sd_of_muon(tmp_path):

@@ -42,7 +42,7 @@ def fake_cpu(monkeypatch, identity: precision.CpuIdentity) -> None:
     (AMD_BF16, torch.bfloat16),  # measured 2.2–2.4× (cpu-2026-12-01.md)
     (INTEL_BF16, torch.float32),  # half the float32 speed on a 2-core Xeon
     (precision.CpuIdentity("AuthenticAMD", frozenset({"avx2"}), "x86_64"), torch.float32),
-    (INTEL_AMX, torch.bfloat16),  # measured 3.0–6.3× (cpu-amx-2026-12-03.md)
+    (INTEL_AMX, torch.bfloat16),  # measured 3.0–6.3× (cpu-2026-12-01.md, AMX part)
     (precision.CpuIdentity("", frozenset({"amx_tile"}), "x86_64"), torch.bfloat16),  # torch's query alone
     (precision.CpuIdentity("GenuineIntel", frozenset({"amx_tile", "amx_bf16"}), "aarch64"), torch.float32),
     (precision.CpuIdentity("AuthenticAMD", frozenset({"avx512_bf16"}), "aarch64"), torch.float32),
@@ -135,7 +135,7 @@ def test_auto_method_weighs_bf16_standard_ns_against_float32_gram_ns(monkeypatch
 @pytest.mark.parametrize("rows", [64, 96, 256])
 def test_amx_keeps_bf16_standard_ns_at_every_aspect_ratio(monkeypatch, fresh_choice, rows):
     """On a CPU with AMX, bf16 standard NS measured 1.5–3.1× faster than float32 Gram NS from 96
-    rows up to m/n = 32 (cpu-amx-2026-12-03.md): with its nominal 3.0 the model picks it at every
+    rows up to m/n = 32 (cpu-2026-12-01.md, AMX part): with its nominal 3.0 the model picks it at every
     aspect ratio (the FLOP ratio tends to 20/8 = 2.5 for wide inputs); below 96 rows the float32 rule."""
     fake_cpu(monkeypatch, INTEL_AMX)
     bf16_rows = rows >= precision.BF16_MIN_ROWS

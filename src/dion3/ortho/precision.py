@@ -12,7 +12,7 @@ agree_across_ranks). The rule follows the measurements recorded in benchmarks/re
     cpu-2026-12-01.md) → bf16;
   - x86 with AMX (Intel Sapphire Rapids and later): bf16 products 3.0–6.3× faster than float32
     from 96 rows up (2-core Xeon, torch 2.13: 8×256×1024 A·Aᵀ 4.01 ms float32, 0.64 ms bf16;
-    cpu-amx-2026-12-03.md) → bf16;
+    cpu-2026-12-01.md, AMX part) → bf16;
   - Intel x86 with AVX-512 BF16 but no AMX: the dot product does as many flops per cycle as
     float32 FMAs, and on a 2-core Xeon with torch 2.13 a bf16 256×256 product ran at half the
     float32 speed → float32;
@@ -45,7 +45,7 @@ ENV_VAR = "DION3_CPU_NS_DTYPE"
 # from the measurements (never a timing taken at run time). AMD EPYC with AVX-512 BF16, torch 2.13
 # (cpu-2026-12-01.md): standard NS in bf16 1.1–1.7× faster than Gram NS at n ≥ 96, m/n ≤ 16, 0.94×
 # at 256×8192, so 2.2 (choose_method then keeps Gram NS above m/n ≈ 21.6). Xeon with AMX
-# (cpu-amx-2026-12-03.md): bf16 products 3.0–6.3× float32 at n ≥ 96 and standard NS in bf16
+# (cpu-2026-12-01.md, AMX part): bf16 products 3.0–6.3× float32 at n ≥ 96 and standard NS in bf16
 # 1.5–3.1× faster than Gram NS up to m/n = 32, so 3.0 (above 2.5 standard NS wins at every
 # aspect ratio). Below 96 rows bf16 products gain little on either (8×64×256 standard NS in bf16
 # 1.25× Gram NS's time on both kinds; 8×16×256: 2.5–3×).

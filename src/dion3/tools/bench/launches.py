@@ -1,7 +1,8 @@
 """Kernel launches per optimizer step, for `dion3 bench`: small models' eager steps are set by
 the host's launches, not by the tensor cores, so a step that launches more is slower there
 whatever its FLOPs (benchmarks/results/cpu-2026-12-01.md, "Ops dispatched per eager step": at
-512-wide matrices step time ≈ ops dispatched × host time per op)."""
+512-wide matrices step time ≈ ops dispatched × host time per op; steps-small-h200-2026-12-03.md:
+kernels per step of the study model's matrices)."""
 from __future__ import annotations
 
 from typing import Callable, Optional

@@ -31,12 +31,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
             parser.add_argument(f"--{family}-mu", default=mu, help=f"{family} momenta (default {mu})")
     parser.add_argument("--fraction", default="0.25",
                         help="Dion3's (final) fractions, comma-separated (with --fraction-allocation cost: the uniform "
-                             "fraction whose orthogonalization FLOPs the per-shape fractions share)")
+                             "fraction within whose modeled H200 step time the per-shape fractions are allocated)")
     parser.add_argument("--fraction-warmup", default="0,200",
                         help="Dion3 fraction warm-ups from 1, comma-separated: steps, or P%% of the horizon; 0 = fixed fraction")
     parser.add_argument("--fraction-allocation", default="uniform",
                         help="Dion3 fractions, comma-separated: uniform (--fraction on every matrix) and/or cost (per "
-                             "matrix shape, by orthogonalization cost at the same FLOPs; needs --fraction-warmup 0)")
+                             "matrix shape, within the uniform fraction's modeled H200 step time, dion3.ortho.cost.modeled_seconds; "
+                             "needs --fraction-warmup 0)")
     parser.add_argument("--momentum-dtype", default="float32",
                         help="the matrix momentum's dtype, comma-separated: float32 (default) and/or bfloat16; each "
                              "Muon, NorMuon and Dion3 setting runs with each (AdamW keeps its own state)")

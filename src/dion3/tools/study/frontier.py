@@ -5,8 +5,8 @@ faster its step is.
     python -m dion3.tools.study.frontier --results benchmarks/results/quality-study-llama-384 \\
         --steps STEPS-llama-8b.json [STEPS-llama-1b.json ...] --out DIR
 
---results: study folders (or their results.jsonl). --steps: `dion3 bench --json` files; the first
-one's preset is the picture's x-axis, every one gets a column. For each model in the results, at
+--results: study folders (or their results.jsonl). --steps: `dion3 bench --json` files (or JSON
+lists of such reports); the first report's preset is the picture's x-axis, every one gets a column. For each model in the results, at
 --horizon steps: the best setting (lowest mean final validation loss over its seeds) of each family
 (AdamW, Muon, NorMuon) and of each Dion3 variant (fraction, uniform or by cost; fixed fractions),
 with its step times: Muon's are `muon-gram`'s (dion3.Muon's defaults), Dion3 F by cost's are
@@ -108,10 +108,14 @@ def bench_variant(row: dict) -> Optional[Variant]:
 
 
 def read_steps(paths: Sequence[Path]) -> tuple[list[str], dict[Variant, dict]]:
-    """(the presets in order, variant → {(preset, mode): device ms}) from `dion3 bench --json` files."""
+    """(the presets in order, variant → {(preset, mode): device ms}) from `dion3 bench --json` files,
+    each one report or a list of reports."""
     presets, times = [], {}
-    for path in paths:
-        report = json.loads(Path(path).read_text())
+    reports = []
+    for path in paths:  # a report, or a list of them (one per preset)
+        loaded = json.loads(Path(path).read_text())
+        reports += loaded if isinstance(loaded, list) else [loaded]
+    for report in reports:
         preset = report["source"]["name"]
         presets.append(preset)
         for row in report["results"]:
