@@ -18,8 +18,9 @@ Newton–Schulz keeps every singular value inside its schedule's band, so a larg
 corrupted computation, not an update), keeps its variance, is not moved by apply_update (its
 weight decay still applies) and is noted in the `skipped` tally that apply_update is given.
 The bound is checked where whole matrices are (one device, or a distributed owner); a rank that
-holds only some rows of a matrix sees the owner's verdict as NaN rows. Gradients are not checked
-here (check_finite=True in the optimizer raises on them).
+holds only some rows of a matrix sees the owner's verdict as NaN rows. A non-finite gradient entry
+reaches the verdict through the momentum pass, whose rows measure NaN there (kernels.accumulate_momentum);
+check_finite=True in the optimizer raises on such gradients instead.
 """
 from __future__ import annotations
 
