@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import gloo
+from test_distributed_resume import set_grads
 from dion3 import Dion3, Muon, NorMuon, convert_state_dict
-from dion3.distributed import local_row_span
 
 TRAINING = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 
@@ -270,17 +270,9 @@ class ShardedNet(torch.nn.Module):
 
 
 def sharded_step(net, opt, seed, world, rank):
-    from torch.distributed.tensor import DTensor, Shard
-
     gen = torch.Generator().manual_seed(900 + seed)
     grads = [torch.randn(s, generator=gen) for s in SHARDED_SHAPES] + [torch.randn(n, generator=gen) for n in SHARDED_BIASES]
-    for p, g in zip([*net.weights, *net.biases], grads):
-        if isinstance(p, DTensor):
-            start, stop = local_row_span(g.shape[0], world, rank)
-            p.grad = DTensor.from_local(g[start:stop].clone(), p.device_mesh, [Shard(0)], run_check=False,
-                                        shape=g.shape, stride=g.stride())
-        else:
-            p.grad = g.clone()
+    set_grads([*net.weights, *net.biases], grads, world, rank)  # each rank's rows of every gradient
     opt.step()
 
 
