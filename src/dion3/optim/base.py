@@ -22,9 +22,9 @@ from torch import Tensor
 
 from .. import distributed, matrix_step, rules
 from ..buckets import Bucket, SkipTally, add_matrix, bucket_subset, matrix_view, momentum_dtype, write_back_subset
-from ..kernels import finite_on_host, host_checks_free
 from ..ortho.precision import agree_across_ranks
 from . import scalar
+from .scalar_group import step_group
 from .validation import (
     ALIASES,
     MATRIX_ALGORITHMS,
@@ -355,49 +355,10 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             )
 
     def _scalar_step(self, group: dict) -> None:
-        """AdamW or Lion on one group, guarded: a parameter whose gradient has a non-finite entry
-        (on any rank holding a piece of it) skips the step, its weights only decay, its state
-        stays, and it counts once in nonfinite_updates (scalar's module docstring)."""
+        """AdamW or Lion on one group, guarded per parameter (scalar_group.step_group)."""
         params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            return
-        grads = [p.grad for p in params]
-        local_grads = [distributed.local_tensor(g) for g in grads]
-        device = local_grads[0].device
-        if host_checks_free(device):  # the host may look: leave the bad ones out of the step
-            ok = torch.tensor(finite_on_host(local_grads), dtype=torch.bool)
-        else:  # on the device, without a host sync: the step masks them
-            ok = torch.isfinite(torch.stack(torch._foreach_norm(local_grads)).float())
-        ok = distributed.agree_on_pieces(ok, params)
-        self._tally(device).add(ok)
-        if host_checks_free(device):
-            kept = ok.tolist()
-            if not all(kept):
-                decay = 1.0 - group["lr"] * group["weight_decay"]
-                for p, keep in zip(params, kept):
-                    if not keep:
-                        p.mul_(decay)
-                params = [p for p, keep in zip(params, kept) if keep]
-                grads = [g for g, keep in zip(grads, kept) if keep]
-            ok = None
-        beta1, beta2 = group["betas"]
-        for at in _by_mesh(params):  # DTensor's foreach ops take one mesh at a time
-            params_here, grads_here = [params[i] for i in at], [grads[i] for i in at]
-            states = [self.state[p] for p in params_here]
-            ok_here = None if ok is None else (ok if len(at) == len(params) else ok[torch.tensor(at, device=ok.device)])
-            if ok is not None:  # the masked step works on the local pieces (a mask is not a DTensor)
-                params_here = [distributed.local_tensor(p) for p in params_here]
-                grads_here = [distributed.local_tensor(distributed.settled(g)) for g in grads_here]
-                states = [{key: distributed.local_tensor(value) for key, value in state.items()} for state in states]
-            if group["algorithm"] == "adamw":
-                scalar.adamw_step(
-                    params_here, grads_here, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
-                    [st["step"] for st in states], group["lr"], beta1, beta2, group["epsilon"], group["weight_decay"],
-                    ok=ok_here,
-                )
-            else:
-                scalar.lion_step(params_here, grads_here, [st["exp_avg"] for st in states], group["lr"], beta1, beta2,
-                                 group["weight_decay"], ok=ok_here)
+        if params:
+            step_group(group, params, self.state, self._tally(distributed.local_tensor(params[0].grad).device))
 
     @staticmethod
     def rule_config(group: dict) -> rules.RuleConfig:
@@ -428,10 +389,3 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         self._matrix_step(sub, group)
         write_back_subset(bucket, sub, targets)
 
-
-def _by_mesh(params: list) -> list[list[int]]:
-    """Indices of params grouped by their DTensor mesh (plain tensors together), in order."""
-    groups: dict[object, list[int]] = {}
-    for index, p in enumerate(params):
-        groups.setdefault(id(p.device_mesh) if distributed.is_dtensor(p) else None, []).append(index)
-    return list(groups.values())
