@@ -2,7 +2,9 @@
 AdamW parameter's gradient (a bias, a norm gain, an embedding, an LM head) at one step, on DDP and
 FSDP2 (2 ranks) and FSDP2 + TP (dp=2, tp=2), against one process given the same gradients. The
 last entry lies in the last rank's shard: the other ranks' pieces are finite, and must skip the
-parameter too. Each case runs the CPU's host-checked path and the sync-free masked path a GPU takes.
+parameter too. Each case runs the CPU's host-checked path and the sync-free masked path a GPU takes, the latter
+through the CPU stand-in of a captured step for Muon and NorMuon (distributed Dion3 captures only
+with local selection; its masked runs are eager).
 Rank 0 writes what every rank measured. Not a test module."""
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 
 import gloo
 from dion3.kernels import reference as reference_kernels
+from graph_standin import CPUCapturedStep
 from layouts_worker import cut, full
 from test_scalar_guard import BAD_STEP, DECAY, KINDS, LR, SCALAR_LR, SCALARS, Tiny, grads, groups
 
@@ -48,6 +51,8 @@ def run(layout: str, kind: str, bad: str, masked: bool) -> dict:
     model, mesh_arg = build(layout)
     reference = Tiny()
     opt = cls(groups(model), distributed_mesh=mesh_arg, lr=LR, weight_decay=DECAY, **options)
+    # masked: also captured (the CPU stand-in refuses host syncs and host-to-device copies)
+    step_fn = CPUCapturedStep(opt, warmup_steps=1) if masked and kind != "dion3" else opt.step
     ref = cls(groups(reference), lr=LR, weight_decay=DECAY, **options)
     named, ref_named = dict(model.named_parameters()), dict(reference.named_parameters())
     out = {}
@@ -59,7 +64,7 @@ def run(layout: str, kind: str, bad: str, masked: bool) -> dict:
             weight_before = full(named[bad])
         for name, g in full_grads.items():
             named[name].grad, ref_named[name].grad = cut(g, named[name]), g.clone()
-        opt.step()
+        step_fn()
         ref.step()
         if step == BAD_STEP:
             after = {k: full(v) for k, v in opt.state[named[bad]].items()}

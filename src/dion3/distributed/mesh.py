@@ -279,14 +279,11 @@ def agree_on_pieces(ok: Tensor, params) -> Tensor:
             by_mesh.setdefault(id(mesh), (mesh, []))[1].append(index)
     if not by_mesh:
         return ok
-    ok = ok.clone()
+    flags = list(ok.unbind())  # no index tensors: nothing to copy from the host inside a captured step
     for mesh, indices in by_mesh.values():
-        at = torch.tensor(indices, device=ok.device) if len(indices) < ok.numel() else None
-        agreed = (ok if at is None else ok[at]).to(torch.int32)
+        agreed = torch.stack([flags[i] for i in indices]).to(torch.int32)
         for dim in range(mesh.ndim):
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
-        if at is None:
-            ok = agreed.bool()
-        else:
-            ok[at] = agreed.bool()
-    return ok
+        for i, value in zip(indices, agreed.bool().unbind()):
+            flags[i] = value
+    return torch.stack(flags)

@@ -5,7 +5,7 @@ CUDA graph; `lr` may be a float or a 0-d tensor.
 The guard, as for the matrices: a parameter whose gradient has a non-finite entry skips the step
 (its weights only decay; its moments and step count stay as they were). The optimizer either
 leaves such parameters out of the lists (where the host may look at the gradients: CPU tensors),
-or passes `ok`, one bool per parameter on the device, and the step masks them itself: their
+or passes `ok`, one 0-d bool tensor per parameter on the device, and the step masks them itself: their
 gradient is replaced by what leaves each moment unchanged (lerp(m, m, w) = m exactly), their step
 count does not advance and their update is zero, without a host sync."""
 from __future__ import annotations
@@ -51,10 +51,10 @@ def adamw_step(
     beta2: float,
     epsilon: float,
     weight_decay: Scalar,
-    ok: Optional[Tensor] = None,
+    ok: Optional[Sequence[Tensor]] = None,
 ) -> None:
-    """Decoupled-weight-decay Adam, the same update as torch.optim.AdamW. ok ([P] bool, one per
-    parameter): skip the others (module docstring); their weights still decay."""
+    """Decoupled-weight-decay Adam, the same update as torch.optim.AdamW. ok (one 0-d bool tensor
+    per parameter): skip those that are False (module docstring); their weights still decay."""
     if not params:
         return
     if ok is None:
@@ -63,8 +63,8 @@ def adamw_step(
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
     else:
-        kept = ok.unbind()
-        torch._foreach_add_(steps, list(ok.to(steps[0].dtype).unbind()))
+        kept = list(ok)
+        torch._foreach_add_(steps, list(torch.stack(kept).to(steps[0].dtype).unbind()))
         torch._foreach_lerp_(exp_avgs, _or_state(kept, grads, exp_avgs), 1.0 - beta1)
         torch._foreach_lerp_(exp_avg_sqs, _or_state(kept, torch._foreach_mul(grads, grads), exp_avg_sqs), 1.0 - beta2)
     if isinstance(weight_decay, Tensor) or weight_decay != 0.0:  # tensors: no host sync
@@ -102,13 +102,13 @@ def lion_step(
     beta1: float,
     beta2: float,
     weight_decay: Scalar,
-    ok: Optional[Tensor] = None,
+    ok: Optional[Sequence[Tensor]] = None,
 ) -> None:
     """Lion: X ← (1 − lr·λ)X − lr·sign(β₁m + (1−β₁)g); m ← β₂m + (1−β₂)g. ok: as adamw_step."""
     if not params:
         return
     if ok is not None:
-        kept = ok.unbind()
+        kept = list(ok)
         grads = _or_state(kept, grads, exp_avgs)
     update = torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_sign_(update)

@@ -32,10 +32,10 @@ def step_group(group: dict, params: list[Tensor], state: dict, tally: SkipTally)
                 p.mul_(decay)
             params, grads = [p for p, keep in zip(params, kept) if keep], [g for g, keep in zip(grads, kept) if keep]
         ok = None
+    kept = None if ok is None else ok.unbind()  # one 0-d verdict per parameter: no index tensor to copy
     for at in _by_mesh(params):  # DTensor's foreach ops take one mesh at a time
         here = [params[i] for i in at], [grads[i] for i in at], [state[params[i]] for i in at]
-        mask = None if ok is None else (ok if len(at) == len(params) else ok[torch.tensor(at, device=ok.device)])
-        _step(group, *(here if mask is None else _local(*here)), mask)
+        _step(group, *(here if kept is None else _local(*here)), None if kept is None else [kept[i] for i in at])
 
 
 def _step(group: dict, params: list, grads: list, states: list, ok) -> None:
