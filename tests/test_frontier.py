@@ -97,4 +97,4 @@ def test_the_command_writes_the_table_and_the_picture(tmp_path):
     text = (out / "frontier.md").read_text()
     assert "| Dion3 3⁄8 by cost | 0.02 | 0.6 | 2 | 0.7015 ± 0.0007 | +0.0015 | 240.0 / 239.0 | 0.40 |" in text
     assert "- muon quality: Dion3 3⁄8 by cost" in text and "0.40× Muon's" in text
-    assert (out / "frontier-tiny.png").stat().st_size > 10_000
+    assert (out / "frontier.png").stat().st_size > 10_000 and "](frontier.png)" in text

@@ -11,8 +11,8 @@ lists of such reports); the first report's preset is the picture's x-axis, every
 (AdamW, Muon, NorMuon) and of each Dion3 variant (fraction, uniform or by cost; fixed fractions),
 with its step times: Muon's are `muon-gram`'s (dion3.Muon's defaults), Dion3 F by cost's are
 `dion3-F-cost`'s. Writes DIR/frontier.md (a table per model and two picks) and
-DIR/frontier-MODEL.png (loss against step time, one standard deviation over seeds as error bars,
-Muon and NorMuon marked).
+DIR/frontier.png (a panel per model: loss against step time, one standard deviation over seeds as
+error bars, Muon and NorMuon marked).
 
 The picks: "Muon quality", the Dion3 setting with the shortest step whose mean loss is at most
 Muon's best mean plus one standard deviation of Muon's seeds; "fastest", the Dion3 setting with
@@ -173,40 +173,44 @@ def frontier_table(model: str, points: Sequence[Point], presets: Sequence[str]) 
     return "\n".join(lines)
 
 
-def frontier_picture(model: str, points: Sequence[Point], axis: tuple, path: Path) -> bool:
-    """Loss against step time on `axis`; False (nothing written) when no point is timed there."""
-    timed = [p for p in points if axis in p.step_ms]
-    if not timed:
-        return False
+def frontier_picture(panels: Sequence[tuple[str, Sequence[Point]]], axis: tuple, path: Path) -> list[str]:
+    """One picture, a panel per model (each with its own loss scale): loss against step time on
+    `axis`. Returns the models drawn (a model with no point timed there gets no panel); nothing is
+    written when none is timed."""
+    panels = [(model, [p for p in points if axis in p.step_ms], points) for model, points in panels]
+    panels = [panel for panel in panels if panel[1]]
+    if not panels:
+        return []
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, ax = plt.subplots(figsize=(7.5, 4.8))
+    figure, axes = plt.subplots(len(panels), 1, figsize=(7.5, 4.4 * len(panels)), squeeze=False)
     styles = {"muon": ("s", "tab:red"), "normuon": ("D", "tab:green"), "adamw": ("v", "tab:gray")}
-    for index, point in enumerate(sorted(timed, key=lambda p: p.step_ms[axis])):
-        marker, colour = styles.get(point.variant.optimizer, ("o", "tab:blue"))
-        x = point.step_ms[axis]
-        ax.errorbar(x, point.mean, yerr=point.sd, fmt=marker, color=colour, capsize=3, markersize=7)
-        # neighbours' labels on alternate sides, so that close points stay readable
-        ax.annotate(point.variant.label, (x, point.mean), textcoords="offset points", xytext=(6, 5 if index % 2 else -11),
-                    fontsize=8)
-    for point in points:
-        if point.variant.optimizer in ("muon", "normuon"):  # the references, drawn across the picture
-            _, colour = styles[point.variant.optimizer]
-            ax.axhline(point.mean, color=colour, linestyle="--", linewidth=1, label=f"{point.variant.label} best")
-            if point.variant.optimizer == "muon" and point.sd:
-                ax.axhspan(point.mean - point.sd, point.mean + point.sd, color=colour, alpha=0.1, label="Muon best ± sd")
-    ax.set_xlabel(f"optimizer step on {axis[0]} shapes, one H200 ({axis[1]}), ms")
-    ax.set_ylabel("final validation loss, nats per byte")
-    ax.set_title(f"{model}: loss against step time (mean ± sd over seeds)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
+    for ax, (model, timed, points) in zip(axes[:, 0], panels):
+        for index, point in enumerate(sorted(timed, key=lambda p: p.step_ms[axis])):
+            marker, colour = styles.get(point.variant.optimizer, ("o", "tab:blue"))
+            x = point.step_ms[axis]
+            ax.errorbar(x, point.mean, yerr=point.sd, fmt=marker, color=colour, capsize=3, markersize=7)
+            # neighbours' labels on alternate sides, so that close points stay readable
+            ax.annotate(f"{point.variant.label} ({len(point.losses)})", (x, point.mean), textcoords="offset points",
+                        xytext=(6, 5 if index % 2 else -11), fontsize=8)
+        for point in points:
+            if point.variant.optimizer in ("muon", "normuon"):  # the references, drawn across the panel
+                _, colour = styles[point.variant.optimizer]
+                ax.axhline(point.mean, color=colour, linestyle="--", linewidth=1, label=f"{point.variant.label} best")
+                if point.variant.optimizer == "muon" and point.sd:
+                    ax.axhspan(point.mean - point.sd, point.mean + point.sd, color=colour, alpha=0.1, label="Muon best ± sd")
+        ax.set_xlabel(f"optimizer step on {axis[0]} shapes, one H200 ({axis[1]}), ms")
+        ax.set_ylabel("final validation loss, nats per byte")
+        ax.set_title(f"{model}: loss against step time (mean ± sd over seeds; seeds in brackets)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper right")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=110)
     plt.close(figure)
-    return True
+    return [model for model, _, _ in panels]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -215,7 +219,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--steps", type=Path, nargs="*", default=[], help="`dion3 bench --json` files; the first is the x-axis")
     parser.add_argument("--horizon", type=int, default=1500, help="training steps of the runs compared (default 1500)")
     parser.add_argument("--eager", action="store_true", help="compare eager runs (default: runs with --compile)")
-    parser.add_argument("--out", type=Path, required=True, help="folder for frontier.md and frontier-MODEL.png")
+    parser.add_argument("--out", type=Path, required=True, help="folder for frontier.md and frontier.png")
     args = parser.parse_args(argv)
     records = [r for path in args.results for r in read_results(path / "results.jsonl" if path.is_dir() else path)]
     if not records:
@@ -225,6 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     models = sorted({r["config"]["model"] for r in records})
     sections = [f"# Frontier at {args.horizon} steps ({'eager' if args.eager else 'compiled'} runs)", "",
                 "Command: `python -m dion3.tools.study.frontier " + " ".join(sys.argv[1:] if argv is None else argv) + "`", ""]
+    panels = []
     for model in models:
         points = list(best_points(records, model, args.horizon, not args.eager).values())
         if not points:
@@ -232,8 +237,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for point in points:
             point.step_ms = times.get(_rounded(point.variant), {})
         sections += [frontier_table(model, points, presets), ""]
-        if presets and frontier_picture(model, points, (presets[0], "eager"), args.out / f"frontier-{model}.png"):
-            sections += [f"![{model}](frontier-{model}.png)", ""]
+        panels.append((model, points))
+    if presets and frontier_picture(panels, (presets[0], "eager"), args.out / "frontier.png"):
+        sections += ["![loss against step time, a panel per model](frontier.png)", ""]
     (args.out / "frontier.md").write_text("\n".join(sections))
     print("\n".join(sections))
     return 0
