@@ -150,9 +150,13 @@ def test_no_orthogonalization_is_above_the_bound(coefficients, method):
     on CPU may compute in bf16) and float16 (Gram NS on a GPU) all stay within it, with room to
     spare. 1024 × 384 is the gate/up shape of the study's llama-384, with the spectrum of its early
     momentum where the skipped updates were recorded (about 290 of 384 singular values below 1e-3
-    of the largest)."""
+    of the largest). At that shape half precision runs in the dtype the method computes in on a GPU
+    (bf16 standard NS, fp16 Gram NS) for the early, the ill-conditioned and the random inputs: a
+    CPU without native half products takes seconds for each, and the small shapes cover every
+    spectrum in both half dtypes."""
     generator = torch.Generator().manual_seed(3)
     bound = rules.update_bound(coefficients)
+    gpu_half = torch.bfloat16 if method == "newton_schulz" else torch.float16
     worst = 0.0
     for rows, cols in ((16, 48), (48, 16), (32, 32), (7, 90), (1024, 384)):
         n = min(rows, cols)
@@ -162,8 +166,12 @@ def test_no_orthogonalization_is_above_the_bound(coefficients, method):
         spectra = [torch.ones(n), torch.eye(1, n)[0], (torch.arange(n) < 3).double().float(),
                    torch.logspace(0, -7, n), early, torch.rand(n, generator=generator)]
         inputs = [(u * s) @ v.T for s in spectra] + [torch.randn(rows, cols, generator=generator)]
-        for x in inputs:
+        large = rows * cols > 100_000
+        for index, x in enumerate(inputs):
+            half_too = not large or index in (3, 4, 6)  # ill-conditioned, early momentum, random
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                if dtype != torch.float32 and not half_too or large and dtype not in (torch.float32, gpu_half):
+                    continue
                 out = rules.orthogonalize(x.unsqueeze(0), method, coefficients, dtype=dtype, out_dtype=torch.float32)
                 norm = float(torch.linalg.vector_norm(out))
                 worst = max(worst, norm / n ** 0.5)
