@@ -17,7 +17,9 @@ over whenever a neighbour takes a core, and that column shows the step without i
 
 --public PATH names a folder holding the public Dion code's `dion` package (from a checkout of
 its repository; not part of dion3): its Dion3, Muon and NorMuon are then timed in the same
-interleaved repeats (the first repeat's warm-up pays its torch.compile).
+interleaved repeats (the first repeat's warm-up pays its torch.compile). Name public variants
+in --optimizers (e.g. `dion3-1/4,public-dion3-1/4`) to time only those: on a CPU without native
+bf16 products the public Muon and NorMuon take seconds a step.
 """
 from __future__ import annotations
 
@@ -116,7 +118,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--public", metavar="PATH",
                         help="folder holding the public Dion code's `dion` package: adds public-dion3-1/4, "
-                             "public-muon and public-normuon to the list, timed interleaved with ours")
+                             "public-muon and public-normuon to the list, timed interleaved with ours (unless "
+                             "--optimizers names public- variants: then those alone)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -124,7 +127,8 @@ def main(argv=None) -> None:
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
     if args.public:
         sys.path.insert(0, args.public)
-        names += [PUBLIC_PREFIX + n for n in ("dion3-1/4", "muon", "normuon") if PUBLIC_PREFIX + n not in names]
+        if not any(n.startswith(PUBLIC_PREFIX) for n in names):  # else: the public variants named
+            names += [PUBLIC_PREFIX + n for n in ("dion3-1/4", "muon", "normuon")]
     times: dict[str, list[float]] = {n: [] for n in names}
     repeat_medians: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(args.repeats):
