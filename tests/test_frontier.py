@@ -98,3 +98,22 @@ def test_the_command_writes_the_table_and_the_picture(tmp_path):
     assert "| Dion3 3⁄8 by cost | 0.02 | 0.6 | 2 | 0.7015 ± 0.0007 | +0.0015 | 240.0 / 239.0 | 0.40 |" in text
     assert "- muon quality: Dion3 3⁄8 by cost" in text and "0.40× Muon's" in text
     assert (out / "frontier.png").stat().st_size > 10_000 and "](frontier.png)" in text
+
+
+def test_the_picture_has_a_panel_per_model_with_timed_points(tmp_path):
+    """Two models with timed points give two panels in one file; a model whose points have no step
+    time on the axis gets none, and no timed point at all writes nothing."""
+    axis = ("llama-8b", "eager")
+    timed = [frontier.Point(frontier.Variant("muon"), 0.01, 0.8, [0.70, 0.71], {axis: 600.0}),
+             frontier.Point(frontier.Variant("dion3", 0.375, "cost"), 0.02, 0.6, [0.705], {axis: 240.0})]
+    untimed = [frontier.Point(frontier.Variant("adamw"), 5e-4, 0.0, [0.75], {})]
+    path = tmp_path / "frontier.png"
+    drawn = frontier.frontier_picture([("a", timed), ("b", untimed), ("c", timed[:1])], axis, path)
+    assert drawn == ["a", "c"] and path.stat().st_size > 10_000
+    from PIL import Image
+
+    assert frontier.frontier_picture([("a", timed)], axis, tmp_path / "one.png") == ["a"]
+    with Image.open(path) as both, Image.open(tmp_path / "one.png") as one:  # stacked: twice one panel's height
+        assert both.size[1] == pytest.approx(2 * one.size[1], abs=2)
+    assert frontier.frontier_picture([("b", untimed)], axis, tmp_path / "none.png") == []
+    assert not (tmp_path / "none.png").exists()
