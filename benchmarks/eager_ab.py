@@ -34,10 +34,14 @@ from dion3.tools.bench.presets import PRESETS  # noqa: E402 (shapes only; the ti
 sys.path.pop(0)
 
 
-def load_tree(path: str) -> dict:
-    """Import the `dion3` package under `path` and return its modules (name -> module)."""
+def _drop_dion3() -> None:
     for name in [n for n in sys.modules if n == "dion3" or n.startswith("dion3.")]:
         del sys.modules[name]
+
+
+def load_tree(path: str) -> dict:
+    """Import the `dion3` package under `path` and return its modules (name -> module)."""
+    _drop_dion3()
     sys.path.insert(0, path)
     try:
         importlib.import_module("dion3")
@@ -48,8 +52,8 @@ def load_tree(path: str) -> dict:
 
 
 def activate(modules: dict) -> None:
-    for name in [n for n in sys.modules if n == "dion3" or n.startswith("dion3.")]:
-        del sys.modules[name]
+    """Make `modules` (one tree's) the `dion3` that imports inside its code find."""
+    _drop_dion3()
     sys.modules.update(modules)
 
 
@@ -134,9 +138,9 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.json:
-        meta = {"trees": [modules["dion3"].__file__ for modules in trees], "preset": args.preset, "turns": args.turns, "steps": args.steps,
-                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "torch": torch.__version__}
+        meta = {"trees": [modules["dion3"].__file__ for modules in trees], "preset": args.preset,
+                "turns": args.turns, "steps": args.steps, "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
     return 0
