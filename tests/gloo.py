@@ -89,6 +89,15 @@ def spawn_and_read(worker, world: int, out_path, *args) -> dict:
     return json.loads(Path(out_path).read_text())
 
 
+def spawn_per_world(worker, layouts_by_world: dict, folder_of) -> dict:
+    """spawn_and_read once per world size with that world's layouts, every result in one dict;
+    folder_of(world) gives a fresh folder for each run's files."""
+    results = {}
+    for world, layouts in layouts_by_world.items():
+        results.update(spawn_and_read(worker, world, folder_of(world) / "results.json", layouts))
+    return results
+
+
 def train_in_lockstep(pairs, steps: int, seed: int, batch_shape: tuple[int, int]) -> None:
     """Train each (model, optimizer) pair on the same seeded batches, loss = mean square of the
     output: a distributed model and its one-process reference take identical steps."""

@@ -19,11 +19,7 @@ LAYOUTS = {2: ["ddp", "fsdp2"], 4: ["hsdp", "fsdp2+tp"]}
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
-    results = {}
-    for world, layouts in LAYOUTS.items():
-        out = tmp_path_factory.mktemp(f"guard{world}") / "results.json"
-        results.update(gloo.spawn_and_read(guard_worker.worker, world, out, layouts))
-    return results
+    return gloo.spawn_per_world(guard_worker.worker, LAYOUTS, lambda world: tmp_path_factory.mktemp(f"guard{world}"))
 
 
 @pytest.mark.parametrize("kind", sorted(guard_worker.CASES))

@@ -16,11 +16,7 @@ LAYOUTS = {2: ["ddp", "fsdp2"], 4: ["fsdp2+tp"]}
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
-    results = {}
-    for world, layouts in LAYOUTS.items():
-        out = tmp_path_factory.mktemp(f"scalar{world}") / "results.json"
-        results.update(gloo.spawn_and_read(scalar_guard_worker.worker, world, out, layouts))
-    return results
+    return gloo.spawn_per_world(scalar_guard_worker.worker, LAYOUTS, lambda world: tmp_path_factory.mktemp(f"scalar{world}"))
 
 
 @pytest.mark.parametrize("path", ["host", "masked"])
