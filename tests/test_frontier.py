@@ -61,6 +61,19 @@ def test_best_points_pick_the_lowest_mean_and_leave_out_what_does_not_compare():
                          frontier.Variant("dion3", 0.25, "cost")}  # no FLOP rule, no warm-up
 
 
+def test_the_best_is_the_lowest_mean_among_the_most_seeded_and_a_rival_ahead_on_fewer_is_named():
+    # lr 0.01 won the seed-0 sweep (0.700 < 0.701) and then ran seeds 1 and 2 (mean 0.704); lr 0.02's one
+    # seed (0.701) is below that mean but has no spread: lr 0.01 stays the best, with no rival named
+    records = [record("muon", 0.01, 0.8, 0, 0.700), record("muon", 0.01, 0.8, 1, 0.704), record("muon", 0.01, 0.8, 2, 0.708),
+               record("muon", 0.02, 0.8, 0, 0.701)]
+    muon = frontier.best_points(records, "tiny", 100, compiled=True)[frontier.Variant("muon")]
+    assert (muon.lr, muon.losses, muon.unconfirmed) == (0.01, [0.700, 0.704, 0.708], [])
+    # lr 0.02 wins seed 0 (0.699): still one seed, so lr 0.01 is the point, and lr 0.02 is the rival to confirm
+    swapped = records[:3] + [record("muon", 0.02, 0.7, 0, 0.699)]
+    muon = frontier.best_points(swapped, "tiny", 100, compiled=True)[frontier.Variant("muon")]
+    assert (muon.lr, muon.unconfirmed) == (0.01, [(0.02, 0.7, [0])])
+
+
 def test_step_times_join_the_default_muon_not_the_baseline(tmp_path):
     path = tmp_path / "steps.json"
     path.write_text(json.dumps(bench_report("llama-8b", TIMES)))

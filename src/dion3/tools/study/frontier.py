@@ -7,7 +7,7 @@ faster its step is.
 
 --results: study folders (or their results.jsonl). --steps: `dion3 bench --json` files (or JSON
 lists of such reports); the first report's preset is the picture's x-axis, every one gets a column. For each model in the results, at
---horizon steps: the best setting (lowest mean final validation loss over its seeds) of each family
+--horizon steps: the best setting (among those with the most seeds, the lowest mean final validation loss) of each family
 (AdamW, Muon, NorMuon) and of each Dion3 variant (fraction, uniform or by cost; fixed fractions),
 with its step times: Muon's are `muon-gram`'s (dion3.Muon's defaults), Dion3 F by cost's are
 `dion3-F-cost`'s. Writes DIR/frontier.md (a table per model and two picks) and
@@ -26,12 +26,13 @@ import json
 import math
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Optional, Sequence
 
 from .launch import read_results
+from .runs import best_on_shared_seeds
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Point:
     mu: float
     losses: list[float]
     step_ms: dict  # (preset, mode) → median device ms
+    unconfirmed: list = field(default_factory=list)  # (lr, μ, shared seeds) of rivals ahead on fewer seeds
 
     @property
     def mean(self) -> float:
@@ -68,8 +70,11 @@ class Point:
 
 
 def best_points(records: Sequence[dict], model: str, horizon: int, compiled: bool) -> dict[Variant, Point]:
-    """The best lr/μ of each variant for one model and horizon (lowest mean over its seeds; among
-    equal means, more seeds). Non-finite runs never count (they are bugs to explain, not samples)."""
+    """The best lr/μ of each variant for one model and horizon: among the settings with the most
+    seeds (those a seed-0 sweep led the study to confirm; a point needs a spread), the lowest mean.
+    A setting with fewer seeds that beats it on the seeds they share is listed in `unconfirmed`
+    (its seeds are the study's next runs). Non-finite runs never count (they are bugs to explain,
+    not samples)."""
     settings: dict[tuple, tuple[Variant, float, float, dict[int, float]]] = {}
     for record in records:
         config = record["config"]
@@ -85,12 +90,17 @@ def best_points(records: Sequence[dict], model: str, horizon: int, compiled: boo
         variant = Variant(config["optimizer"], config["fraction"] if dion3 else None, allocation if dion3 else "uniform")
         key = (variant, config["lr"], config["mu"])
         settings.setdefault(key, (variant, config["lr"], config["mu"], {}))[3][record["seed"]] = record["final_val_loss"]
-    best: dict[Variant, Point] = {}
+    by_variant: dict[Variant, list[tuple[float, float, dict[int, float]]]] = {}
     for variant, lr, mu, by_seed in settings.values():
+        by_variant.setdefault(variant, []).append((lr, mu, by_seed))
+    best: dict[Variant, Point] = {}
+    for variant, candidates in by_variant.items():
+        lr, mu, by_seed = min(candidates, key=lambda c: (-len(c[2]), statistics.fmean(c[2].values())))
         point = Point(variant, lr, mu, [by_seed[s] for s in sorted(by_seed)], {})
-        current = best.get(variant)
-        if current is None or (point.mean, -len(point.losses)) < (current.mean, -len(current.losses)):
-            best[variant] = point
+        for other_lr, other_mu, other in candidates:  # a rival that wins on the seeds it shares: run its seeds
+            if len(other) < len(by_seed) and best_on_shared_seeds([by_seed, other])[0] == 1:
+                point.unconfirmed.append((other_lr, other_mu, sorted(set(other) & set(by_seed))))
+        best[variant] = point
     return best
 
 
@@ -170,6 +180,10 @@ def frontier_table(model: str, points: Sequence[Point], presets: Sequence[str]) 
                 ratio = f", {point.step_ms[reference] / muon_ms:.2f}× Muon's" if muon_ms else ""
                 lines.append(f"- {name}: {point.variant.label} (lr {point.lr:g}, μ {point.mu:g}), {point.mean:.4f} ± "
                              f"{point.sd:.4f}{gap}; {presets[0]} step {point.step_ms[reference]:.1f} ms{ratio}")
+    for point in points:
+        for lr, mu, seeds in point.unconfirmed:
+            lines.append(f"- unconfirmed: {point.variant.label} lr {lr:g}, μ {mu:g} is at or below the best's loss on "
+                         f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}, with fewer seeds")
     return "\n".join(lines)
 
 

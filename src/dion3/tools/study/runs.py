@@ -194,6 +194,17 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     return [dataclasses.replace(run, repeat=r) for run in runs for r in range(args.repeats)]
 
 
+def best_on_shared_seeds(losses: Sequence[dict[int, float]]) -> tuple[int, float]:
+    """(index, mean) of the best of several settings of one variant, each given as its loss per seed:
+    the lowest mean over the seeds that every setting has, so that a seed-0 sweep whose winner then
+    ran more seeds is judged on seed 0 (a one-seed setting never beats a three-seed mean by drawing
+    one lucky seed); over each setting's own seeds when they share none."""
+    shared = set.intersection(*(set(by_seed) for by_seed in losses))
+    means = [statistics.fmean(loss for seed, loss in by_seed.items() if not shared or seed in shared) for by_seed in losses]
+    index = min(range(len(means)), key=means.__getitem__)
+    return index, means[index]
+
+
 def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Run]:
     """The best setting of each family (and of each Dion3 variant: fraction, warm-up, allocation)
     among `records` at horizon --best-at, compiled or not as --compile says, run again at
@@ -222,10 +233,8 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
         variants.setdefault((run.optimizer, run.fraction, run.fraction_warmup, run.fraction_allocation), []).append((run, losses))
     best: dict[tuple, tuple[float, Run]] = {}
     for variant, settings in variants.items():
-        shared = set.intersection(*(set(losses) for _, losses in settings))
-        scored = [(statistics.fmean(loss for seed, loss in losses.items() if not shared or seed in shared), run)
-                  for run, losses in settings]
-        best[variant] = min(scored, key=lambda item: item[0])
+        index, mean = best_on_shared_seeds([losses for _, losses in settings])
+        best[variant] = (mean, settings[index][0])
     if not best:
         raise SystemExit(f"quality_study: --best-from holds no finite {args.model} run at horizon {args.best_at} "
                          f"of {families} (and the Dion3 variants asked for)")
