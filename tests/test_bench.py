@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,6 +168,18 @@ def test_cost_variant_names():
                 "dion3-1/4-cost-cost", "dion3-1/0-cost", "muon-cost"):
         with pytest.raises(ValueError, match=r"--optimizers: unknown optimizer " + re.escape(repr(bad))):
             step.parse_variant(bad)
+
+
+def test_default_list_times_both_recommendations():
+    """`dion3 bench` with no --optimizers times the README's two settings, "Muon quality" (½ by cost)
+    and "fastest" (¼ by cost): every fraction by cost in the README's usage code is a default variant."""
+    defaults = [step.parse_variant(name) for name in step.DEFAULT_OPTIMIZERS.split(",")]
+    by_cost = {v.name for v in defaults if v.allocation == "cost"}
+    assert by_cost == {"dion3-1/2-cost", "dion3-1/4-cost"}
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    usage = readme[readme.index("## Usage"):readme.index("Constructors (names match")]
+    recommended = {float(f) for f in re.findall(r'fraction=([\d.]+), fraction_allocation="cost"', usage)}
+    assert recommended == {v.fraction for v in defaults if v.allocation == "cost"} == {0.5, 0.25}
 
 
 # llama-like: square (q, o, twice), short (k/v), tall (gate/up) and wide (down) matrices
