@@ -189,7 +189,7 @@ ONE_LAUNCH_CASES = ACCUMULATE_ERRORS + textwrap.dedent(
     pretend_capturing(False)
     others = [[torch.empty(1, 1, 4, device=device) for _ in range(2)] for _ in range(mm.POINTER_TABLE_LIMIT + 5)]
     for other in others:
-        mm._grad_pointer_table(other)
+        mm.grad_pointer_table(other)
     key = (grads[0].device, grads[0].dtype, tuple(g.data_ptr() for g in grads))
     print(json.dumps(dict(kind="bound", cached=len(mm._pointer_tables), limit=mm.POINTER_TABLE_LIMIT,
                           graph_table_kept=key in mm._graph_tables)))
@@ -220,7 +220,7 @@ ONE_LAUNCH_CASES = ACCUMULATE_ERRORS + textwrap.dedent(
                 out = mm.accumulate_momentum_triton(momentum, grads, 0.9, True, True)
             captured, added = list(launches), tables() - count
             for other in others:  # would evict the graph's table if it were not kept
-                mm._grad_pointer_table(other)
+                mm.grad_pointer_table(other)
             before = momentum.clone()
             graph.replay()
             torch.cuda.synchronize()

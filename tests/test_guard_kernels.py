@@ -8,6 +8,9 @@ before Triton is imported), on GPU directly.
   matrices of a padded buffer, leaving the padding zero;
 - restoring a skipped matrix undoes the accumulation and the error feedback, and leaves the
   others alone;
+- the post-update with the guard's verdict updates only the kept matrices and, in the same
+  launch, puts the skipped ones' momentum back (Muon, Dion3; gradients in one tensor or in
+  pieces), and leaves a layout it cannot restore to its caller;
 - the post-update reads an update that is a padded buffer's (strided) matrices, and the
   scale-and-cast writes into one."""
 import json
@@ -89,6 +92,54 @@ SCRIPT = textwrap.dedent(
         out[f"restore_{impl}_kept_bitwise"] = bool(torch.equal(m.cpu()[1], (stepped * feedback)[1].cpu()))
         out[f"restore_{impl}_nan_entry_bitwise"] = bool(m.cpu()[2, 1, 3] == m0[2, 1, 3])
 
+    # the post-update with the verdict, restoring the skipped matrices' momentum in the same launch:
+    # Muon (decay 0.7, gradients in one tensor, then in two pieces: a pointer table) and Dion3 (decay
+    # 1, rows, per-row factors, error feedback 0.6 undone where the snapshot's norm was finite)
+    keep = torch.tensor([True, False, True, False])
+    m0 = torch.randn(4, 8, 24, generator=gen)
+    g = torch.randn(4, 8, 24, generator=gen)
+    g[3, 2, 5] = float("inf")
+    p0 = torch.randn(4, 8, 24, generator=gen)
+    o = torch.randn(4, 8, 24, generator=gen)
+    o[1, 0, 0] = float("nan")  # a skipped matrix's update: never reaches its weights
+    for name, pieces in (("muon_one", [g]), ("muon_pieces", [g[:2], g[2:]])):
+        m = torch.where(torch.isfinite(g), 0.7 * m0 + g, m0).to(device)
+        params = [p0.to(device).clone()]
+        restore = reference.MomentumRestore(m, [piece.to(device).contiguous() for piece in pieces], 0.7)
+        done = pk.post_update_triton(params, o.to(device), None, 0.9, 0.1, None, keep.to(device), restore)
+        want = torch.where(keep.view(4, 1, 1), 0.9 * p0.double() - 0.1 * o.double(), 0.9 * p0.double())
+        out[f"{name}_in_launch"] = done
+        out[f"{name}_params"] = rel(params[0], want)
+        out[f"{name}_restored"] = rel(m.cpu()[~keep], m0[~keep])
+        out[f"{name}_kept_bitwise"] = bool(torch.equal(m.cpu()[keep], torch.where(torch.isfinite(g), 0.7 * m0 + g, m0)[keep]))
+    rows = torch.stack([torch.randperm(8, generator=gen)[:3].sort().values for _ in range(4)])
+    selected = torch.zeros(4, 8, dtype=torch.bool).scatter(1, rows, True)
+    norms = torch.tensor([1.0, 2.0, 3.0, float("nan")])  # matrix 3: no error feedback (its gradient had an inf)
+    fed = selected & torch.isfinite(norms)[:, None]
+    stepped = torch.where(torch.isfinite(g), m0 + g, m0)
+    m = (stepped * torch.where(fed, 0.6, 1.0).unsqueeze(-1)).to(device)
+    update = o.gather(1, rows.unsqueeze(-1).expand(4, 3, 24))
+    factor = torch.rand(4, 3, generator=gen) + 0.5
+    params = [p0.to(device).clone()]
+    positions = torch.where(selected, 0, -1).to(torch.int32)
+    restore = reference.MomentumRestore(m, [g.to(device)], 1.0, 0.6, norms.to(device), positions.to(device))
+    done = pk.post_update_triton(params, update.to(device), rows.to(device), 0.9, 0.1, factor.to(device), keep.to(device),
+                                 restore)
+    change = torch.zeros(4, 8, 24, dtype=torch.float64).scatter(1, rows.unsqueeze(-1).expand(4, 3, 24),
+                                                               update.double() * factor.double().unsqueeze(-1))
+    want = torch.where(keep.view(4, 1, 1), 0.9 * p0.double() - 0.1 * change, 0.9 * p0.double())
+    out["dion3_in_launch"] = done
+    out["dion3_params"] = rel(params[0], want)
+    out["dion3_restored"] = rel(m.cpu()[~keep], m0[~keep])
+    out["dion3_kept_bitwise"] = bool(torch.equal(m.cpu()[keep], (stepped * torch.where(fed, 0.6, 1.0).unsqueeze(-1))[keep]))
+    # a layout the launch cannot restore (pieces of two shapes): the caller is told to restore
+    m = m0.to(device).clone()
+    restore = reference.MomentumRestore(m, [g[:1].to(device), g[1:].to(device)], 0.7)
+    params = [p0.to(device).clone()]
+    out["mixed_pieces_left_to_caller"] = not pk.post_update_triton(params, o.to(device), None, 0.9, 0.1, None,
+                                                                   keep.to(device), restore)
+    out["mixed_pieces_momentum_untouched"] = bool(torch.equal(m.cpu(), m0))
+
     # the post-update reading a padded buffer's matrices; scale-and-cast writing into one
     params = [torch.randn(2, 6, 20, generator=gen).to(device).clone()]
     before = params[0].clone()
@@ -122,6 +173,10 @@ def _check(got: dict) -> None:
     for impl in ("kernel", "reference"):
         assert got[f"restore_{impl}_error"] <= 1e-6
         assert got[f"restore_{impl}_kept_bitwise"] and got[f"restore_{impl}_nan_entry_bitwise"]
+    for name in ("muon_one", "muon_pieces", "dion3"):
+        assert got[f"{name}_in_launch"] and got[f"{name}_kept_bitwise"]
+        assert got[f"{name}_params"] <= 1e-6 and got[f"{name}_restored"] <= 1e-6
+    assert got["mixed_pieces_left_to_caller"] and got["mixed_pieces_momentum_untouched"]
     assert got["post_update_strided"] <= 1e-6
     assert got["scale_cast_into"] <= 1e-3 and got["scale_cast_padding_zero"]
 

@@ -1,7 +1,7 @@
 """The matrix step: one staged pipeline for one bucket, run by every driver (DESIGN §7).
 
     pre-step and selection → to the owners → orthogonalize → gather → normalize and guard
-    → scatter back → apply → restore what the guard skipped
+    → scatter back → apply, restoring what the guard skipped
 
 A route supplies the stages that depend on where the bucket's matrices live; everything else is
 here, once:
@@ -18,7 +18,7 @@ The guard (rules.guard) decides per matrix on the ranks that hold whole matrices
 gradient had a non-finite entry (its rows measure NaN in the momentum pass, so its norm and its O
 are NaN) or whose O is not finite or above rules.update_bound is skipped as a whole. Its weights
 only decay (decoupled weight decay does not depend on the gradient), its per-row variance keeps
-its old values, its error feedback and momentum are put back as they were (rules.restore_skipped),
+its old values, its error feedback and momentum are put back as they were (rules.momentum_restore),
 and it counts once in the optimizer's `nonfinite_updates`; the next finite gradient trains it.
 """
 from __future__ import annotations
@@ -69,9 +69,9 @@ def matrix_step(route, group: dict, cfg: rules.RuleConfig) -> Iterator[None]:
     row_scale, ok = rules.guard(whole.ortho, whole.variance, whole.rows, cfg, rules.update_bound(group["ns_coefficients"]))
     result = yield from route.scatter(whole, row_scale, ok)
     rules.apply_update(route.views, result.update, result.rows, group["lr"], group["weight_decay"],
-                       rules.lr_scale(group["adjust_lr"], *route.shape), result.row_scale, route.skipped, ok=result.ok)
+                       rules.lr_scale(group["adjust_lr"], *route.shape), result.row_scale, route.skipped, ok=result.ok,
+                       restore=rules.momentum_restore(route.momentum, route.grads, cfg, *route.selection()))
     route.finish(result)
-    rules.restore_skipped(route.momentum, route.grads, result.ok, cfg, *route.selection())
 
 
 def run(steps: Iterator[None]) -> None:

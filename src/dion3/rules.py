@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .kernels import (
-    accumulate_momentum, fused_row_normalization, host_checks_free, momentum_pass_measures, post_update, restore_momentum,
+    MomentumRestore, accumulate_momentum, fused_row_normalization, host_checks_free, momentum_pass_measures, post_update,
     scale_cast, select_rows, selection_norm, snapshot_rows,
 )
 from .kernels import top_rows as _top_rows
@@ -347,6 +347,7 @@ def apply_update(
     skipped=None,
     bound: float = math.inf,
     ok: Optional[Tensor] = None,
+    restore: Optional[MomentumRestore] = None,
 ) -> None:
     """X ← (1 − lr·λ)·X everywhere, then X[rows] ← X[rows] − lr·scale·update, rounded once.
 
@@ -356,6 +357,8 @@ def apply_update(
     noted in `skipped` (the device's buckets.SkipTally, which counts at the end of the step); so is
     one above `bound` (update_bound) when update is whole matrices of O (Muon on one device).
     ok ([N] bool, the guard's verdict when already known) skips only those matrices instead.
+    restore (momentum_restore's): the skipped matrices' momentum goes back too, in the same
+    launch where kernels.post_update can (the guard's last stage).
     """
     if isinstance(lr, Tensor) and lr.device != update.device:  # e.g. a CPU lr tensor, CUDA params
         lr = lr.to(update.device)
@@ -365,13 +368,9 @@ def apply_update(
     step = lr * scale
     if ok is None:
         row_scale, ok = guard_rows(update, row_scale, bound)
-    elif row_scale is None:
-        row_scale = ok.to(torch.float32).view(-1, 1).expand(update.shape[:2])
-    else:
-        row_scale = torch.where(ok.view(-1, *[1] * (row_scale.dim() - 1)), row_scale, 0.0)
     if skipped is not None:
         skipped.add(ok)
-    post_update(params, update, rows, decay, step, row_scale)
+    post_update(params, update, rows, decay, step, row_scale, verdict=ok, restore=restore)
 
 
 def decay_of(cfg: RuleConfig) -> float:
@@ -379,13 +378,14 @@ def decay_of(cfg: RuleConfig) -> float:
     return 1.0 if cfg.fraction is not None else cfg.mu
 
 
-def restore_skipped(momentum: Tensor, grads: Grads, ok: Tensor, cfg: RuleConfig,
-                    positions: Optional[Tensor] = None, norm: Optional[Tensor] = None) -> None:
-    """The guard's last stage: the momentum of every matrix it skipped (ok[i] False) goes back
-    to what it was before the step (kernels.restore_momentum): Dion3's error feedback undone on
-    its selected rows (positions [N, R] ≥ 0, the selection's inverse) where its snapshot applied
-    it (norm [N]: the selection's norm was finite; the snapshot leaves the others' rows alone),
-    then the step's accumulation. Matrices that stepped are left alone; no host sync."""
+def momentum_restore(momentum: Tensor, grads: Grads, cfg: RuleConfig,
+                     positions: Optional[Tensor] = None, norm: Optional[Tensor] = None) -> MomentumRestore:
+    """What the guard's last stage needs to put the momentum of every matrix it skipped back to
+    what it was before the step (apply_update's restore, kernels.post_update): Dion3's error
+    feedback undone on its selected rows (positions [N, R] ≥ 0, the selection's inverse) where its
+    snapshot applied it (norm [N]: the selection's norm was finite; the snapshot leaves the
+    others' rows alone), then the step's accumulation. Matrices that stepped are left alone; no
+    host sync."""
     selecting = cfg.fraction is not None
-    restore_momentum(momentum, grads, ok, decay_of(cfg), cfg.mu if selecting else 1.0,
-                     norm if selecting else None, positions if selecting else None)
+    return MomentumRestore(momentum, grads, decay_of(cfg), cfg.mu if selecting else 1.0,
+                           norm if selecting else None, positions if selecting else None)

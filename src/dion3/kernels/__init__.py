@@ -15,6 +15,7 @@ from functools import lru_cache
 import torch
 
 from .reference import (
+    MomentumRestore,
     accumulate_momentum_reference,
     finite_on_host,
     host_checks_free,
@@ -26,6 +27,7 @@ from .reference import (
     snapshot_rows_reference,
     symmetric_matmul_reference,
     top_rows_reference,
+    verdict_factors,
 )
 from .configs import uses_long_reduction_config
 from .split import split_symmetric_matmul
@@ -178,14 +180,22 @@ def gram_with_copy(x):
     return symmetric_matmul(x, x.mT), None
 
 
-def post_update(params, update, rows, decay, step, row_scale=None) -> None:
+def post_update(params, update, rows, decay, step, row_scale=None, verdict=None, restore=None) -> None:
     """For each [B_i, R, C] param: param ← decay·param; param[rows] −= step·update (one rounding).
     row_scale ([N, k] or [N, k, 1], float32): a factor per row of update, so row i changes by
-    step·row_scale[i]·update[i] without a scaled copy of update (NorMuon's normalization)."""
+    step·row_scale[i]·update[i] without a scaled copy of update (NorMuon's normalization).
+    verdict ([N] bool, the guard's): a matrix with False only decays. restore (a MomentumRestore,
+    with verdict): then puts those matrices' momentum back (restore_momentum) — on CUDA inside the
+    same launch where the layout allows, so that a step with nothing skipped launches nothing
+    more for it."""
     if _triton_ready(update.device) and _post_update_kernel.fused_update_supported(params, update, row_scale):
-        _post_update_kernel.post_update_triton(params, update, rows, decay, step, row_scale)
+        restored = _post_update_kernel.post_update_triton(params, update, rows, decay, step, row_scale, verdict, restore)
     else:
-        post_update_reference(params, update, rows, decay, step, row_scale)
+        post_update_reference(params, update, rows, decay, step, verdict_factors(update, row_scale, verdict))
+        restored = restore is None
+    if not restored:
+        restore_momentum(restore.momentum, restore.grads, verdict, restore.decay, restore.mu, restore.fed,
+                         restore.positions)
 
 
 def accumulate_momentum(momentum, grads, decay: float, scores: bool, squares: bool = False):
@@ -339,6 +349,7 @@ def contiguous_cast(x, out_dtype):
 
 
 __all__ = [
+    "MomentumRestore",
     "accumulate_momentum",
     "contiguous_cast",
     "copy_into",

@@ -91,7 +91,7 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _one_launch_pieces(grads: Sequence[Tensor]) -> bool:
+def one_launch_pieces(grads: Sequence[Tensor]) -> bool:
     """Whether one launch can read every piece through a pointer table: 2+ pieces of one shape
     and dtype, each contiguous and 16-byte aligned (the kernel promises aligned rows to Triton)."""
     if len(grads) < 2:
@@ -103,7 +103,7 @@ def _one_launch_pieces(grads: Sequence[Tensor]) -> bool:
     )
 
 
-def _grad_pointer_table(grads: Sequence[Tensor]) -> Optional[Tensor]:
+def grad_pointer_table(grads: Sequence[Tensor]) -> Optional[Tensor]:
     """The cached device table of the pieces' data pointers, or None when it is not cached and
     the stream is capturing a graph (a host-to-device copy cannot be captured)."""
     first = grads[0]
@@ -161,7 +161,7 @@ def accumulate_momentum_triton(
         raise ValueError(f"gradients of shapes {shapes} do not fill momentum {tuple(momentum.shape)}")
     wanted = lambda flag: torch.empty((n, rows), dtype=torch.float32, device=momentum.device) if flag else None  # noqa: E731
     out_scores, out_squares = wanted(scores), wanted(squares)
-    table = _grad_pointer_table(grads) if _one_launch_pieces(grads) else None
+    table = grad_pointer_table(grads) if one_launch_pieces(grads) else None
     if table is not None:  # the tensors themselves (no views to dispatch); momentum: placeholder pointer
         piece_rows = grads[0].shape[0] * rows
         _launch_accumulate(momentum, grads[0], table, momentum if out_scores is None else out_scores,
@@ -294,7 +294,7 @@ def restore_momentum_triton(
     has_positions = positions is not None
     position_arg = positions if has_positions else keep_arg
     fed_arg = fed.reshape(-1) if has_positions else keep_arg
-    table = _grad_pointer_table(grads) if _one_launch_pieces(grads) else None
+    table = grad_pointer_table(grads) if one_launch_pieces(grads) else None
 
     def launch(flat_m, grad, table_arg, count, piece_rows, first) -> None:
         _restore_kernel[(triton.cdiv(count, RESTORE_BLOCK_ROWS),)](

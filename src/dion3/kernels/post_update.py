@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .reference import row_scale_column
+from .momentum import grad_pointer_table, one_launch_pieces
+from .reference import MomentumRestore, row_scale_column
 from .selection import selection_positions
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -39,8 +40,10 @@ def _scalar(value, IS_POINTER: tl.constexpr):
 @triton.jit
 def _post_update_kernel(
     pointer_table, dtype_probe, update_ptr, position_ptr, scale_ptr, decay, step,
+    verdict_ptr, momentum_ptr, grad_ptr, grad_table, fed_ptr, restore_position_ptr, mu, momentum_decay, piece_batch,
     R, C, k, stride_um, stride_ur,
-    HAS_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_VERDICT: tl.constexpr, RESTORE: tl.constexpr,
+    HAS_FED: tl.constexpr, GRAD_TABLE: tl.constexpr,
     DECAY_IS_POINTER: tl.constexpr, STEP_IS_POINTER: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -62,6 +65,9 @@ def _post_update_kernel(
         row_selected = rows < R
         update_row = matrix * R + rows
         slot = rows
+    if HAS_VERDICT:  # the guard's verdict on this matrix: a skipped one only decays (never 0·NaN)
+        good = tl.load(verdict_ptr + matrix).to(tl.int32)
+        row_selected = row_selected & (tl.full([BLOCK_R], 0, tl.int32) + good != 0)
     selected = inside & row_selected[:, None]
     # update may be the matrices of a padded buffer (ortho.padding): rows apart by its strides
     update_at = matrix * stride_um + slot.to(tl.int64) * stride_ur
@@ -70,10 +76,31 @@ def _post_update_kernel(
     if HAS_SCALE:  # one factor per row, loaded once per row and folded into the step
         factor = tl.load(scale_ptr + update_row, mask=row_selected, other=0.0).to(tl.float32)
         # a factor of 0 leaves the row as it is, also where the update is not finite (rules.guard_rows)
-        value = value - tl.where(factor[:, None] != 0.0, (step_value * factor)[:, None] * change, 0.0)
+        value = value - tl.where(selected & (factor[:, None] != 0.0), (step_value * factor)[:, None] * change, 0.0)
     else:
-        value = value - step_value * change
+        value = value - tl.where(selected, step_value * change, 0.0)
     tl.store(param + offsets, value.to(dtype_probe.dtype.element_ty), mask=inside)
+    if RESTORE:
+        # the guard's last stage for a skipped matrix, in the same launch: its momentum back to what
+        # it was before the step (as momentum.restore_momentum_triton); a kept matrix reads nothing more
+        if good == 0:
+            at = matrix * R * C + offsets
+            if GRAD_TABLE:  # gradient pieces of piece_batch matrices each, listed by address
+                piece = matrix // piece_batch
+                address = tl.load(grad_table + piece)
+                start = address.to(tl.pointer_type(grad_ptr.dtype.element_ty)) + (matrix - piece * piece_batch) * R * C
+            else:
+                start = grad_ptr + matrix * R * C
+            m = tl.load(momentum_ptr + at, mask=inside, other=0.0)
+            g = tl.load(start + offsets, mask=inside, other=0.0).to(tl.float32)
+            before = m.to(tl.float32)
+            if HAS_FED:  # error feedback (×mu) went to the selected rows of matrices whose norm was finite
+                chosen = tl.load(restore_position_ptr + matrix * R + rows, mask=rows < R, other=-1) >= 0
+                fed = tl.abs(tl.full([BLOCK_R], 0.0, tl.float32) + tl.load(fed_ptr + matrix)) < float("inf")
+                before = before / tl.where(chosen & fed, mu, 1.0)[:, None]
+            finite = tl.abs(g) < float("inf")  # such entries were never added (the accumulate kernel)
+            old = tl.where(finite, (before - g) / momentum_decay, before)
+            tl.store(momentum_ptr + at, old.to(m.dtype), mask=inside)
 
 
 def _pointer_table(params: Sequence[Tensor], device: torch.device) -> Tensor:
@@ -108,6 +135,23 @@ def fused_update_supported(params: Sequence[Tensor], update: Tensor, row_scale: 
     )
 
 
+def _restore_layout(restore: MomentumRestore, total: int, R: int, C: int) -> Optional[tuple]:
+    """(gradient pointer or probe, its pointer table or None, matrices per piece) when the fused
+    post-update can also restore: momentum [total, R, C] contiguous and gradients of that shape as
+    one contiguous tensor or same-shape aligned pieces (momentum.grad_pointer_table); else None."""
+    momentum, grads = restore.momentum, restore.grads
+    pieces = [grads] if isinstance(grads, Tensor) else list(grads)
+    if (momentum.shape != (total, R, C) or not momentum.is_contiguous() or momentum.dtype not in SUPPORTED_DTYPES
+            or any(g.dtype not in SUPPORTED_DTYPES or g.device != momentum.device for g in pieces)):
+        return None
+    if len(pieces) == 1 and pieces[0].shape == (total, R, C) and pieces[0].is_contiguous():
+        return pieces[0], None, total
+    if sum(g.shape[0] for g in pieces) != total or any(tuple(g.shape[1:]) != (R, C) for g in pieces):
+        return None
+    table = grad_pointer_table(pieces) if one_launch_pieces(pieces) else None
+    return None if table is None else (pieces[0], table, pieces[0].shape[0])
+
+
 def post_update_triton(
     params: Sequence[Tensor],
     update: Tensor,
@@ -115,13 +159,20 @@ def post_update_triton(
     decay: Union[Tensor, float],
     step: Union[Tensor, float],
     row_scale: Optional[Tensor] = None,
-) -> None:
-    """In place, as post_update_reference, in one launch (see fused_update_supported)."""
+    verdict: Optional[Tensor] = None,
+    restore: Optional[MomentumRestore] = None,
+) -> bool:
+    """In place, as post_update_reference, in one launch (see fused_update_supported). verdict ([N]
+    bool, the guard's): matrices with False only decay. restore (needs verdict): their momentum is
+    put back in the same launch too, where its layout allows (_restore_layout). Returns whether
+    it was (if not, the caller restores it)."""
     if not fused_update_supported(params, update, row_scale):
         raise ValueError(
             "post_update_triton needs same-dtype, same-shape params with contiguous matrices "
             "and float32 row_scale on update's device"
         )
+    if restore is not None and verdict is None:
+        raise ValueError("post_update_triton: restore needs the guard's verdict")
     _, R, C = params[0].shape
     total = sum(p.shape[0] for p in params)
     k = R if rows is None else rows.shape[1]
@@ -135,20 +186,35 @@ def post_update_triton(
     else:
         scale = row_scale_column(row_scale, update).reshape(-1).contiguous()
     if total == 0 or R == 0 or C == 0:
-        return
+        return True  # nothing to update, nothing to restore
     position = update  # placeholder pointer when rows is None
     if rows is not None:
         if rows.shape != (total, k):
             raise ValueError(f"rows must have shape {(total, k)}, got {tuple(rows.shape)}")
         position = selection_positions(rows, R)
+    layout = _restore_layout(restore, total, R, C) if restore is not None else None
+    verdict_arg = update if verdict is None else (verdict.view(torch.int8) if verdict.dtype == torch.bool else verdict)
+    if layout is None:
+        momentum = grad = table = fed = restore_positions = update  # placeholder pointers
+        batch, momentum_decay, mu = 1, 1.0, 1.0
+    else:
+        grad, table, batch = layout
+        momentum, momentum_decay, mu = restore.momentum, float(restore.decay), float(restore.mu)
+        table = grad if table is None else table
+        has_fed = restore.fed is not None and restore.positions is not None
+        fed = restore.fed.reshape(-1) if has_fed else update
+        restore_positions = restore.positions if has_fed else update
     decay_is_pointer = isinstance(decay, Tensor)
     step_is_pointer = isinstance(step, Tensor)
     grid = (triton.cdiv(R, BLOCK_ROWS), total, triton.cdiv(C, BLOCK_COLS))
     _post_update_kernel[grid](
         _pointer_table(params, update.device), params[0], update, position, scale,
         decay if decay_is_pointer else float(decay), step if step_is_pointer else float(step),
+        verdict_arg, momentum, grad, table, fed, restore_positions, mu, momentum_decay, batch,
         R, C, k, update.stride(0), update.stride(1),
-        HAS_ROWS=rows is not None, HAS_SCALE=row_scale is not None,
+        HAS_ROWS=rows is not None, HAS_SCALE=row_scale is not None, HAS_VERDICT=verdict is not None,
+        RESTORE=layout is not None, HAS_FED=layout is not None and has_fed, GRAD_TABLE=layout is not None and table is not grad,
         DECAY_IS_POINTER=decay_is_pointer, STEP_IS_POINTER=step_is_pointer,
         BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=NUM_WARPS,
     )
+    return restore is None or layout is not None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -192,6 +192,30 @@ def snapshot_rows_reference(
         out.copy_(result)
         return out
     return result
+
+
+class MomentumRestore(NamedTuple):
+    """What putting a skipped matrix's momentum back needs (restore_momentum_reference's
+    arguments but the verdict): the bucket's momentum [N, R, C], this step's gradients (a tensor
+    or pieces), the momentum pass's decay, and for Dion3 the error feedback's mu, the snapshot's
+    norms fed [N] and the selected rows' positions [N, R] (≥ 0 where selected)."""
+
+    momentum: Tensor
+    grads: Union[Tensor, Sequence[Tensor]]
+    decay: float
+    mu: float = 1.0
+    fed: Optional[Tensor] = None
+    positions: Optional[Tensor] = None
+
+
+def verdict_factors(update: Tensor, row_scale: Optional[Tensor], verdict: Optional[Tensor]) -> Optional[Tensor]:
+    """Per-row factors for post_update_reference that carry the guard's verdict ([N] bool): 0 on
+    every row of a skipped matrix ("leave the row", never 0·NaN), row_scale (or 1) elsewhere."""
+    if verdict is None:
+        return row_scale
+    if row_scale is None:
+        return verdict.to(torch.float32).view(-1, 1).expand(update.shape[:2])
+    return torch.where(verdict.view(-1, *[1] * (row_scale.dim() - 1)), row_scale, 0.0)
 
 
 def restore_momentum_reference(
