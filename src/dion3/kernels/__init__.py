@@ -74,7 +74,9 @@ def kernels_enabled() -> bool:
 
 
 def _triton_ready(device) -> bool:
-    return _enabled and _symmetric_kernel is not None and torch.device(device).type == "cuda"
+    # asked several times per bucket: a torch.device is read as is (building one costs host time)
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return _enabled and _symmetric_kernel is not None and kind == "cuda"
 
 
 @lru_cache(maxsize=None)

@@ -138,18 +138,23 @@ def fused_update_supported(params: Sequence[Tensor], update: Tensor, row_scale: 
 def _restore_layout(restore: MomentumRestore, total: int, R: int, C: int) -> Optional[tuple]:
     """(gradient pointer or probe, its pointer table or None, matrices per piece) when the fused
     post-update can also restore: momentum [total, R, C] contiguous and gradients of that shape as
-    one contiguous tensor or same-shape aligned pieces (momentum.grad_pointer_table); else None."""
+    one contiguous tensor or same-shape aligned pieces (momentum.grad_pointer_table); else None.
+    Asked on every step of every bucket: the pieces are walked once (one_launch_pieces), the
+    rest is read off the first."""
     momentum, grads = restore.momentum, restore.grads
-    pieces = [grads] if isinstance(grads, Tensor) else list(grads)
-    if (momentum.shape != (total, R, C) or not momentum.is_contiguous() or momentum.dtype not in SUPPORTED_DTYPES
-            or any(g.dtype not in SUPPORTED_DTYPES or g.device != momentum.device for g in pieces)):
+    pieces = [grads] if isinstance(grads, Tensor) else grads
+    first = pieces[0] if len(pieces) else None
+    if (first is None or momentum.shape != (total, R, C) or not momentum.is_contiguous()
+            or momentum.dtype not in SUPPORTED_DTYPES or first.dtype not in SUPPORTED_DTYPES
+            or first.device != momentum.device):
         return None
-    if len(pieces) == 1 and pieces[0].shape == (total, R, C) and pieces[0].is_contiguous():
-        return pieces[0], None, total
-    if sum(g.shape[0] for g in pieces) != total or any(tuple(g.shape[1:]) != (R, C) for g in pieces):
+    if len(pieces) == 1:
+        return (first, None, total) if first.shape == (total, R, C) and first.is_contiguous() else None
+    # one_launch_pieces: every piece of the first one's shape and dtype, contiguous and aligned
+    if first.shape[1:] != (R, C) or first.shape[0] * len(pieces) != total or not one_launch_pieces(pieces):
         return None
-    table = grad_pointer_table(pieces) if one_launch_pieces(pieces) else None
-    return None if table is None else (pieces[0], table, pieces[0].shape[0])
+    table = grad_pointer_table(pieces)
+    return None if table is None else (first, table, first.shape[0])
 
 
 def post_update_triton(
