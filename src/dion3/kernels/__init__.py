@@ -191,7 +191,8 @@ def post_update(params, update, rows, decay, step, row_scale=None, verdict=None,
     same launch where the layout allows, so that a step with nothing skipped launches nothing
     more for it."""
     if _triton_ready(update.device) and _post_update_kernel.fused_update_supported(params, update, row_scale):
-        restored = _post_update_kernel.post_update_triton(params, update, rows, decay, step, row_scale, verdict, restore)
+        restored = _post_update_kernel.post_update_triton(params, update, rows, decay, step, row_scale, verdict, restore,
+                                                          checked=True)
     else:
         post_update_reference(params, update, rows, decay, step, verdict_factors(update, row_scale, verdict))
         restored = restore is None

@@ -166,12 +166,14 @@ def post_update_triton(
     row_scale: Optional[Tensor] = None,
     verdict: Optional[Tensor] = None,
     restore: Optional[MomentumRestore] = None,
+    checked: bool = False,
 ) -> bool:
     """In place, as post_update_reference, in one launch (see fused_update_supported). verdict ([N]
     bool, the guard's): matrices with False only decay. restore (needs verdict): their momentum is
     put back in the same launch too, where its layout allows (_restore_layout). Returns whether
-    it was (if not, the caller restores it)."""
-    if not fused_update_supported(params, update, row_scale):
+    it was (if not, the caller restores it). checked: the caller has asked fused_update_supported
+    already (the dispatch does, on every bucket of every step: not twice)."""
+    if not checked and not fused_update_supported(params, update, row_scale):
         raise ValueError(
             "post_update_triton needs same-dtype, same-shape params with contiguous matrices "
             "and float32 row_scale on update's device"
