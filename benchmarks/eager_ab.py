@@ -15,16 +15,24 @@ Trees: each a folder holding a `dion3` package (a checkout's `src`, e.g. from
 `git worktree add /tmp/old fcb460d`). Optimizers: muon-gram (Muon, Gram NS where it pays),
 normuon, dion3-F (Dion3 at fraction F on every matrix). On the CPU the device column is the wall
 time.
+
+--cuda-path (on the CPU): each tree takes the branches a CUDA device takes, its Triton launches
+counted and not run (`eager_ops.py`'s replay), on the preset's matrices scaled down to a few rows
+and columns (the same buckets and counts): what is left is the host time of an eager GPU step,
+to compare two trees without a GPU. Muon only for trees whose selection reads kernel outputs on
+the host side (fcb460d's Dion3 and NorMuon do).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import statistics
 import sys
 import time
 from fractions import Fraction
+from pathlib import Path
 
 import torch
 
@@ -76,6 +84,12 @@ def build(modules: dict, variant: str, shapes, device, seed: int):
     raise SystemExit(f"eager_ab: unknown optimizer {variant!r} (muon-gram, normuon, dion3-F)")
 
 
+def tiny_shapes(shapes):
+    """The shapes with every dimension divided by 32 (at least 8): distinct shapes stay distinct, so
+    the buckets and their counts are the preset's."""
+    return [dataclasses.replace(s, rows=max(8, s.rows // 32), cols=max(8, s.cols // 32)) for s in shapes]
+
+
 def turn(optimizer, steps: int, device) -> tuple[float, float]:
     """Seconds per step: wall (synchronized at the end) and device (CUDA events; wall on the CPU)."""
     cuda = device.type == "cuda"
@@ -102,11 +116,24 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="steps per turn")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--cuda-path", action="store_true",
+                        help="CPU: replay the CUDA path on tiny matrices (module docstring)")
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device(args.device)
     shapes = PRESETS[args.preset].matrices
+    if args.cuda_path:
+        if device.type != "cpu":
+            parser.error("--cuda-path replays the CUDA path on the CPU: use --device cpu")
+        shapes = tiny_shapes(shapes)
     trees = [load_tree(path) for path in args.trees]
+    if args.cuda_path:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import eager_ops  # noqa: E402 (the replay)
+
+        for modules in trees:
+            activate(modules)
+            eager_ops.emulate_cuda_path([None], execute=False)
     for label, modules in zip("AB", trees):
         print(f"tree {label}: {modules['dion3'].__file__}", flush=True)
     variants = [v.strip() for v in args.optimizers.split(",") if v.strip()]

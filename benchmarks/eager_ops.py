@@ -118,8 +118,8 @@ def emulate_cuda_path(counter_ref: list, execute: bool) -> None:
     kernels._half_dot_ready = kernels._triton_ready
     gpu_dtype = newton_schulz.default_compute_dtype
 
-    def compute_dtype(device, method, input_dtype=torch.float32, rows=None):
-        return gpu_dtype(torch.device("cuda"), method, input_dtype, rows)
+    def compute_dtype(device, *args, **kwargs):  # the GPU's dtype (older trees take fewer arguments)
+        return gpu_dtype(torch.device("cuda"), *args, **kwargs)
 
     newton_schulz.default_compute_dtype = compute_dtype
     rules.default_compute_dtype = compute_dtype
