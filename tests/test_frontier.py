@@ -130,3 +130,31 @@ def test_the_picture_has_a_panel_per_model_with_timed_points(tmp_path):
         assert both.size[1] == pytest.approx(2 * one.size[1], abs=2)
     assert frontier.frontier_picture([("b", untimed)], axis, tmp_path / "none.png") == []
     assert not (tmp_path / "none.png").exists()
+
+
+def test_across_sizes_picks_the_cheapest_setting_within_muon_sd_at_every_seeded_size(tmp_path):
+    # two sizes: 3/8 by cost is within on "a" but outside on "b"; 1/2 by cost within on both;
+    # "c" has a one-seed Muon (no spread) and does not count
+    def size(model, quarter, three8, half):
+        rows = [record("muon", 0.01, 0.8, s, loss, model=model) for s, loss in ((0, 0.700), (1, 0.702))]
+        for fraction, losses in ((0.25, quarter), (0.375, three8), (0.5, half)):
+            rows += [record("dion3", 0.02, 0.6, s, loss, fraction, "cost", model=model) for s, loss in enumerate(losses)]
+        return rows
+    records = size("a", (0.71, 0.71), (0.701, 0.702), (0.7015, 0.7025)) + size("b", (0.72, 0.72), (0.705, 0.706), (0.701, 0.702))
+    records += [record("muon", 0.01, 0.8, 0, 0.69, model="c"), record("dion3", 0.02, 0.6, 0, 0.80, 0.5, "cost", model="c"),
+                record("dion3", 0.02, 0.6, 1, 0.80, 0.5, "cost", model="c")]
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps(bench_report("llama-8b", {**TIMES, ("dion3", 0.5, "cost", "auto"): (290.0, 289.0)})))
+    _, times = frontier.read_steps([steps])
+    panels = []
+    for model in ("a", "b", "c"):
+        points = list(frontier.best_points(records, model, 100, compiled=True).values())
+        for point in points:
+            point.step_ms = times.get(point.variant, {})
+        panels.append((model, points))
+    text = frontier.across_sizes(panels, ("llama-8b", "eager"))
+    # muon: mean 0.701, sd 0.00141 → limit 0.70241; 3/8 on b: 0.7055 (outside); 1/2: 0.702 and 0.7015 (within)
+    assert "| Dion3 3⁄8 by cost | +0.0005 (within) | +0.0045 (outside) | 240.0 |" in text
+    assert "| Dion3 1⁄2 by cost | +0.0010 (within) | +0.0005 (within) | 290.0 |" in text
+    assert "- muon quality at every size: Dion3 1⁄2 by cost" in text and "| c" not in text
+

@@ -12,7 +12,8 @@ lists of such reports); the first report's preset is the picture's x-axis, every
 with its step times: Muon's are `muon-gram`'s (dion3.Muon's defaults), Dion3 F by cost's are
 `dion3-F-cost`'s. Writes DIR/frontier.md (a table per model and two picks) and
 DIR/frontier.png (a panel per model: loss against step time, one standard deviation over seeds as
-error bars, Muon and NorMuon marked).
+error bars, Muon and NorMuon marked), and the same question over every model at once ("Across
+sizes": each Dion3 setting's gap at each size, and the cheapest within Muon's sd at all of them).
 
 The picks: "Muon quality", the Dion3 setting with the shortest step whose mean loss is at most
 Muon's best mean plus one standard deviation of Muon's seeds; "fastest", the Dion3 setting with
@@ -187,6 +188,50 @@ def frontier_table(model: str, points: Sequence[Point], presets: Sequence[str]) 
     return "\n".join(lines)
 
 
+def across_sizes(panels: Sequence[tuple[str, Sequence[Point]]], axis: tuple) -> str:
+    """The frontier's question over every model at once: for each Dion3 variant (and NorMuon) timed on `axis`,
+    its gap to Muon's best on each model where both have seeds (a spread), marked "within" when
+    its mean is at most Muon's mean plus Muon's sd; and the pick "Muon quality at every size": the
+    shortest step among the variants within at every such model where they were measured, with
+    the models it was not measured on named (a pick is only as wide as its models)."""
+    seeded = []
+    for model, points in panels:
+        muon = next((p for p in points if p.variant.optimizer == "muon"), None)
+        if muon is not None and len(muon.losses) > 1:
+            seeded.append((model, muon, {p.variant: p for p in points if len(p.losses) > 1}))
+    variants = sorted({v for _, _, by in seeded for v, p in by.items() if v.optimizer in ("dion3", "normuon") and axis in p.step_ms},
+                      key=lambda v: next(p.step_ms[axis] for _, _, by in seeded for w, p in by.items() if w == v))
+    if not seeded or not variants:
+        return ""
+    lines = ["### Across sizes", "", f"Gap to Muon's best (models where Muon and the setting have ≥ 2 seeds); "
+             f"“within”: at most Muon's mean + its sd. Step: {axis[0]} ({axis[1]}).", "",
+             "| setting | " + " | ".join(model for model, _, _ in seeded) + f" | {axis[0]} ms |",
+             "|" + "---|" * (len(seeded) + 2)]
+    choice = None
+    for variant in variants:
+        cells, held, step = [], True, None
+        for _, muon, by in seeded:
+            point = by.get(variant)
+            if point is None:
+                cells.append("—")
+                continue
+            step = point.step_ms[axis]
+            within = point.mean <= muon.mean + muon.sd
+            held &= within
+            cells.append(f"{point.mean - muon.mean:+.4f} ({'within' if within else 'outside'})")
+        lines.append(f"| {variant.label} | " + " | ".join(cells) + f" | {step:.1f} |")
+        if held and choice is None and variant.optimizer == "dion3":
+            choice = (variant, [model for model, _, by in seeded if variant not in by])
+    lines.append("")
+    if choice is None:
+        lines.append("- muon quality at every size: none of these settings")
+    else:
+        variant, missing = choice
+        lines.append(f"- muon quality at every size: {variant.label}"
+                     + (f" (not measured with seeds on {', '.join(missing)})" if missing else ""))
+    return "\n".join(lines)
+
+
 def frontier_picture(panels: Sequence[tuple[str, Sequence[Point]]], axis: tuple, path: Path) -> list[str]:
     """One picture, a panel per model (each with its own loss scale): loss against step time on
     `axis`. Returns the models drawn (a model with no point timed there gets no panel); nothing is
@@ -252,6 +297,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             point.step_ms = times.get(_rounded(point.variant), {})
         sections += [frontier_table(model, points, presets), ""]
         panels.append((model, points))
+    summary = across_sizes(panels, (presets[0], "eager")) if presets else ""
+    if summary:
+        sections += [summary, ""]
     if presets and frontier_picture(panels, (presets[0], "eager"), args.out / "frontier.png"):
         sections += ["![loss against step time, a panel per model](frontier.png)", ""]
     (args.out / "frontier.md").write_text("\n".join(sections))
