@@ -88,3 +88,15 @@ def test_a_clean_step_launches_no_restoration_and_a_skipped_matrix_is_restored_i
         assert got[f"{name}_restored"] <= 1e-6, name
         assert got[f"{name}_others_moved"] and got[f"{name}_skips"] == 1
         assert got[f"{name}_weights_decayed"] <= 1e-6
+
+
+def test_a_verdict_of_the_wrong_length_is_refused_naming_it():
+    pytest.importorskip("triton")
+    import importlib
+
+    import torch
+
+    post_update = importlib.import_module("dion3.kernels.post_update")
+    params = [torch.zeros(3, 4, 8)]
+    with pytest.raises(ValueError, match="verdict must have one entry per matrix"):
+        post_update.post_update_triton(params, torch.zeros(3, 4, 8), None, 1.0, 0.1, None, torch.ones(2, dtype=torch.bool))

@@ -200,6 +200,10 @@ def post_update_triton(
             raise ValueError(f"rows must have shape {(total, k)}, got {tuple(rows.shape)}")
         position = selection_positions(rows, R)
     layout = _restore_layout(restore, total, R, C) if restore is not None else None
+    if verdict is not None:  # read flat, one byte per matrix (contiguous already: no copy then)
+        verdict = verdict.reshape(-1).contiguous()
+        if verdict.shape[0] != total:
+            raise ValueError(f"verdict must have one entry per matrix ({total}), got {verdict.shape[0]}")
     verdict_arg = update if verdict is None else (verdict.view(torch.int8) if verdict.dtype == torch.bool else verdict)
     if layout is None:
         momentum = grad = table = fed = restore_positions = update  # placeholder pointers
