@@ -167,6 +167,8 @@ def recipe_scenarios(mesh, dp=("dp",)) -> dict:
         ("muon_nesterov", "muon", {"nesterov": True}),
         ("normuon", "normuon", {}),
         ("dion3_global", "dion3", {"selection_scope": "global", "fraction": 0.25}),
+        # rows ranked by L2 norms: squared partial norms summed over the column shards
+        ("dion3_global_l2", "dion3", {"selection_scope": "global", "fraction": 0.25, "row_score": "l2"}),
         ("normuon_mesh_given", "normuon", {"mesh_arg": mesh}),  # the full mesh as distributed_mesh
         # wv (parameter 2) shares wq's bucket: a step where only wq has a gradient
         ("dion3_global_partial", "dion3", {"selection_scope": "global", "without_grad": {(1, 2)}}),

@@ -63,11 +63,13 @@ class ReferenceOptimizer:
         orthogonalizer: Callable[[Tensor], Tensor] = exact_polar,
         selector: Optional[Callable[[Tensor, int], Tensor]] = None,
         blocks: Optional[list[Optional[list[int]]]] = None,
+        row_score: str = "l1",
     ):
         assert algorithm in ("muon", "normuon", "dion3", "dion2")
         self.algorithm = algorithm
         self.lr, self.mu, self.beta2, self.wd, self.eps = lr, mu, muon_beta2, weight_decay, epsilon
         self.nesterov, self.fraction, self.adjust_lr = nesterov, fraction, adjust_lr
+        self.row_score = row_score  # Dion3's selection: each row's L1 norm, or its L2 norm
         self.orth = orthogonalizer
         # Dion3's rows from the row scores and k; default: the top k of the whole matrix.
         self.select = selector or (lambda scores, k: torch.argsort(scores, descending=True)[:k])
@@ -104,7 +106,7 @@ class ReferenceOptimizer:
         lr_adjusted = self.lr * lr_multiplier(self.adjust_lr, rows, cols)
         if self.algorithm in ("dion3", "dion2"):
             m += g
-            scores = m.abs().sum(dim=1)
+            scores = m.abs().sum(dim=1) if self.row_score == "l1" else m.norm(dim=1)
             k = selected_count(rows, self.fraction)
             chosen = self.select(scores, k).sort().values
             u = m[chosen].clone()

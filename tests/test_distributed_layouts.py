@@ -15,8 +15,8 @@ import gloo
 import layouts_worker as worker
 
 TOLERANCE = 1e-5  # float32 Newton–Schulz on both sides; they agree to ~2e-7 in practice
-RECIPE = ["muon", "muon_nesterov", "normuon", "dion3_global", "normuon_mesh_given", "dion3_global_partial",
-          "normuon_partial"]
+RECIPE = ["muon", "muon_nesterov", "normuon", "dion3_global", "dion3_global_l2", "normuon_mesh_given",
+          "dion3_global_partial", "normuon_partial"]
 
 
 def _spawn(tmp_path_factory, world: int, which: str) -> dict:

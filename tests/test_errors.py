@@ -129,6 +129,7 @@ CASES = [
     ("unknown-adjust-lr", lambda: Dion3([param(4, 4)], adjust_lr="fan_in"), ValueError, "unknown adjust_lr 'fan_in'"),
     ("unknown-orthogonalizer", lambda: Dion3([param(4, 4)], orthogonalizer="svd"), ValueError, "unknown orthogonalizer 'svd'"),
     ("unknown-selection-scope", lambda: Dion3([param(4, 4)], selection_scope="world"), ValueError, "unknown selection_scope 'world'"),
+    ("unknown-row-score", lambda: Dion3([param(4, 4)], row_score="l3"), ValueError, "unknown row_score 'l3'"),
     ("dion3-nesterov", lambda: Dion3([{"params": [param(4, 4)], "nesterov": True}]), ValueError, "Dion3 has no Nesterov variant"),
     ("dion2-nesterov", lambda: Dion3([{"params": [param(4, 4)], "algorithm": "dion2", "nesterov": True}]), ValueError,
      "Dion2 has no Nesterov variant"),

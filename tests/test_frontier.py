@@ -158,3 +158,16 @@ def test_across_sizes_picks_the_cheapest_setting_within_muon_sd_at_every_seeded_
     assert "| Dion3 1⁄2 by cost | +0.0010 (within) | +0.0005 (within) | 290.0 |" in text
     assert "- muon quality at every size: Dion3 1⁄2 by cost" in text and "| c" not in text
 
+
+def test_an_l2_row_score_is_its_own_point_timed_as_the_l1_rule(tmp_path):
+    records = [record("dion3", 0.015, 0.6, s, 0.70 + s / 1000, 0.375, "cost") for s in (0, 1)]
+    records += [record("dion3", 0.015, 0.6, s, 0.69 + s / 1000, 0.375, "cost", row_score="l2") for s in (0, 1)]
+    best = frontier.best_points(records, "tiny", 100, compiled=True)
+    l1, l2 = frontier.Variant("dion3", 0.375, "cost"), frontier.Variant("dion3", 0.375, "cost", "l2")
+    assert set(best) == {l1, l2} and best[l2].mean == pytest.approx(0.6905)
+    assert l2.label == "Dion3 3⁄8 by cost, rows by L2"
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps(bench_report("llama-8b", TIMES)))
+    _, times = frontier.read_steps([steps])
+    assert times.get(frontier._rounded(l2)) == times[l1] == {("llama-8b", "eager"): 240.0, ("llama-8b", "graph"): 239.0}
+

@@ -351,6 +351,36 @@ def test_groups_override_hyperparameters(exact_orthogonalizer):
                 torch.testing.assert_close(p.detach(), expected, rtol=2e-6, atol=2e-7)
 
 
+def test_l2_row_score_selects_by_each_rows_l2_norm(exact_orthogonalizer):
+    # rows built so that L1 and L2 disagree: a row of many small entries against one of a few large
+    # ones; the step must follow the float64 reference ranking by L2 norms, and differ from L1's
+    shapes = [(8, 16), (2, 8, 16)]
+    params = make_params(shapes, dtype=torch.float64)
+    twin = [p.detach().clone().requires_grad_() for p in params]
+    hyper = dict(lr=0.05, mu=0.8, fraction=0.125, weight_decay=0.01)  # one row of 8
+    opt, l1 = Dion3(params, row_score="l2", **hyper), Dion3(twin, **hyper)
+    ref = ReferenceOptimizer(params, "dion3", row_score="l2", **hyper)
+    generator = torch.Generator().manual_seed(3)
+    for step in range(3):
+        grads = [torch.randn(*s, generator=generator, dtype=torch.float64) for s in shapes]
+        for g in grads:  # per matrix: row 0 spread (L1 48, L2 12), row 1 peaked (L1 40, L2 28.3)
+            m = g.view(-1, *g.shape[-2:])
+            m[:, 0] = 3.0
+            m[:, 1] = 0.0
+            m[:, 1, :2] = 20.0
+        set_grads(params, grads)
+        set_grads(twin, grads)
+        ref.step(grads)
+        opt.step()
+        l1.step()
+        for p, expected in zip(params, ref.params):
+            torch.testing.assert_close(p.detach(), expected, rtol=2e-6, atol=2e-7)
+        if step == 0:  # the peaked row, on every matrix
+            assert all(chosen.tolist() == [1] for per_param in ref.selected for chosen in per_param)
+    assert not all(torch.equal(a, b) for a, b in zip(params, twin))  # L1 ranks row 0 first: another trajectory
+    assert exact_orthogonalizer["count"] > 0
+
+
 @pytest.mark.parametrize("cls", [Dion3, Muon, NorMuon])
 def test_parameters_without_grad_are_skipped(cls):
     """b has no gradient in a bucket shared with a and c: b and its state stay untouched

@@ -52,12 +52,12 @@ def test_cost_allocation_runs_beside_uniform_ones_with_fixed_fractions_only(stud
     # a uniform eager float32 run's key is the hash of its settings without the allocation, compile
     # and momentum-dtype fields, as before those fields existed
     fields = {k: v for k, v in json.loads(json.dumps(runs[0].__dict__)).items()
-              if k not in ("fraction_allocation", "compiled", "momentum_dtype", "cost_rule")}
+              if k not in ("fraction_allocation", "compiled", "momentum_dtype", "cost_rule", "row_score")}
     assert runs[0].key == hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     # fractions by cost spend modeled time now; a record of the earlier FLOP rule (config without
     # cost_rule) keeps its key and reads back as another setting, labelled as such
     assert runs[1].cost_rule == "time"
-    earlier = {k: v for k, v in json.loads(json.dumps(runs[1].__dict__)).items() if k != "cost_rule"}
+    earlier = {k: v for k, v in json.loads(json.dumps(runs[1].__dict__)).items() if k not in ("cost_rule", "row_score")}
     old = study.Run(**earlier)
     assert old.label == "dion3-f0.25-cost-flops lr=0.04 mu=0.3 h=100 seed=0"
     assert old.key == hashlib.sha1(json.dumps({k: v for k, v in earlier.items() if k not in ("compiled", "momentum_dtype")},
@@ -164,6 +164,25 @@ def _record(study, optimizer, loss, seed, fraction=None, warmup=0, average=1.0, 
     if tflop is not None:
         record["optimizer_tflop"] = tflop
     return record
+
+
+def test_l2_row_scores_are_their_own_dion3_settings_and_l1_keeps_the_recorded_keys(study):
+    args = ["--horizons", "100", "--seeds", "0", "--optimizers", "muon,dion3", "--muon-mu", "0.8", "--fraction", "0.5",
+            "--dion3-lr", "0.015", "--dion3-mu", "0.6", "--fraction-warmup", "0", "--fraction-allocation", "cost"]
+    plain = study.plan_runs(study.parse_args(args))
+    both = study.plan_runs(study.parse_args(args + ["--row-score", "l1,l2"]))
+    # Muon has no selection: it runs once; Dion3 once per score, l1 with the key of before
+    assert [(r.optimizer, r.row_score) for r in both] == [("muon", "l1"), ("dion3", "l1"), ("dion3", "l2")]
+    assert [r.key for r in both[:2]] == [r.key for r in plain]
+    assert both[2].key != both[1].key and both[2].setting != both[1].setting and both[2].label.startswith("dion3-f0.5-cost-l2 ")
+    rows = study.summary_table([{**_record(study, "dion3", 1.5, 0, 0.5), "config": json.loads(json.dumps(both[2].__dict__))}])
+    assert "| Dion3 f=0.5, rows by L2 | by cost |" in rows
+    with pytest.raises(SystemExit, match="--row-score expects some of"):
+        study.plan_runs(study.parse_args(args + ["--row-score", "l3"]))
+    # a run recorded before the option (no row_score in its config) keeps its key
+    recorded = Path(__file__).parent.parent / "benchmarks/results/frontier/results.jsonl"
+    record = json.loads(recorded.read_text().splitlines()[-1])
+    assert "row_score" not in record["config"] and study.Run(**{**record["config"], "data": None}).key == record["key"]
 
 
 def test_summary_names_cost_allocation_and_averages_optimizer_flops(study):

@@ -146,7 +146,8 @@ STEP_CASES = textwrap.dedent(
     gen = torch.Generator().manual_seed(2)
     shapes = [(12, 20)] * 3 + [(24, 16)] * 2
     results = []
-    for algorithm, make in (("dion3", dion3.Dion3), ("normuon", dion3.NorMuon)):
+    for name, algorithm, make, extra in (("dion3", "dion3", dion3.Dion3, {}), ("normuon", "normuon", dion3.NorMuon, {}),
+                                         ("dion3_l2", "dion3", dion3.Dion3, {"row_score": "l2"})):
         calls.clear()
         reused[0] = 0
         start = [torch.randn(s, generator=gen) for s in shapes]
@@ -154,6 +155,7 @@ STEP_CASES = textwrap.dedent(
         options = dict(lr=0.02, mu=0.9, weight_decay=0.1)
         if algorithm == "dion3":
             options["fraction"] = 0.25
+        options.update(extra)
         optimizer = make(params, **options)
         ref = ReferenceOptimizer(start, algorithm, **options)
         for _ in range(3):
@@ -165,7 +167,7 @@ STEP_CASES = textwrap.dedent(
         # the parameters' change against the reference's (the change is what the step computes)
         error = max(((p.detach().cpu().double() - r).abs().max() / (r - x.double()).abs().max()).item()
                     for p, r, x in zip(params, ref.params, start))
-        results.append(dict(algorithm=algorithm, error=error, calls=dict(calls), reused=reused[0]))
+        results.append(dict(algorithm=name, error=error, calls=dict(calls), reused=reused[0]))
     print(json.dumps(results))
     """
 )
@@ -223,6 +225,8 @@ def _check_steps(results, tolerance: float) -> None:
         "accumulate_momentum_triton", "top_rows_triton", "snapshot_rows_triton",
         "row_normalization_triton", "post_update_triton")}, "attached_positions": 12}, results["dion3"]
     assert results["dion3"]["reused"] == 12, results["dion3"]
+    # rows ranked by L2 norms (row_score="l2"): the same launches, the reference's L2 ranking
+    assert results["dion3_l2"]["calls"] == results["dion3"]["calls"], results["dion3_l2"]
     assert results["normuon"]["calls"] == {name: 6 for name in (
         "accumulate_momentum_triton", "row_normalization_triton", "post_update_triton")}, results["normuon"]
     for r in results.values():

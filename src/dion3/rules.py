@@ -65,6 +65,11 @@ def matrices_within(norm: Tensor, ortho_shape, bound: float) -> Tensor:
     return norm <= bound * math.sqrt(min(ortho_shape[-2:]))
 
 
+# Dion3's selection score: each momentum row's L1 norm (the rule), or its L2 norm (ranked by the
+# squared norm the momentum pass measures anyway: the same order)
+ROW_SCORES = ("l1", "l2")
+
+
 @dataclass(frozen=True)
 class RuleConfig:
     fraction: Optional[float]  # None: every row (Muon/NorMuon); else Dion3's row fraction
@@ -73,6 +78,7 @@ class RuleConfig:
     normalize: bool = False  # NorMuon per-row normalization
     beta2: float = 0.95
     epsilon: float = 1e-8
+    row_score: str = "l1"  # ROW_SCORES
 
 
 def selected_row_count(rows: int, fraction: float) -> int:
@@ -129,7 +135,8 @@ def pre_step(
     """Update momentum in place and return U with the selected rows (and what else is known).
 
     Muon/NorMuon: M ← μM + G; U = M (Nesterov: U = μM + G); rows = None.
-    Dion3: M ← M + G; rows = top-k rows by L1 norm (unless given, e.g. chosen globally);
+    Dion3: M ← M + G; rows = top-k rows by L1 norm, or L2 with cfg.row_score "l2" (unless
+           given, e.g. chosen globally);
            U = M[rows] (snapshot); M[rows] ← μ·M[rows].
     want_norm: also return each matrix's Frobenius norm of U ([N, 1, 1], float32 or wider),
     summed from per-row squares that the momentum pass measures on the way (so Newton–Schulz
@@ -149,7 +156,11 @@ def pre_step(
     # The fused CUDA momentum pass measures row squares for free; elsewhere that costs a pass
     # over all R rows, against one over the k rows of the snapshot: measure U there instead.
     on_the_way = momentum_pass_measures(momentum)
-    scores, squares = accumulate_momentum(momentum, grads, 1.0, scores=rows is None, squares=measure and on_the_way)
+    by_l2 = rows is None and cfg.row_score == "l2"
+    scores, squares = accumulate_momentum(momentum, grads, 1.0, scores=rows is None and not by_l2,
+                                          squares=(measure and on_the_way) or by_l2)
+    if by_l2:  # rows ranked by their squared L2 norm (NaN where a gradient entry was not finite, as L1's)
+        scores = squares
     k = selected_row_count(momentum.shape[-2], cfg.fraction)
     if measure and on_the_way:
         # the selection (unless given), its norm and the snapshot's factor in one launch on CUDA

@@ -65,8 +65,11 @@ class ShardedRoute:
             partial = norm.reshape(count).square()
             row_matrix = None
         else:  # Dion3: M ← M + G, score rows, select, snapshot the selected rows with error feedback
-            scores, squares = accumulate_momentum(momentum, self.grads, 1.0, scores=True, squares=True)
-            if bucket.col_mesh is not None:  # a row's L1 norm is the sum of its column pieces' norms
+            by_l2 = cfg.row_score == "l2"
+            scores, squares = accumulate_momentum(momentum, self.grads, 1.0, scores=not by_l2, squares=True)
+            if by_l2:  # ranked by squared L2 norms; a copy: the sum below is in place, squares stay local
+                scores = squares.clone()
+            if bucket.col_mesh is not None:  # a row's score is the sum of its column pieces' (L1 or squared L2)
                 summed = sum_across(scores, bucket.col_mesh, traffic, "scores")
                 yield
                 scores = summed.wait()

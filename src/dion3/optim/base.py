@@ -370,6 +370,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             normalize=algorithm in NORMALIZING_ALGORITHMS,
             beta2=group["muon_beta2"],
             epsilon=group["epsilon"],
+            row_score=group.get("row_score", "l1"),  # groups saved before the option lack it
         )
 
     def _matrix_step(self, bucket: Bucket, group: dict) -> None:

@@ -110,6 +110,8 @@ def validate_group(group: dict, index: int) -> None:
         raise ValueError(f"{where}: unknown orthogonalizer {group['orthogonalizer']!r}; expected one of {METHODS}")
     if group["selection_scope"] not in SCOPES:
         raise ValueError(f"{where}: unknown selection_scope {group['selection_scope']!r}; expected one of {SCOPES}")
+    if group.setdefault("row_score", "l1") not in rules.ROW_SCORES:  # groups saved before the option lack it
+        raise ValueError(f"{where}: unknown row_score {group['row_score']!r}; expected one of {rules.ROW_SCORES}")
     if algorithm in SELECTING_ALGORITHMS and group["nesterov"]:
         name = "Dion3" if algorithm == "dion3" else "Dion2"
         raise ValueError(f"{where}: {name} has no Nesterov variant; use nesterov=False")

@@ -60,7 +60,8 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
                         warmup_steps=run.lr_warmup, cooldown_fraction=run.cooldown, read_once=run.read_once)
     # AdamW has no μ (its betas stay the defaults)
     run_spec = RunSpec(run.label, run.optimizer, run.lr, run.fraction, run.mu if run.optimizer != "adamw" else None,
-                       run.fraction_warmup, run.fraction_allocation, run.momentum_dtype if run.optimizer != "adamw" else None)
+                       run.fraction_warmup, run.fraction_allocation, run.momentum_dtype if run.optimizer != "adamw" else None,
+                       run.row_score if run.optimizer == "dion3" else None)
     started = time.perf_counter()
     result = train(run_spec, config, schedule, data, device, run.seed, bf16=True, model_factory=factory, captured=run.captured,
                    compiled=run.compiled)

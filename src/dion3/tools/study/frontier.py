@@ -43,13 +43,15 @@ class Variant:
     optimizer: str  # adamw, muon, normuon, dion3
     fraction: Optional[float] = None
     allocation: str = "uniform"
+    row_score: str = "l1"  # Dion3's selection score (dion3.rules.ROW_SCORES)
 
     @property
     def label(self) -> str:
         if self.optimizer != "dion3":
             return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[self.optimizer]
         text = str(Fraction(self.fraction).limit_denominator(64)).replace("/", "⁄")
-        return f"Dion3 {text}" + (" by cost" if self.allocation == "cost" else " on every matrix")
+        return (f"Dion3 {text}" + (" by cost" if self.allocation == "cost" else " on every matrix")
+                + (f", rows by {self.row_score.upper()}" if self.row_score != "l1" else ""))
 
 
 @dataclass
@@ -88,7 +90,8 @@ def best_points(records: Sequence[dict], model: str, horizon: int, compiled: boo
         if not math.isfinite(record["final_val_loss"]) or record.get("nonfinite_parameters"):
             continue
         dion3 = config["optimizer"] == "dion3"
-        variant = Variant(config["optimizer"], config["fraction"] if dion3 else None, allocation if dion3 else "uniform")
+        variant = Variant(config["optimizer"], config["fraction"] if dion3 else None, allocation if dion3 else "uniform",
+                          config.get("row_score", "l1") if dion3 else "l1")
         key = (variant, config["lr"], config["mu"])
         settings.setdefault(key, (variant, config["lr"], config["mu"], {}))[3][record["seed"]] = record["final_val_loss"]
     by_variant: dict[Variant, list[tuple[float, float, dict[int, float]]]] = {}
@@ -137,7 +140,9 @@ def read_steps(paths: Sequence[Path]) -> tuple[list[str], dict[Variant, dict]]:
 
 
 def _rounded(variant: Variant) -> Variant:
-    """Variants compared by their fraction to 1e-9 (0.375 written as 3/8 or 0.375)."""
+    """The variant whose `dion3 bench` row times this one: fractions compared to 1e-9 (0.375
+    written as 3/8 or 0.375); an L2 selection score is timed as the L1 rule (the momentum pass
+    measures the squared row norms either way, and the selection costs the same)."""
     fraction = None if variant.fraction is None else round(variant.fraction, 9)
     return Variant(variant.optimizer, fraction, variant.allocation)
 

@@ -13,6 +13,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ...rules import ROW_SCORES
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -66,12 +68,13 @@ class Run:
     # fractions by cost: "time" (modeled step time, the rule since 2026-12-03); None in the records
     # of earlier runs, which allocated by executed FLOPs (and in every uniform run)
     cost_rule: Optional[str] = None
+    row_score: str = "l1"  # dion3 only: the selection score, dion3.rules.ROW_SCORES
 
     @property
     def setting(self) -> tuple:
         """What the seeds of one setting share (the summary averages over seeds)."""
         return (self.model, self.horizon, self.optimizer, self.fraction, self.fraction_warmup, self.lr, self.mu,
-                self.fraction_allocation, self.compiled, self.momentum_dtype, self.cost_rule)
+                self.fraction_allocation, self.compiled, self.momentum_dtype, self.cost_rule, self.row_score)
 
     @property
     def key(self) -> str:
@@ -85,6 +88,8 @@ class Run:
             del fields["momentum_dtype"]
         if fields["cost_rule"] is None:
             del fields["cost_rule"]
+        if fields["row_score"] == "l1":
+            del fields["row_score"]
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
@@ -94,7 +99,8 @@ class Run:
         else:
             cost = "" if self.fraction_allocation == "uniform" else "-cost" if self.cost_rule else "-cost-flops"
             name = (f"dion3-f{self.fraction:g}" + cost
-                    + (f"-warm{self.fraction_warmup}" if self.fraction_warmup else ""))
+                    + (f"-warm{self.fraction_warmup}" if self.fraction_warmup else "")
+                    + (f"-{self.row_score}" if self.row_score != "l1" else ""))
         if self.momentum_dtype:
             name += f"-momentum-{self.momentum_dtype}"
         return f"{name} lr={self.lr:g} mu={self.mu:g} h={self.horizon} seed={self.seed}" + (f" #{self.repeat}" if self.repeat else "")
@@ -165,6 +171,9 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     if not allocations or any(a not in FRACTION_ALLOCATIONS for a in allocations):
         raise SystemExit(f"quality_study: --fraction-allocation expects some of {FRACTION_ALLOCATIONS}, "
                          f"got {args.fraction_allocation!r}")
+    row_scores = list(dict.fromkeys(s.strip() for s in args.row_score.split(",") if s.strip()))
+    if not row_scores or any(s not in ROW_SCORES for s in row_scores):
+        raise SystemExit(f"quality_study: --row-score expects some of {ROW_SCORES}, got {args.row_score!r}")
     model = MODELS[args.model]
     common = dict(model=args.model, batch_size=args.batch_size or model.batch_size, lr_warmup=args.lr_warmup,
                   cooldown=args.cooldown, eval_batches=args.eval_batches, data=tuple(args.data) if args.data else None,
@@ -184,12 +193,12 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
                 # FractionScheduler sets one fraction on every group: it would undo the per-shape fractions
                 raise SystemExit("quality_study: --fraction-allocation cost needs fixed fractions: add "
                                  f"--fraction-warmup 0 (got warm-ups {sorted(set(warmups))} at horizon {horizon})")
-            for fraction, lr, mu, warm, allocation in itertools.product(
+            for fraction, lr, mu, warm, allocation, score in itertools.product(
                     fractions, _floats(args.dion3_lr, "--dion3-lr"), _floats(args.dion3_mu, "--dion3-mu"),
-                    dict.fromkeys(warmups), allocations):
+                    dict.fromkeys(warmups), allocations, row_scores):
                 runs.append(Run(optimizer="dion3", lr=lr, mu=mu, fraction=fraction, fraction_warmup=warm,
                                 horizon=horizon, seed=seed, fraction_allocation=allocation,
-                                cost_rule="time" if allocation == "cost" else None, **common))
+                                cost_rule="time" if allocation == "cost" else None, row_score=score, **common))
     runs = with_momentum_dtypes(runs, momentum_dtypes(args.momentum_dtype))
     return [dataclasses.replace(run, repeat=r) for run in runs for r in range(args.repeats)]
 
@@ -212,11 +221,12 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
     own. Best: the lowest mean final validation loss over the seeds that every setting of the
     variant has (a seed-0 sweep whose winner then ran more seeds is judged on seed 0), or over
     each setting's own seeds when they share none. Families: --optimizers; Dion3 variants: those
-    of --fraction, --fraction-warmup (in steps) and --fraction-allocation."""
+    of --fraction, --fraction-warmup (in steps), --fraction-allocation and --row-score."""
     families = [f.strip() for f in args.optimizers.split(",") if f.strip()]
     fractions = set(_floats(args.fraction, "--fraction"))
     warmups = set(_ints(args.fraction_warmup, "--fraction-warmup"))
     allocations = {a.strip() for a in args.fraction_allocation.split(",") if a.strip()}
+    scores = {s.strip() for s in args.row_score.split(",") if s.strip()}
     by_setting: dict[tuple, tuple[Run, dict[int, float]]] = {}  # setting → (a run of it, loss per seed)
     for record in records:
         run = Run(**{**record["config"], "data": tuple(record["config"]["data"]) if record["config"]["data"] else None})
@@ -224,13 +234,14 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
                 or run.compiled != args.compile or run.momentum_dtype is not None):  # best judged in float32
             continue
         if run.optimizer == "dion3" and (run.fraction not in fractions or run.fraction_warmup not in warmups
-                                         or run.fraction_allocation not in allocations):
+                                         or run.fraction_allocation not in allocations or run.row_score not in scores):
             continue
         if math.isfinite(record["final_val_loss"]) and not record.get("nonfinite_parameters"):
             by_setting.setdefault(run.setting, (run, {}))[1][run.seed] = record["final_val_loss"]
     variants: dict[tuple, list[tuple[Run, dict[int, float]]]] = {}
     for run, losses in by_setting.values():
-        variants.setdefault((run.optimizer, run.fraction, run.fraction_warmup, run.fraction_allocation), []).append((run, losses))
+        variant = (run.optimizer, run.fraction, run.fraction_warmup, run.fraction_allocation, run.row_score)
+        variants.setdefault(variant, []).append((run, losses))
     best: dict[tuple, tuple[float, Run]] = {}
     for variant, settings in variants.items():
         index, mean = best_on_shared_seeds([losses for _, losses in settings])

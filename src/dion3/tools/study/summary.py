@@ -12,12 +12,13 @@ from .runs import Run
 
 
 def _setting_label(setting: tuple) -> tuple[str, str]:
-    _, _, optimizer, fraction, warmup, _, _, allocation, _, _, cost_rule = setting
+    _, _, optimizer, fraction, warmup, _, _, allocation, _, _, cost_rule, row_score = setting
     if optimizer != "dion3":
         return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[optimizer], "—"
+    name = f"Dion3 f={fraction:g}" + (f", rows by {row_score.upper()}" if row_score != "l1" else "")
     if allocation == "cost":
-        return f"Dion3 f={fraction:g}", "by cost" if cost_rule else "by cost (FLOP rule)"
-    return f"Dion3 f={fraction:g}", (f"1 → {fraction:g} over {warmup} steps" if warmup else "fixed")
+        return name, "by cost" if cost_rule else "by cost (FLOP rule)"
+    return name, (f"1 → {fraction:g} over {warmup} steps" if warmup else "fixed")
 
 
 def summary_table(records: Sequence[dict]) -> str:

@@ -43,6 +43,7 @@ class RunSpec:
     # group per matrix shape, fractions within the modeled H200 step time of the uniform `fraction`)
     fraction_allocation: str = "uniform"
     momentum_dtype: Optional[str] = None  # the matrix group's momentum_dtype; None keeps the optimizer's (float32)
+    row_score: Optional[str] = None  # Dion3 only: the selection score ("l1", "l2"); None keeps the optimizer's (l1)
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,8 @@ def build_optimizer(model: GPT, spec: RunSpec) -> Dion3:
         raise ValueError("fraction_allocation 'cost' needs a fixed fraction (fraction_warmup 0): a fraction "
                          "warm-up sets one fraction on every group, which would undo the per-shape fractions")
     options = {key: value for key, value in (("fraction", spec.fraction), ("mu", spec.mu),
-                                             ("momentum_dtype", spec.momentum_dtype)) if value is not None}
+                                             ("momentum_dtype", spec.momentum_dtype), ("row_score", spec.row_score))
+               if value is not None}
     return Dion3(param_groups(model, lm_head=model.lm_head, algorithm=spec.algorithm, lr=spec.lr,
                               fraction_allocation=spec.fraction_allocation, **options))
 
