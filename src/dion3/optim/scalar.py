@@ -91,7 +91,16 @@ def _or_state(kept: Sequence[Tensor], values: list[Tensor], state: list[Tensor])
 
 
 def _or_zero(kept: Sequence[Tensor], values: list[Tensor]) -> list[Tensor]:
-    return [torch.where(keep, value, 0.0) for keep, value in zip(kept, values)]
+    """values where the parameter is kept, else 0. One 0-d zero per dtype and device for all of
+    them: a Python 0.0 would build a scalar tensor on every call (host time of eager steps)."""
+    zeros: dict = {}
+    out = []
+    for keep, value in zip(kept, values):
+        zero = zeros.get((value.dtype, value.device))
+        if zero is None:
+            zero = zeros[(value.dtype, value.device)] = value.new_zeros(())
+        out.append(torch.where(keep, value, zero))
+    return out
 
 
 def lion_step(
