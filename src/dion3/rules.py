@@ -324,16 +324,13 @@ def frobenius_norms(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x, dim=(-2, -1), dtype=torch.promote_types(x.dtype, torch.float32))
 
 
-def guard_rows(update: Tensor, row_scale: Optional[Tensor], bound: float = math.inf) -> tuple[Tensor, Tensor]:
-    """(per-row factors for apply_update, [N] bool: matrix good). A matrix whose update or
-    factors are not finite gets factors 0, which the post-update reads as "leave the row"
-    (never 0·NaN). Without factors (Muon), 1 for the good matrices: the same arithmetic; there
-    update is O itself, held whole where bound is given (above it: skipped too)."""
+def update_verdict(update: Tensor, row_scale: Optional[Tensor], bound: float = math.inf) -> Tensor:
+    """[N] bool: matrix good. With per-row factors, their finiteness (row_normalization makes
+    every factor of a bad matrix NaN); without (Muon), update is O itself, finite and within
+    the bound where bound is given. The post-update only decays the others (kernels.post_update)."""
     if row_scale is None:
-        ok = matrices_within(frobenius_norms(update), update.shape, bound)
-        return ok.to(torch.float32).view(-1, 1).expand(update.shape[:2]), ok
-    ok = finite_matrices(row_scale)
-    return torch.where(ok.view(-1, *[1] * (row_scale.dim() - 1)), row_scale, 0.0), ok
+        return matrices_within(frobenius_norms(update), update.shape, bound)
+    return finite_matrices(row_scale)
 
 
 def guard(ortho: Tensor, variance: Optional[Tensor], rows: Optional[Tensor], cfg: RuleConfig,
@@ -344,7 +341,7 @@ def guard(ortho: Tensor, variance: Optional[Tensor], rows: Optional[Tensor], cfg
     Muon/Dion2: good means finite and within the bound."""
     if cfg.normalize:
         return row_normalization_in_place(ortho, variance, rows, cfg.beta2, cfg.epsilon, bound)
-    return None, matrices_within(frobenius_norms(ortho), ortho.shape, bound)
+    return None, update_verdict(ortho, None, bound)
 
 
 def apply_update(
@@ -364,7 +361,7 @@ def apply_update(
 
     params: [B_i, R, C] views whose batches concatenate to update's N. row_scale [N, k, 1]
     (from row_normalization) multiplies each row of update inside the same pass.
-    A matrix whose update (or row_scale) is not finite is only decayed (guard_rows), and
+    A matrix whose update (or row_scale) is not finite is only decayed (update_verdict), and
     noted in `skipped` (the device's buckets.SkipTally, which counts at the end of the step); so is
     one above `bound` (update_bound) when update is whole matrices of O (Muon on one device).
     ok ([N] bool, the guard's verdict when already known) skips only those matrices instead.
@@ -378,7 +375,7 @@ def apply_update(
     decay = 1.0 - lr * weight_decay
     step = lr * scale
     if ok is None:
-        row_scale, ok = guard_rows(update, row_scale, bound)
+        ok = update_verdict(update, row_scale, bound)
     if skipped is not None:
         skipped.add(ok)
     post_update(params, update, rows, decay, step, row_scale, verdict=ok, restore=restore)

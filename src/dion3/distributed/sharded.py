@@ -67,8 +67,8 @@ class ShardedRoute:
         else:  # Dion3: M ← M + G, score rows, select, snapshot the selected rows with error feedback
             by_l2 = cfg.row_score == "l2"
             scores, squares = accumulate_momentum(momentum, self.grads, 1.0, scores=not by_l2, squares=True)
-            if by_l2:  # ranked by squared L2 norms; a copy: the sum below is in place, squares stay local
-                scores = squares.clone()
+            if by_l2:  # ranked by squared L2 norms (a copy where summed in place below: squares stay local)
+                scores = squares.clone() if bucket.col_mesh is not None else squares
             if bucket.col_mesh is not None:  # a row's score is the sum of its column pieces' (L1 or squared L2)
                 summed = sum_across(scores, bucket.col_mesh, traffic, "scores")
                 yield

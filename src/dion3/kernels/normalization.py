@@ -68,7 +68,7 @@ def _row_normalization_kernel(
             inside = slots < k
             inverse_rms = tl.load(scale_ptr + matrix * k + slots, mask=inside, other=0.0)
             tl.store(scale_ptr + matrix * k + slots, inverse_rms * ratio, mask=inside)
-    else:  # skipped: its rows keep their variance, its factors are NaN (rules.guard_rows)
+    else:  # skipped: its rows keep their variance, its factors are NaN (rules.update_verdict)
         for start in range(0, k, BLOCK):
             slots = start + tl.arange(0, BLOCK)
             tl.store(scale_ptr + matrix * k + slots, tl.full([BLOCK], float("nan"), tl.float32), mask=slots < k)

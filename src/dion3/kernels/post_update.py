@@ -75,7 +75,7 @@ def _post_update_kernel(
     step_value = _scalar(step, STEP_IS_POINTER)
     if HAS_SCALE:  # one factor per row, loaded once per row and folded into the step
         factor = tl.load(scale_ptr + update_row, mask=row_selected, other=0.0).to(tl.float32)
-        # a factor of 0 leaves the row as it is, also where the update is not finite (rules.guard_rows)
+        # a factor of 0 leaves the row as it is (post_update_reference's rule for the verdict too)
         value = value - tl.where(selected & (factor[:, None] != 0.0), (step_value * factor)[:, None] * change, 0.0)
     else:
         value = value - tl.where(selected, step_value * change, 0.0)

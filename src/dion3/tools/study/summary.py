@@ -36,7 +36,7 @@ def summary_table(records: Sequence[dict]) -> str:
     for setting, members in groups.items():
         # a non-finite run is a bug to explain, never a sample to average: counted apart
         finite = [m for m in members if math.isfinite(m["final_val_loss"]) and not m.get("nonfinite_parameters")]
-        skipped = sum(m.get("nonfinite_updates", 0) for m in members)  # the optimizer's guard (rules.guard_rows)
+        skipped = sum(m.get("nonfinite_updates", 0) for m in members)  # the optimizer's guard (rules.update_verdict)
         losses = [m["final_val_loss"] for m in finite]
         mean = statistics.fmean(losses) if losses else math.inf
         loss_text = f"{mean:.4f} ± {statistics.stdev(losses) if len(losses) > 1 else 0.0:.4f}" if losses else "—"
