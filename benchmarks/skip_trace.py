@@ -1,0 +1,116 @@
+"""Rerun one study run of Dion3 up to a step and keep every matrix the guard skips (GPU).
+
+    PYTHONPATH=src python3 benchmarks/skip_trace.py --model llama-hf-350m --lr 0.02 --fraction 0.5 \
+        --seed 0 --stop 660 --out DIR
+
+The run is the study's (`python -m dion3.tools.study`: read-once data, 1500-step schedule with lr
+warm-up 50 and cooldown 0.3, compiled model, fractions by cost, μ 0.6), stopped after --stop steps.
+After every bucket the guard's verdict is read on the host (one sync per bucket: this changes the
+step's timing, which is the point when the suspect is a race). Each skipped matrix is saved to
+DIR/skip_STEP_N.pt with Newton–Schulz's input U, its output O, the norm, the bound and the
+selected rows, for a float64 replay; the log line gives ‖O‖_F against the bound and whether U
+was finite (a non-finite U means a non-finite gradient, not a bad orthogonalization).
+"""
+import argparse
+import math
+import os
+
+import torch
+
+from dion3 import rules
+from dion3.tools.study.child import build_llama
+from dion3.tools.study.runs import MODELS
+from dion3.tools.train import trainer
+from dion3.tools.train.corpus import python_source_corpus
+from dion3.tools.train.model import GPTConfig
+
+
+class Stop(Exception):
+    """Raised after the last step wanted."""
+
+
+class SkipTrace:
+    """Wraps rules.orthogonalize_rows (keeps the latest U) and rules.guard (checks the verdict)."""
+
+    def __init__(self, out: str):
+        self.out, self.step, self.saved, self.checked = out, 0, 0, 0
+        self.last_input = None
+        self._orthogonalize, self._guard = rules.orthogonalize_rows, rules.guard
+
+    def install(self) -> None:
+        rules.orthogonalize_rows, rules.guard = self.orthogonalize_rows, self.guard
+
+    def orthogonalize_rows(self, update, method, coefficients, norm=None, normalized=False):
+        data, rows, cols = (update, *update.shape[-2:]) if isinstance(update, torch.Tensor) else update
+        kept_norm = None if norm is None else norm.float().reshape(-1).clone()
+        self.last_input = (data[..., :rows, :cols].float().clone(), kept_norm, method, normalized)
+        return self._orthogonalize(update, method, coefficients, norm, normalized)
+
+    def guard(self, ortho, variance, rows, cfg, bound):
+        scale, ok = self._guard(ortho, variance, rows, cfg, bound)
+        self.checked += 1
+        if not bool(ok.all()):
+            self.keep(ortho, rows, bound, (~ok).nonzero().flatten())
+        return scale, ok
+
+    def keep(self, ortho, rows, bound, bad) -> None:
+        u, norm, method, normalized = self.last_input
+        o = ortho.float()
+        o_norms = torch.linalg.vector_norm(o, dim=(-2, -1))
+        limit = bound * math.sqrt(min(ortho.shape[-2:]))
+        record = {
+            "step": self.step, "bad": bad.cpu(), "bound": bound, "limit": limit, "shape": tuple(ortho.shape),
+            "method": method, "normalized": normalized, "u": u[bad].cpu(), "o": o[bad].cpu(),
+            "norm": None if norm is None else norm[bad].cpu(), "o_norms": o_norms.cpu(),
+            "rows": None if rows is None else rows[bad].cpu(),
+        }
+        torch.save(record, os.path.join(self.out, f"skip_{self.step}_{self.saved}.pt"))
+        self.saved += 1
+        print(f"skip at step {self.step}: bucket {tuple(ortho.shape)}, matrices {bad.tolist()}, {method}, "
+              f"|O|_F {o_norms[bad].tolist()} against {limit:.2f}, U finite {bool(torch.isfinite(u[bad]).all())}",
+              flush=True)
+
+    def on_step(self, stop: int) -> None:
+        self.step += 1
+        if self.step % 100 == 0:
+            print(f"step {self.step}: {self.checked} verdicts read, {self.saved} skips", flush=True)
+        if self.step >= stop:
+            raise Stop
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama-hf-350m", choices=sorted(MODELS))
+    parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--fraction", type=float, required=True)
+    parser.add_argument("--mu", type=float, default=0.6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--horizon", type=int, default=1500, help="the schedule's length (the run's lr schedule)")
+    parser.add_argument("--stop", type=int, required=True, help="steps to run (≤ --horizon)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if not 0 < args.stop <= args.horizon:
+        parser.error(f"--stop must be in 1..{args.horizon}, got {args.stop}")
+    if not torch.cuda.is_available():
+        parser.error("needs a GPU (the study's compiled bf16 run)")
+    os.makedirs(args.out, exist_ok=True)
+    spec = MODELS[args.model]
+    if spec.kind != "llama-hf":
+        parser.error(f"--model {args.model}: the trace follows the study's Llama runs only")
+    trace = SkipTrace(args.out)
+    trace.install()
+    data = python_source_corpus(progress=lambda line: None)
+    config = GPTConfig(seq_len=spec.seq_len, n_layer=spec.n_layer, n_head=spec.n_head, d_model=spec.d_model)
+    schedule = trainer.Schedule(steps=args.horizon, batch_size=spec.batch_size, eval_every=args.horizon,
+                                eval_batches=16, warmup_steps=50, cooldown_fraction=0.3, read_once=True)
+    run = trainer.RunSpec("skip-trace", "dion3", args.lr, args.fraction, args.mu, 0, "cost")
+    try:
+        trainer.train(run, config, schedule, data, torch.device("cuda"), args.seed, bf16=True,
+                      model_factory=build_llama(spec), compiled=True, on_step=lambda: trace.on_step(args.stop))
+    except Stop:
+        pass
+    print(f"{trace.step} steps, {trace.checked} verdicts read, {trace.saved} skips", flush=True)
+
+
+if __name__ == "__main__":
+    main()
