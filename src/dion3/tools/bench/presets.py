@@ -79,6 +79,8 @@ PRESETS = {
     "llama-384": llama("llama-384", layers=12, dim=384, kv_dim=128, hidden=1024, vocab=256, tied=False),
     "llama-hf-110m": llama("llama-hf-110m", layers=16, dim=768, kv_dim=256, hidden=2304, vocab=256, tied=False),
     "llama-hf-350m": llama("llama-hf-350m", layers=24, dim=1024, kv_dim=512, hidden=3584, vocab=256, tied=False),
+    # benchmarks/cpu_step.py's default shapes: the CPU step's target (4 layers of d = 256)
+    "cpu-small": llama("cpu-small", layers=4, dim=256, kv_dim=64, hidden=1024, vocab=256, tied=False),
 }
 
 # Whole models for `dion3 plan` (planned on meta tensors, never allocated): every layer.
