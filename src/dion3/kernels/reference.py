@@ -65,9 +65,10 @@ def post_update_reference(
     step·row_scale[i]·update[i] (NorMuon's normalization, without a scaled copy of update).
     Computed in float32 and rounded once to the param's dtype.
 
-    One decay call for all params and one product for the whole change; the selected rows are
-    then subtracted with index_add_ per matrix (several times faster on CPU than gather, sub
-    and scatter, and the same arithmetic: decayed row + (−change), rounded once).
+    One decay call for all params. Whole matrices (rows None) change by one add_ or addcmul_
+    per param, unless a row must be masked; selected rows take one product for the whole change,
+    then index_add_ per matrix (several times faster on CPU than gather, sub and scatter, and
+    the same arithmetic: decayed row + (−change), rounded once).
     """
     row_scale = row_scale_column(row_scale, update)
     # float64 params stay float64; half-precision params are updated in a float32 copy
@@ -78,20 +79,36 @@ def post_update_reference(
         factor = decay.to(dtype) if isinstance(decay, Tensor) else decay
         torch._foreach_mul_(group, factor)
     coefficient = step if row_scale is None else row_scale.to(compute) * step
-    if isinstance(coefficient, Tensor) and coefficient.dim() and coefficient.dtype == compute:
-        change = torch.mul(update, coefficient)  # [N, k, C]: promoted in the product, no copy of update
-    else:  # (a float or 0-d factor would not promote a half update)
-        change = update.to(compute) * coefficient
-    if row_scale is not None:  # a factor of 0 leaves the row, also where update is not finite (0·NaN)
-        zero = row_scale == 0
-        if not host_checks_free(update.device) or bool(zero.any()):
+    zero = None if row_scale is None else row_scale == 0
+    # a factor of 0 leaves the row, also where update is not finite (0·NaN): masked in a copy of the change
+    masking = zero is not None and (not host_checks_free(update.device) or bool(zero.any()))
+    sizes = [w.shape[0] for w in works]
+    if rows is None and (row_scale is not None or not isinstance(step, Tensor)):
+        # param − coefficient·update per piece, computed in the param's dtype (float32 or wider) and
+        # rounded once: no float32 change the size of update. Masked rows take 0·0 (exactly the
+        # decayed row), the others the same arithmetic as in a step where nothing is masked.
+        source = update.masked_fill(zero, 0) if masking else update
+        if masking:
+            coefficient = coefficient.masked_fill(zero, 0)
+        factors = [coefficient] * len(works) if row_scale is None else coefficient.split(sizes)
+        for work, piece, factor in zip(works, source.split(sizes), factors):
+            if isinstance(factor, Tensor):
+                work.addcmul_(piece, factor, value=-1)
+            else:
+                work.add_(piece, alpha=-factor)
+    else:
+        if isinstance(coefficient, Tensor) and coefficient.dim() and coefficient.dtype == compute:
+            change = torch.mul(update, coefficient)  # [N, k, C]: promoted in the product, no copy of update
+        else:  # (a float or 0-d factor would not promote a half update)
+            change = update.to(compute) * coefficient
+        if masking:
             change.masked_fill_(zero, 0.0)  # in place: no second copy of the change
-    if rows is None:
-        torch._foreach_sub_(works, [piece.to(w.dtype) for w, piece in zip(works, change.split([w.shape[0] for w in works]))])
-    else:  # one index_add_ per matrix, on views made in bulk (Python indexing costs ~µs each)
-        matrices = [m for w in works for m in w.unbind(0)]
-        for matrix, selected, piece in zip(matrices, rows.unbind(0), change.unbind(0)):
-            matrix.index_add_(0, selected, piece.to(matrix.dtype), alpha=-1)
+        if rows is None:
+            torch._foreach_sub_(works, [piece.to(w.dtype) for w, piece in zip(works, change.split(sizes))])
+        else:  # one index_add_ per matrix, on views made in bulk (Python indexing costs ~µs each)
+            matrices = [m for w in works for m in w.unbind(0)]
+            for matrix, selected, piece in zip(matrices, rows.unbind(0), change.unbind(0)):
+                matrix.index_add_(0, selected, piece.to(matrix.dtype), alpha=-1)
     for work, param in zip(works, params):
         if work is not param:
             param.copy_(work)
@@ -211,8 +228,8 @@ class MomentumRestore(NamedTuple):
 def verdict_factors(update: Tensor, row_scale: Optional[Tensor], verdict: Optional[Tensor]) -> Optional[Tensor]:
     """Per-row factors for post_update_reference that carry the guard's verdict ([N] bool): 0 on
     every row of a skipped matrix ("leave the row", never 0·NaN), row_scale (or 1) elsewhere."""
-    if verdict is None:
-        return row_scale
+    if verdict is None or (host_checks_free(verdict.device) and bool(verdict.all())):
+        return row_scale  # every matrix kept: no factors (Muon's update then needs no scaled copy)
     if row_scale is None:
         return verdict.to(torch.float32).view(-1, 1).expand(update.shape[:2])
     return torch.where(verdict.view(-1, *[1] * (row_scale.dim() - 1)), row_scale, 0.0)
