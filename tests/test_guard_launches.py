@@ -6,7 +6,8 @@ the kernel gate accepts CPU tensors and every Triton launch is counted by kernel
   it (RESTORE in the post-update kernel), for Muon and Dion3;
 - a step whose gradient has a NaN in one matrix skips that matrix only, still without a separate
   restoration launch, and leaves its momentum as it was before the step (to within one rounding,
-  against the momentum saved before the step), its weights only decayed."""
+  against the momentum saved before the step), its weights only decayed;
+- on the CPU's own path, a clean step calls no restoration and builds no verdict factors."""
 import json
 import os
 import subprocess
@@ -100,3 +101,45 @@ def test_a_verdict_of_the_wrong_length_is_refused_naming_it():
     params = [torch.zeros(3, 4, 8)]
     with pytest.raises(ValueError, match="verdict must have one entry per matrix"):
         post_update.post_update_triton(params, torch.zeros(3, 4, 8), None, 1.0, 0.1, None, torch.ones(2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("name", ["muon", "normuon", "dion3"])
+def test_a_clean_cpu_step_does_no_restoration_work(monkeypatch, name):
+    """On the CPU (the host may look: kernels.reference.host_checks_free) a step with nothing to
+    skip neither restores momentum nor builds per-row verdict factors; a NaN in one matrix's
+    gradient restores that matrix, against its momentum before the step."""
+    import torch
+
+    import dion3
+    from dion3 import kernels
+    from dion3.kernels import reference
+
+    calls = {"restore": 0, "factors": 0}
+    restore, factors = kernels.restore_momentum, kernels.verdict_factors
+
+    def counted_restore(*args, **kwargs):
+        calls["restore"] += 1
+        return restore(*args, **kwargs)
+
+    def counted_factors(update, row_scale, verdict):
+        calls["factors"] += verdict is not None
+        return factors(update, row_scale, verdict)
+
+    monkeypatch.setattr(kernels, "restore_momentum", counted_restore)
+    monkeypatch.setattr(kernels, "verdict_factors", counted_factors)
+    assert reference.host_checks_free(torch.device("cpu"))
+    make = {"muon": dion3.Muon, "normuon": dion3.NorMuon,
+            "dion3": lambda ps, **kw: dion3.Dion3(ps, fraction=0.5, **kw)}[name]
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(16, 32, dtype=torch.float64)) for _ in range(3)]
+    optimizer = make(params, lr=0.02, weight_decay=0.1)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    optimizer.step()
+    assert calls == {"restore": 0, "factors": 0}
+    params[1].grad[3, 5] = float("nan")
+    before = optimizer.state[params[1]]["momentum"].clone()
+    optimizer.step()
+    assert calls["restore"] == 1 and int(optimizer.nonfinite_updates) == 1
+    torch.testing.assert_close(optimizer.state[params[1]]["momentum"], before, rtol=1e-12, atol=1e-12)

@@ -194,6 +194,8 @@ def post_update(params, update, rows, decay, step, row_scale=None, verdict=None,
         restored = _post_update_kernel.post_update_triton(params, update, rows, decay, step, row_scale, verdict, restore,
                                                           checked=True)
     else:
+        if verdict is not None and host_checks_free(verdict.device) and bool(verdict.all()):
+            verdict = restore = None  # nothing skipped (one look on the host): no factors, nothing to put back
         post_update_reference(params, update, rows, decay, step, verdict_factors(update, row_scale, verdict))
         restored = restore is None
     if not restored:

@@ -228,8 +228,8 @@ class MomentumRestore(NamedTuple):
 def verdict_factors(update: Tensor, row_scale: Optional[Tensor], verdict: Optional[Tensor]) -> Optional[Tensor]:
     """Per-row factors for post_update_reference that carry the guard's verdict ([N] bool): 0 on
     every row of a skipped matrix ("leave the row", never 0·NaN), row_scale (or 1) elsewhere."""
-    if verdict is None or (host_checks_free(verdict.device) and bool(verdict.all())):
-        return row_scale  # every matrix kept: no factors (Muon's update then needs no scaled copy)
+    if verdict is None:
+        return row_scale
     if row_scale is None:
         return verdict.to(torch.float32).view(-1, 1).expand(update.shape[:2])
     return torch.where(verdict.view(-1, *[1] * (row_scale.dim() - 1)), row_scale, 0.0)
