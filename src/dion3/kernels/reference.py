@@ -66,8 +66,8 @@ def post_update_reference(
     Computed in float32 and rounded once to the param's dtype.
 
     One decay call for all params. Whole matrices (rows None) change by one add_ or addcmul_
-    per param, unless a row must be masked; selected rows take one product for the whole change,
-    then index_add_ per matrix (several times faster on CPU than gather, sub and scatter, and
+    per param (the change rounded inside the param's rounding); selected rows take one product
+    for the whole change, then index_add_ per matrix (several times faster on CPU than gather, sub and scatter, and
     the same arithmetic: decayed row + (−change), rounded once).
     """
     row_scale = row_scale_column(row_scale, update)
@@ -83,10 +83,11 @@ def post_update_reference(
     # a factor of 0 leaves the row, also where update is not finite (0·NaN): masked in a copy of the change
     masking = zero is not None and (not host_checks_free(update.device) or bool(zero.any()))
     sizes = [w.shape[0] for w in works]
-    if rows is None and (row_scale is not None or not isinstance(step, Tensor)):
+    if rows is None:
         # param − coefficient·update per piece, computed in the param's dtype (float32 or wider) and
         # rounded once: no float32 change the size of update. Masked rows take 0·0 (exactly the
-        # decayed row), the others the same arithmetic as in a step where nothing is masked.
+        # decayed row), the others the same arithmetic as in a step where nothing is masked; a
+        # float step (add_ with alpha) and a tensor step (addcmul_, captured) round alike.
         source = update.masked_fill(zero, 0) if masking else update
         if masking:
             coefficient = coefficient.masked_fill(zero, 0)
@@ -103,12 +104,10 @@ def post_update_reference(
             change = update.to(compute) * coefficient
         if masking:
             change.masked_fill_(zero, 0.0)  # in place: no second copy of the change
-        if rows is None:
-            torch._foreach_sub_(works, [piece.to(w.dtype) for w, piece in zip(works, change.split(sizes))])
-        else:  # one index_add_ per matrix, on views made in bulk (Python indexing costs ~µs each)
-            matrices = [m for w in works for m in w.unbind(0)]
-            for matrix, selected, piece in zip(matrices, rows.unbind(0), change.unbind(0)):
-                matrix.index_add_(0, selected, piece.to(matrix.dtype), alpha=-1)
+        # one index_add_ per matrix, on views made in bulk (Python indexing costs ~µs each)
+        matrices = [m for w in works for m in w.unbind(0)]
+        for matrix, selected, piece in zip(matrices, rows.unbind(0), change.unbind(0)):
+            matrix.index_add_(0, selected, piece.to(matrix.dtype), alpha=-1)
     for work, param in zip(works, params):
         if work is not param:
             param.copy_(work)
