@@ -122,7 +122,7 @@ SCRIPT = textwrap.dedent(
     factor = torch.rand(4, 3, generator=gen) + 0.5
     params = [p0.to(device).clone()]
     positions = torch.where(selected, 0, -1).to(torch.int32)
-    restore = reference.MomentumRestore(m, [g.to(device)], 1.0, 0.6, norms.to(device), positions.to(device))
+    restore = reference.MomentumRestore(m, [g.to(device)], 1.0, 0.6, lambda: (positions.to(device), norms.to(device)))
     done = pk.post_update_triton(params, update.to(device), rows.to(device), 0.9, 0.1, factor.to(device), keep.to(device),
                                  restore)
     change = torch.zeros(4, 8, 24, dtype=torch.float64).scatter(1, rows.unsqueeze(-1).expand(4, 3, 24),

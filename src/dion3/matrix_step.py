@@ -70,7 +70,7 @@ def matrix_step(route, group: dict, cfg: rules.RuleConfig) -> Iterator[None]:
     result = yield from route.scatter(whole, row_scale, ok)
     rules.apply_update(route.views, result.update, result.rows, group["lr"], group["weight_decay"],
                        rules.lr_scale(group["adjust_lr"], *route.shape), result.row_scale, route.skipped, ok=result.ok,
-                       restore=rules.momentum_restore(route.momentum, route.grads, cfg, *route.selection()))
+                       restore=rules.momentum_restore(route.momentum, route.grads, cfg, route.selection))
     route.finish(result)
 
 

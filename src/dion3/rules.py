@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -387,13 +387,13 @@ def decay_of(cfg: RuleConfig) -> float:
 
 
 def momentum_restore(momentum: Tensor, grads: Grads, cfg: RuleConfig,
-                     positions: Optional[Tensor] = None, norm: Optional[Tensor] = None) -> MomentumRestore:
+                     selection: Optional[Callable[[], tuple]] = None) -> MomentumRestore:
     """What the guard's last stage needs to put the momentum of every matrix it skipped back to
     what it was before the step (apply_update's restore, kernels.post_update): Dion3's error
-    feedback undone on its selected rows (positions [N, R] ≥ 0, the selection's inverse) where its
-    snapshot applied it (norm [N]: the selection's norm was finite; the snapshot leaves the
-    others' rows alone), then the step's accumulation. Matrices that stepped are left alone; no
-    host sync."""
+    feedback undone on its selected rows where its snapshot applied it (selection, the route's:
+    () → (positions [N, R] ≥ 0, the selection's inverse; norm [N], finite where the snapshot fed
+    back), asked only where a restoration may run), then the step's accumulation. Matrices that
+    stepped are left alone; no host sync."""
     selecting = cfg.fraction is not None
     return MomentumRestore(momentum, grads, decay_of(cfg), cfg.mu if selecting else 1.0,
-                           norm if selecting else None, positions if selecting else None)
+                           selection if selecting else None)

@@ -199,8 +199,8 @@ def post_update(params, update, rows, decay, step, row_scale=None, verdict=None,
         post_update_reference(params, update, rows, decay, step, verdict_factors(update, row_scale, verdict))
         restored = restore is None
     if not restored:
-        restore_momentum(restore.momentum, restore.grads, verdict, restore.decay, restore.mu, restore.fed,
-                         restore.positions)
+        positions, fed = restore.selected()
+        restore_momentum(restore.momentum, restore.grads, verdict, restore.decay, restore.mu, fed, positions)
 
 
 def accumulate_momentum(momentum, grads, decay: float, scores: bool, squares: bool = False):

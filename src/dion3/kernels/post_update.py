@@ -212,9 +212,10 @@ def post_update_triton(
         grad, table, batch = layout
         momentum, momentum_decay, mu = restore.momentum, float(restore.decay), float(restore.mu)
         table = grad if table is None else table
-        has_fed = restore.fed is not None and restore.positions is not None
-        fed = restore.fed.reshape(-1) if has_fed else update
-        restore_positions = restore.positions if has_fed else update
+        restore_positions, fed = restore.selected()
+        has_fed = fed is not None and restore_positions is not None
+        fed = fed.reshape(-1) if has_fed else update
+        restore_positions = restore_positions if has_fed else update
     decay_is_pointer = isinstance(decay, Tensor)
     step_is_pointer = isinstance(step, Tensor)
     grid = (triton.cdiv(R, BLOCK_ROWS), total, triton.cdiv(C, BLOCK_COLS))

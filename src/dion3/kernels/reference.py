@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -213,15 +213,19 @@ def snapshot_rows_reference(
 class MomentumRestore(NamedTuple):
     """What putting a skipped matrix's momentum back needs (restore_momentum_reference's
     arguments but the verdict): the bucket's momentum [N, R, C], this step's gradients (a tensor
-    or pieces), the momentum pass's decay, and for Dion3 the error feedback's mu, the snapshot's
-    norms fed [N] and the selected rows' positions [N, R] (≥ 0 where selected)."""
+    or pieces), the momentum pass's decay, and for Dion3 the error feedback's mu and `selection`,
+    which gives (the selected rows' positions [N, R], ≥ 0 where selected; the snapshot's norms fed
+    [N]) when asked: only a step that restores, or a launch that may, builds them."""
 
     momentum: Tensor
     grads: Union[Tensor, Sequence[Tensor]]
     decay: float
     mu: float = 1.0
-    fed: Optional[Tensor] = None
-    positions: Optional[Tensor] = None
+    selection: Optional[Callable[[], tuple[Optional[Tensor], Optional[Tensor]]]] = None
+
+    def selected(self) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        """(positions, fed), or (None, None) without error feedback to undo."""
+        return (None, None) if self.selection is None else self.selection()
 
 
 def verdict_factors(update: Tensor, row_scale: Optional[Tensor], verdict: Optional[Tensor]) -> Optional[Tensor]:
