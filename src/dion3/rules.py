@@ -181,7 +181,9 @@ def pre_step(
         # the same row-wise sums as the momentum pass would give: no rounding difference
         squares = torch.linalg.vector_norm(update, dim=-1, dtype=torch.promote_types(update.dtype, torch.float32))
         return PreStep(update, rows, _frobenius(squares.square()))
-    if host_checks_free(momentum.device) and (scores is None or bool(torch.isfinite(scores).all())):
+    # (scores are non-negative: their sum is finite iff each is, unless it overflows, which then
+    # only takes the path below)
+    if host_checks_free(momentum.device) and (scores is None or math.isfinite(scores.sum().item())):
         # No row measured NaN (asked of the host where that is free): snapshot, its norm, then
         # the scaled copy; the arithmetic of the path below, without its gather of the rows.
         update = snapshot_rows(momentum, rows, cfg.mu)
