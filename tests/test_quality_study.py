@@ -239,6 +239,9 @@ def test_smoke_study_writes_one_line_per_run_and_skips_finished_runs(study, tmp_
         assert record["final_val_loss"] < math.log(256) and record["optimizer_ms_median"] > 0  # below the uniform loss
         assert 0 < record["final_train_loss"] < math.log(256)
         assert record["optimizer_tflop"] > 0  # NorMuon and Dion3 both orthogonalize
+    # each run's log says how far it came: its last progress line is the last step
+    logs = list((out / "logs").glob("*.log"))
+    assert len(logs) == 3 and all("step 8/8: " in log.read_text() for log in logs)
     fractions = sorted(r["average_fraction"] for r in first)
     # fixed ¼; warm-up 1 → ¼ over 4 steps then ¼: (1 + 0.8125 + 0.625 + 0.4375 + 4·0.25)/8; NorMuon: every row
     assert fractions == [0.25, pytest.approx((1 + 0.8125 + 0.625 + 0.4375 + 1.0) / 8), 1.0]
@@ -255,6 +258,17 @@ def test_smoke_study_writes_one_line_per_run_and_skips_finished_runs(study, tmp_
     assert summary.count("| gpt-tiny | 8 |") == 3 and summary.count("| 2 |") == 3
     # each run records how many of the study's runs shared the device (--jobs, 2 in smoke mode)
     assert {r["runs_at_once"] for r in records} == {2} and "with up to 2 runs of one study sharing" in summary
+
+
+def test_progress_lines_come_at_even_steps_and_end_at_the_last(capsys):
+    from dion3.tools.study.child import progress_printer
+
+    step = progress_printer(25, lines=5)
+    for _ in range(25):
+        step()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == [f"step {n}/25" for n in (5, 10, 15, 20, 25)]
+    assert lines[-1].endswith("about 0.0 min left")
 
 
 def test_summary_says_how_many_runs_shared_the_device_from_the_records(study, tmp_path):

@@ -38,6 +38,26 @@ def build_llama(spec: ModelSpec):
     return CausalLM
 
 
+# progress lines per run (its log shows how far a run that is stopped had come)
+PROGRESS_LINES = 10
+
+
+def progress_printer(steps: int, lines: int = PROGRESS_LINES):
+    """An on_step callback that prints `lines` lines over `steps` steps: the step, the minutes
+    since the first step and an estimate of the minutes left (host clock, no device sync)."""
+    every = max(1, steps // lines)
+    started = time.perf_counter()
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        if done % every == 0 or done == steps:
+            minutes = (time.perf_counter() - started) / 60
+            print(f"step {done}/{steps}: {minutes:.1f} min, about {minutes * (steps - done) / done:.1f} min left", flush=True)
+    return step
+
+
 def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
     import torch
 
@@ -64,7 +84,7 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
                        run.row_score if run.optimizer == "dion3" else None)
     started = time.perf_counter()
     result = train(run_spec, config, schedule, data, device, run.seed, bf16=True, model_factory=factory, captured=run.captured,
-                   compiled=run.compiled)
+                   compiled=run.compiled, on_step=progress_printer(run.horizon))
     return {
         "key": run.key, "config": dataclasses.asdict(run), "seed": run.seed, "horizon": run.horizon,
         "final_val_loss": result.final_val_loss,
