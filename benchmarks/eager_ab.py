@@ -11,6 +11,9 @@ synchronized at the end of each turn) and of the CUDA-event device time, with th
     PYTHONPATH=src python benchmarks/eager_ab.py --trees OLD/src src --preset llama-384 \
         --optimizers muon-gram,normuon,dion3-1/4 --turns 40 --steps 5 --json OUT.json
 
+--scalars adds the preset's embedding, LM head and norm gains as an AdamW group (--vocab V: a
+vocabulary of V rows instead of the preset's bytes), so the step includes the AdamW group's.
+
 Trees: each a folder holding a `dion3` package (a checkout's `src`, e.g. from
 `git worktree add /tmp/old fcb460d`). Optimizers: muon-gram (Muon, Gram NS where it pays),
 normuon, dion3-F (Dion3 at fraction F on every matrix). On the CPU the device column is the wall
@@ -65,14 +68,20 @@ def activate(modules: dict) -> None:
     sys.modules.update(modules)
 
 
-def build(modules: dict, variant: str, shapes, device, seed: int):
+def build(modules: dict, variant: str, shapes, device, seed: int, scalars=()):
+    """The variant's optimizer over fresh matrices of `shapes` (and, with `scalars`, an AdamW group
+    of those shapes), every parameter with a fixed random gradient."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    params = []
-    for shape in shapes:
-        for _ in range(shape.count):
-            p = torch.nn.Parameter(torch.randn(shape.rows, shape.cols, generator=generator).to(device))
-            p.grad = torch.randn(shape.rows, shape.cols, generator=generator).to(device) * 0.01
-            params.append(p)
+
+    def leaf(shape):
+        p = torch.nn.Parameter(torch.randn(shape, generator=generator).to(device))
+        p.grad = torch.randn(shape, generator=generator).to(device) * 0.01
+        return p
+
+    params = [leaf((shape.rows, shape.cols)) for shape in shapes for _ in range(shape.count)]
+    extra = [leaf(shape.shape) for shape in scalars for _ in range(shape.count)]
+    if extra:
+        params = [{"params": params}, {"params": extra, "algorithm": "adamw", "lr": 1e-3}]
     dion3 = modules["dion3"]
     common = dict(lr=0.01, weight_decay=0.01)
     if variant == "muon-gram":
@@ -118,10 +127,19 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--cuda-path", action="store_true",
                         help="CPU: replay the CUDA path on tiny matrices (module docstring)")
+    parser.add_argument("--scalars", action="store_true",
+                        help="also the preset's embedding, LM head and norm gains, in an AdamW group")
+    parser.add_argument("--vocab", type=int, help="with --scalars: this vocabulary instead of the preset's")
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device(args.device)
     shapes = PRESETS[args.preset].matrices
+    scalars = PRESETS[args.preset].scalars if args.scalars else ()
+    if args.vocab:
+        if not args.scalars:
+            parser.error("--vocab sets the embedding's rows: use it with --scalars")
+        scalars = tuple(dataclasses.replace(s, shape=(args.vocab,) + s.shape[1:]) if len(s.shape) == 2 else s
+                        for s in scalars)
     if args.cuda_path:
         if device.type != "cpu":
             parser.error("--cuda-path replays the CUDA path on the CPU: use --device cpu")
@@ -142,7 +160,7 @@ def main() -> int:
         optimizers = []
         for modules in trees:
             activate(modules)
-            optimizers.append(build(modules, variant, shapes, device, seed=0))
+            optimizers.append(build(modules, variant, shapes, device, seed=0, scalars=scalars))
             for _ in range(args.warmup):
                 optimizers[-1].step()
         times = [[], []]
@@ -166,6 +184,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     if args.json:
         meta = {"trees": [modules["dion3"].__file__ for modules in trees], "preset": args.preset,
+                "scalars": [dataclasses.asdict(s) for s in scalars],
                 "turns": args.turns, "steps": args.steps, "torch": torch.__version__,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
         with open(args.json, "w") as f:
