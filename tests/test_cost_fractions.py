@@ -94,6 +94,25 @@ def test_counts_weigh_the_budget_and_a_cheaper_row_can_still_fit():
     assert cost_allocated_fractions(shapes, 0.5, floor=0.25, cost=lambda k, c: k * c) == [0.5, 0.5]
 
 
+def test_weights_divide_a_rows_cost_when_the_rows_are_handed_out():
+    """The linear case above (rows of A cost 4, of B 16; budget 80; floor 1 row each, 20). B at
+    weight 8 scores 16/8 = 2 a row, below A's 4: B takes 3 rows (68; a fourth would make 84), then
+    A 3 (80): ½ each. Weights that are all equal change nothing, and neither does B at 4 (a tie:
+    A comes first in input order)."""
+    shapes = [MatrixShape("a", 8, 2, 1), MatrixShape("b", 8, 4, 1)]
+    linear = dict(floor=0.125, cost=lambda k, c: k * c * c)
+    assert cost_allocated_fractions(shapes, 0.5, weights=[1, 8], **linear) == [0.5, 0.5]
+    for weights in ([3, 3], [1, 4], None):
+        assert cost_allocated_fractions(shapes, 0.5, weights=weights, **linear) == [1.0, 3 / 8]
+    with pytest.raises(ValueError, match="one weight per shape"):
+        cost_allocated_fractions(shapes, 0.5, weights=[1], **linear)
+    with pytest.raises(ValueError, match="positive finite number, got 0"):
+        cost_allocated_fractions(shapes, 0.5, weights=[1, 0], **linear)
+    twice = [MatrixShape("a", 8, 2, 1), MatrixShape("a again", 8, 2, 1)]
+    with pytest.raises(ValueError, match="need one weight"):
+        cost_allocated_fractions(twice, 0.5, weights=[1, 2], **linear)
+
+
 def test_newton_schulz_flops_by_hand():
     """Dense standard NS (per step 4n²m + 2n³, n ≤ m). A 4×8: k = 1, 2: 34, 144; B 8×2: k = 2..8:
     48, 64, 80, ... (past k = 2 it is 16k + 16). Uniform ½: 144 + 80 = 224. Floor ¼: 34 + 48 = 82;
@@ -253,6 +272,32 @@ def test_param_groups_split_the_matrices_by_cost():
         param_groups(model, lm_head="lm_head", fraction_allocation="cost")
     with pytest.raises(ValueError, match="row-selecting algorithm"):
         param_groups(model, algorithm="muon", fraction_allocation="cost", **options)
+
+
+def test_fraction_weights_pick_matrices_by_name_and_shape():
+    """param_groups(..., fraction_weights={part of a name: weight}): each shape's weight comes from
+    its matrices' names (a and c share a shape, so they share a weight), and the groups carry the
+    fractions that weights give per shape; mistakes are named."""
+    from dion3 import param_groups
+
+    model = Tiny()
+    options = dict(lm_head="lm_head", lr=0.1, fraction=0.5, orthogonalizer="newton_schulz")
+    shapes = [MatrixShape("a", 4, 8, 2), MatrixShape("b", 8, 2, 1)]
+    for weights, per_shape in (({"b.": 4.0}, [1.0, 4.0]), ({"a.": 8.0, "c.": 8.0}, [8.0, 1.0])):
+        groups = param_groups(model, fraction_allocation="cost", fraction_weights=weights, **options)
+        expected = cost_allocated_fractions(shapes, 0.5, method="newton_schulz", weights=per_shape)
+        assert [g["fraction"] for g in groups[:2]] == expected
+        assert "fraction_weights" not in groups[0]
+    assert cost_allocated_fractions(shapes, 0.5, method="newton_schulz", weights=[8.0, 1.0]) != \
+        cost_allocated_fractions(shapes, 0.5, method="newton_schulz")  # the weights move rows here
+    with pytest.raises(ValueError, match="'a.weight' .weight 2. and 'c.weight' .weight 1. share the shape 4x8"):
+        param_groups(model, fraction_allocation="cost", fraction_weights={"a.": 2.0}, **options)
+    with pytest.raises(ValueError, match=r"no matrix of the group has \['mlp'\]"):
+        param_groups(model, fraction_allocation="cost", fraction_weights={"mlp": 2.0}, **options)
+    with pytest.raises(ValueError, match="matches the weights of"):
+        param_groups(model, fraction_allocation="cost", fraction_weights={"a.": 2.0, "weight": 2.0}, **options)
+    with pytest.raises(ValueError, match="fraction_weights weigh the rows of fraction_allocation='cost'"):
+        param_groups(model, fraction_weights={"b.": 2.0}, **options)
 
 
 def test_step_flops_by_hand():

@@ -52,12 +52,13 @@ def test_cost_allocation_runs_beside_uniform_ones_with_fixed_fractions_only(stud
     # a uniform eager float32 run's key is the hash of its settings without the allocation, compile
     # and momentum-dtype fields, as before those fields existed
     fields = {k: v for k, v in json.loads(json.dumps(runs[0].__dict__)).items()
-              if k not in ("fraction_allocation", "compiled", "momentum_dtype", "cost_rule", "row_score")}
+              if k not in ("fraction_allocation", "compiled", "momentum_dtype", "cost_rule", "row_score", "fraction_weights")}
     assert runs[0].key == hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     # fractions by cost spend modeled time now; a record of the earlier FLOP rule (config without
     # cost_rule) keeps its key and reads back as another setting, labelled as such
     assert runs[1].cost_rule == "time"
-    earlier = {k: v for k, v in json.loads(json.dumps(runs[1].__dict__)).items() if k not in ("cost_rule", "row_score")}
+    earlier = {k: v for k, v in json.loads(json.dumps(runs[1].__dict__)).items()
+               if k not in ("cost_rule", "row_score", "fraction_weights")}
     old = study.Run(**earlier)
     assert old.label == "dion3-f0.25-cost-flops lr=0.04 mu=0.3 h=100 seed=0"
     assert old.key == hashlib.sha1(json.dumps({k: v for k, v in earlier.items() if k not in ("compiled", "momentum_dtype")},
@@ -183,6 +184,38 @@ def test_l2_row_scores_are_their_own_dion3_settings_and_l1_keeps_the_recorded_ke
     recorded = Path(__file__).parent.parent / "benchmarks/results/frontier/results.jsonl"
     record = next(r for r in map(json.loads, recorded.read_text().splitlines()) if "row_score" not in r["config"])
     assert "row_score" not in record["config"] and study.Run(**{**record["config"], "data": None}).key == record["key"]
+
+
+def test_fraction_weights_are_their_own_settings_and_reach_the_allocation(study):
+    from dion3.tools.train import trainer
+    from dion3.tools.train.model import GPTConfig
+
+    args = ["--horizons", "100", "--seeds", "0", "--optimizers", "dion3", "--fraction", "0.25", "--dion3-lr", "0.02",
+            "--dion3-mu", "0.6", "--fraction-warmup", "0", "--fraction-allocation", "cost"]
+    plain = study.plan_runs(study.parse_args(args))
+    runs = study.plan_runs(study.parse_args(args + ["--fraction-weights", "none", "mlp.=4", "q=2, attn.=3", "attn.=3,q=2"]))
+    # one spelling per setting (parts in name order, weights as numbers), unweighted runs keep their keys
+    assert [r.fraction_weights for r in runs] == [None, "mlp.=4", "attn.=3,q=2"]
+    assert runs[0].key == plain[0].key and len({r.key for r in runs}) == 3
+    assert runs[1].label.startswith("dion3-f0.25-cost-weights[mlp.=4] ")
+    rows = study.summary_table([{**_record(study, "dion3", 1.5, 0, 0.25), "config": json.loads(json.dumps(runs[1].__dict__))}])
+    assert "| Dion3 f=0.25, rows weighted mlp.=4 | by cost |" in rows
+    # the weights reach param_groups: on this model a weight on the MLP moves rows there
+    config = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=64)
+
+    def fractions(weights):
+        spec = trainer.RunSpec("d", "dion3", 0.02, 0.25, fraction_allocation="cost",
+                               fraction_weights=study.runs.parse_fraction_weights(weights))
+        groups = trainer.build_optimizer(trainer.GPT(config), spec).param_groups
+        return {tuple(p.shape): g["fraction"] for g in groups if g.get("algorithm", "dion3") == "dion3" for p in g["params"]}
+
+    plain_fractions, weighted = fractions(None), fractions("mlp.=4")
+    assert weighted[(256, 64)] > plain_fractions[(256, 64)] and weighted[(64, 64)] < plain_fractions[(64, 64)]
+    for bad in ("mlp", "mlp=0", "=2"):
+        with pytest.raises(SystemExit, match="--fraction-weights expects part=weight pairs"):
+            study.plan_runs(study.parse_args(args + ["--fraction-weights", bad]))
+    with pytest.raises(SystemExit, match="use it with --fraction-allocation cost alone"):
+        study.plan_runs(study.parse_args(args[:-1] + ["uniform", "--fraction-weights", "mlp.=2"]))
 
 
 def test_summary_names_cost_allocation_and_averages_optimizer_flops(study):

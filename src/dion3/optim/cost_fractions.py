@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from torch import Tensor, nn
 
@@ -56,7 +56,7 @@ def _check_shapes(shapes: Sequence) -> None:
 
 def cost_allocated_fractions(
     shapes: Sequence[MatrixShape], fraction: float, floor: Optional[float] = None, method: str = "auto",
-    schedule: Any = "polar_express", cost: Optional[Cost] = None,
+    schedule: Any = "polar_express", cost: Optional[Cost] = None, weights: Optional[Sequence[float]] = None,
 ) -> list[float]:
     """One fraction per shape (each k/rows, k the rows it selects) whose costs add up to at most
     those of `fraction` on every shape.
@@ -67,10 +67,13 @@ def cost_allocated_fractions(
     method, schedule: the orthogonalizer settings the default cost models;
     cost: cost(k, cols) of one k × cols matrix; None: modeled_time_cost(method, schedule), the
         modeled H200 seconds (orthogonalize_cost(...) counts executed FLOPs instead).
+    weights: one positive weight per shape (None: all 1): a row of a shape with weight w counts w
+        times, so its cost is divided by w when the rows are handed out (a shape whose rows matter
+        more for the loss gets more of them within the same budget). Equal shapes need equal weights.
 
     Rule (water-filling by cost): every shape starts at ⌈floor·rows⌉ rows; then, again and again,
-    the shape whose next row costs the least (cost(k + 1) − cost(k), first in input order among
-    equals) gets one more row on each of its matrices, among the shapes below all their rows whose
+    the shape whose next row costs the least (cost(k + 1) − cost(k), divided by the shape's weight;
+    first in input order among equals) gets one more row on each of its matrices, among the shapes below all their rows whose
     additions still fit the budget, until none fits. Orthogonalizing k rows costs about k²·cols,
     so a row is cheap where k and cols are small: short matrices (k/v projections) and narrow ones
     get their rows first, and the budget they leave keeps a small fraction on the wide MLP
@@ -88,6 +91,7 @@ def cost_allocated_fractions(
         raise ValueError(f"cost_allocated_fractions: floor must lie in (0, fraction] = (0, {fraction:g}], got {floor!r}")
     _check_shapes(shapes)
     cost = cost or modeled_time_cost(method, schedule)
+    weight_of = _shape_weights(shapes, weights)
 
     # identical shapes are interchangeable: merge them, so they cannot end up with different k
     merged: dict[tuple[int, int], int] = {}
@@ -111,14 +115,34 @@ def cost_allocated_fractions(
             if k[i] >= rows:
                 continue
             step = flops(k[i] + 1, cols) - flops(k[i], cols)  # per row: each of the shape's matrices gets one
-            if total + merged[(rows, cols)] * step <= limit and step < best_step:
-                best, best_step = i, step
+            if total + merged[(rows, cols)] * step <= limit and step / weight_of[(rows, cols)] < best_step:
+                best, best_step = i, step / weight_of[(rows, cols)]
         if best is None:
             break
-        total += merged[keys[best]] * best_step
+        total += merged[keys[best]] * (flops(k[best] + 1, keys[best][1]) - flops(k[best], keys[best][1]))
         k[best] += 1
     chosen = {key: k[i] / key[0] for i, key in enumerate(keys)}
     return [chosen[(shape.rows, shape.cols)] for shape in shapes]
+
+
+def _shape_weights(shapes: Sequence, weights: Optional[Sequence[float]]) -> dict[tuple[int, int], float]:
+    """{(rows, cols): weight} from one weight per shape (None: 1 each), checked."""
+    if weights is None:
+        return {(shape.rows, shape.cols): 1.0 for shape in shapes}
+    weights = list(weights)
+    if len(weights) != len(shapes):
+        raise ValueError(f"cost_allocated_fractions: weights has {len(weights)} entries for {len(shapes)} shapes; "
+                         "give one weight per shape")
+    out: dict[tuple[int, int], float] = {}
+    for shape, weight in zip(shapes, weights):
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0.0 < weight < math.inf:
+            raise ValueError(f"cost_allocated_fractions: the weight of shape {shape.rows}x{shape.cols} must be a "
+                             f"positive finite number, got {weight!r}")
+        key = (shape.rows, shape.cols)
+        if out.setdefault(key, float(weight)) != float(weight):
+            raise ValueError(f"cost_allocated_fractions: shape {shape.rows}x{shape.cols} is given the weights "
+                             f"{out[key]:g} and {weight:g}; equal shapes share one fraction, so they need one weight")
+    return out
 
 
 def matrix_shapes(params: Iterable[Tensor], flatten: bool = False) -> list[MatrixShape]:
@@ -146,18 +170,22 @@ def _whole_matrices(group: dict, where: str) -> None:
 
 
 def cost_allocated_groups(group: dict, fraction: float, floor: Optional[float] = None,
-                          cost: Optional[Cost] = None) -> list[dict]:
+                          cost: Optional[Cost] = None, weights: Optional[Mapping[str, float]] = None) -> list[dict]:
     """`group` (a Dion3 parameter group) split into one group per matrix shape, each with its
     fraction from cost_allocated_fractions at the uniform `fraction`, costed with `cost` or else
     the modeled time of the group's orthogonalizer and ns_coefficients (defaults where it names
-    none). Other settings are copied."""
+    none). Other settings are copied.
+    weights: {part of a parameter name: weight} (e.g. {"mlp": 2.0}): the weight of every matrix
+    whose name contains that part (1 for the others), handed to cost_allocated_fractions per
+    shape; needs the group's param_names."""
     _whole_matrices(group, "cost_allocated_groups")
     params = list(group["params"])
     names = group.get("param_names")
     flatten = bool(group.get("flatten", False))
     shapes = matrix_shapes(params, flatten)
     cost = cost or modeled_time_cost(group.get("orthogonalizer", "auto"), group.get("ns_coefficients", "polar_express"))
-    fractions = cost_allocated_fractions(shapes, fraction, floor, cost=cost)
+    shape_weights = None if weights is None else _weights_by_name(params, names, weights, flatten, shapes)
+    fractions = cost_allocated_fractions(shapes, fraction, floor, cost=cost, weights=shape_weights)
     by_shape = {(s.rows, s.cols): f for s, f in zip(shapes, fractions)}
     members: dict[tuple[int, int], list[int]] = {key: [] for key in by_shape}
     for i, p in enumerate(params):
@@ -170,6 +198,36 @@ def cost_allocated_groups(group: dict, fraction: float, floor: Optional[float] =
             split["param_names"] = [names[i] for i in members[key]]
         out.append(split)
     return out
+
+
+def _weights_by_name(params: list, names: Optional[Sequence[str]], weights: Mapping[str, float], flatten: bool,
+                     shapes: Sequence[MatrixShape]) -> list[float]:
+    """One weight per shape of `shapes` from {name part: weight}: each parameter takes the weight of
+    the one part its name contains (1 for none); the parameters of a shape must agree."""
+    if names is None:
+        raise ValueError("cost_allocated_groups: weights pick matrices by name, but the group has no param_names "
+                         "(param_groups(...) writes them)")
+    if not weights:
+        raise ValueError("cost_allocated_groups: weights is empty; give {part of a parameter name: weight}")
+    used = set()
+    by_shape: dict[tuple[int, int], tuple[float, str]] = {}
+    for p, name in zip(params, names):
+        matching = [part for part in weights if part in name]
+        if len(matching) > 1:
+            raise ValueError(f"cost_allocated_groups: parameter {name!r} matches the weights of {matching}; "
+                             "give parts that pick each matrix once")
+        used.update(matching)
+        weight = float(weights[matching[0]]) if matching else 1.0
+        (shape,) = matrix_shapes([p], flatten)
+        key = (shape.rows, shape.cols)
+        seen = by_shape.setdefault(key, (weight, name))
+        if seen[0] != weight:
+            raise ValueError(f"cost_allocated_groups: {seen[1]!r} (weight {seen[0]:g}) and {name!r} (weight {weight:g}) "
+                             f"share the shape {key[0]}x{key[1]}, which gets one fraction: give them one weight")
+    unused = [part for part in weights if part not in used]
+    if unused:
+        raise ValueError(f"cost_allocated_groups: no matrix of the group has {unused} in its name")
+    return [by_shape[(shape.rows, shape.cols)][0] for shape in shapes]
 
 
 def step_orthogonalize_flops(groups: Sequence[dict], symmetric: Symmetric = h200_symmetric) -> float:

@@ -16,7 +16,7 @@ parameters' names (`param_names`, kept by torch.optim): errors name the paramete
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 from torch import nn
 
@@ -43,6 +43,7 @@ def param_groups(
     scalar_lr: float = SCALAR_LR,
     scalar_algorithm: str = "adamw",
     fraction_allocation: str = "uniform",
+    fraction_weights: Optional[Mapping[str, float]] = None,
     **options: Any,
 ) -> list[dict[str, Any]]:
     """Parameter groups for `Dion3`, `Muon` or `NorMuon`.
@@ -69,6 +70,10 @@ def param_groups(
         Dion2 group (or `algorithm` None with the Dion3 class) and whole matrices (no num_heads or
         split_sizes). The fractions are fixed: a FractionScheduler sets one fraction on every
         group it schedules, so it refuses these groups unless `groups=` names them.
+    fraction_weights: with fraction_allocation="cost", {part of a parameter name: weight}: the
+        matrices whose names contain that part count their rows `weight` times when the budget
+        is handed out (e.g. {"mlp": 2.0} moves rows to the MLP matrices within the same modeled
+        time; cost_allocated_fractions). Matrices of one shape need one weight.
     options: further settings of the matrix group (fraction, mu, weight_decay, ...).
 
     Every trainable parameter lands in exactly one group; empty groups are left out.
@@ -83,6 +88,9 @@ def param_groups(
         raise ValueError(f"scalar_algorithm must be one of {SCALAR_ALGORITHMS}, got {scalar_algorithm!r}")
     if fraction_allocation not in FRACTION_ALLOCATIONS:
         raise ValueError(f"param_groups: fraction_allocation must be one of {FRACTION_ALLOCATIONS}, got {fraction_allocation!r}")
+    if fraction_weights is not None and fraction_allocation != "cost":
+        raise ValueError("param_groups: fraction_weights weigh the rows of fraction_allocation='cost'; "
+                         f"got fraction_allocation={fraction_allocation!r}")
     if fraction_allocation == "cost":
         if options.get("fraction") is None:
             raise ValueError("param_groups: fraction_allocation='cost' needs fraction=..., the uniform fraction "
@@ -118,7 +126,7 @@ def param_groups(
         matrix_group["lr"] = lr
     matrix_groups = [matrix_group]
     if fraction_allocation == "cost" and matrix_group["params"]:
-        matrix_groups = cost_allocated_groups(matrix_group, options["fraction"])
+        matrix_groups = cost_allocated_groups(matrix_group, options["fraction"], weights=fraction_weights)
     groups = [
         *matrix_groups,
         group(buckets["head"], algorithm=scalar_algorithm, lr=head_lr),

@@ -8,7 +8,7 @@ import statistics
 import time
 from typing import Optional
 
-from .runs import MODELS, ModelSpec, Run
+from .runs import MODELS, ModelSpec, Run, parse_fraction_weights
 
 
 def build_llama(spec: ModelSpec):
@@ -81,7 +81,8 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
     # AdamW has no μ (its betas stay the defaults)
     run_spec = RunSpec(run.label, run.optimizer, run.lr, run.fraction, run.mu if run.optimizer != "adamw" else None,
                        run.fraction_warmup, run.fraction_allocation, run.momentum_dtype if run.optimizer != "adamw" else None,
-                       run.row_score if run.optimizer == "dion3" else None)
+                       run.row_score if run.optimizer == "dion3" else None,
+                       parse_fraction_weights(run.fraction_weights) if run.optimizer == "dion3" else None)
     started = time.perf_counter()
     result = train(run_spec, config, schedule, data, device, run.seed, bf16=True, model_factory=factory, captured=run.captured,
                    compiled=run.compiled, on_step=progress_printer(run.horizon))

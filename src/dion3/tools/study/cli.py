@@ -41,6 +41,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--row-score", default="l1",
                         help="Dion3's selection score, comma-separated: l1 (each momentum row's L1 norm, the rule) "
                              "and/or l2 (its L2 norm); each Dion3 setting runs with each")
+    parser.add_argument("--fraction-weights", nargs="+", default=["none"], metavar="SPEC",
+                        help="with --fraction-allocation cost: weights of the rows by parameter name, each SPEC "
+                             "part=weight pairs (e.g. mlp=2 or q_proj=2,o_proj=2) or none; each Dion3 setting runs "
+                             "with each (param_groups' fraction_weights)")
     parser.add_argument("--momentum-dtype", default="float32",
                         help="the matrix momentum's dtype, comma-separated: float32 (default) and/or bfloat16; each "
                              "Muon, NorMuon and Dion3 setting runs with each (AdamW keeps its own state)")

@@ -44,6 +44,7 @@ class Variant:
     fraction: Optional[float] = None
     allocation: str = "uniform"
     row_score: str = "l1"  # Dion3's selection score (dion3.rules.ROW_SCORES)
+    weights: Optional[str] = None  # by cost: the rows' weights by parameter name (the study's fraction_weights)
 
     @property
     def label(self) -> str:
@@ -51,7 +52,8 @@ class Variant:
             return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[self.optimizer]
         text = str(Fraction(self.fraction).limit_denominator(64)).replace("/", "⁄")
         return (f"Dion3 {text}" + (" by cost" if self.allocation == "cost" else " on every matrix")
-                + (f", rows by {self.row_score.upper()}" if self.row_score != "l1" else ""))
+                + (f", rows by {self.row_score.upper()}" if self.row_score != "l1" else "")
+                + (f", rows weighted {self.weights}" if self.weights else ""))
 
 
 @dataclass
@@ -91,7 +93,8 @@ def best_points(records: Sequence[dict], model: str, horizon: int, compiled: boo
             continue
         dion3 = config["optimizer"] == "dion3"
         variant = Variant(config["optimizer"], config["fraction"] if dion3 else None, allocation if dion3 else "uniform",
-                          config.get("row_score", "l1") if dion3 else "l1")
+                          config.get("row_score", "l1") if dion3 else "l1",
+                          config.get("fraction_weights") if dion3 else None)
         key = (variant, config["lr"], config["mu"])
         settings.setdefault(key, (variant, config["lr"], config["mu"], {}))[3][record["seed"]] = record["final_val_loss"]
     by_variant: dict[Variant, list[tuple[float, float, dict[int, float]]]] = {}

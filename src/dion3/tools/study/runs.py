@@ -69,12 +69,16 @@ class Run:
     # of earlier runs, which allocated by executed FLOPs (and in every uniform run)
     cost_rule: Optional[str] = None
     row_score: str = "l1"  # dion3 only: the selection score, dion3.rules.ROW_SCORES
+    # dion3 by cost only: the rows' weights by parameter name, "part=w,part=w" (fraction_weights_spec;
+    # param_groups' fraction_weights); None: every matrix's rows count once
+    fraction_weights: Optional[str] = None
 
     @property
     def setting(self) -> tuple:
         """What the seeds of one setting share (the summary averages over seeds)."""
         return (self.model, self.horizon, self.optimizer, self.fraction, self.fraction_warmup, self.lr, self.mu,
-                self.fraction_allocation, self.compiled, self.momentum_dtype, self.cost_rule, self.row_score)
+                self.fraction_allocation, self.compiled, self.momentum_dtype, self.cost_rule, self.row_score,
+                self.fraction_weights)
 
     @property
     def key(self) -> str:
@@ -90,6 +94,8 @@ class Run:
             del fields["cost_rule"]
         if fields["row_score"] == "l1":
             del fields["row_score"]
+        if fields["fraction_weights"] is None:
+            del fields["fraction_weights"]
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
@@ -100,7 +106,8 @@ class Run:
             cost = "" if self.fraction_allocation == "uniform" else "-cost" if self.cost_rule else "-cost-flops"
             name = (f"dion3-f{self.fraction:g}" + cost
                     + (f"-warm{self.fraction_warmup}" if self.fraction_warmup else "")
-                    + (f"-{self.row_score}" if self.row_score != "l1" else ""))
+                    + (f"-{self.row_score}" if self.row_score != "l1" else "")
+                    + (f"-weights[{self.fraction_weights}]" if self.fraction_weights else ""))
         if self.momentum_dtype:
             name += f"-momentum-{self.momentum_dtype}"
         return f"{name} lr={self.lr:g} mu={self.mu:g} h={self.horizon} seed={self.seed}" + (f" #{self.repeat}" if self.repeat else "")
@@ -132,6 +139,35 @@ def warmup_steps(spec: str, horizon: int) -> int:
         return int(spec)
     except ValueError:
         raise SystemExit(f"quality_study: --fraction-warmup expects steps or P%, got {spec!r}") from None
+
+
+def fraction_weights_spec(text: str) -> Optional[str]:
+    """One --fraction-weights value → the Run field: "none" → None; "mlp=2,q_proj=1.5" → the same
+    parts in order of name with their weights as numbers (one spelling per setting)."""
+    text = text.strip()
+    if text == "none":
+        return None
+    weights = {}
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        name, sep, value = item.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = math.nan
+        if not sep or not name.strip() or not 0.0 < weight < math.inf:
+            raise SystemExit(f"quality_study: --fraction-weights expects part=weight pairs with positive weights "
+                             f"(e.g. mlp=2,q_proj=1.5) or none, got {text!r}")
+        weights[name.strip()] = weight
+    if not weights:
+        raise SystemExit("quality_study: --fraction-weights got an empty value; give part=weight pairs or none")
+    return ",".join(f"{name}={weights[name]:g}" for name in sorted(weights))
+
+
+def parse_fraction_weights(spec: Optional[str]) -> Optional[tuple[tuple[str, float], ...]]:
+    """The Run field → trainer.RunSpec's fraction_weights."""
+    if spec is None:
+        return None
+    return tuple((name, float(value)) for name, _, value in (item.partition("=") for item in spec.split(",")))
 
 
 MOMENTUM_DTYPES = ("float32", "bfloat16")
@@ -174,6 +210,10 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     row_scores = list(dict.fromkeys(s.strip() for s in args.row_score.split(",") if s.strip()))
     if not row_scores or any(s not in ROW_SCORES for s in row_scores):
         raise SystemExit(f"quality_study: --row-score expects some of {ROW_SCORES}, got {args.row_score!r}")
+    weightings = list(dict.fromkeys(fraction_weights_spec(text) for text in args.fraction_weights))
+    if any(weightings) and allocations != ["cost"]:
+        raise SystemExit("quality_study: --fraction-weights weigh the rows of fractions by cost: use it with "
+                         "--fraction-allocation cost alone")
     model = MODELS[args.model]
     common = dict(model=args.model, batch_size=args.batch_size or model.batch_size, lr_warmup=args.lr_warmup,
                   cooldown=args.cooldown, eval_batches=args.eval_batches, data=tuple(args.data) if args.data else None,
@@ -193,12 +233,13 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
                 # FractionScheduler sets one fraction on every group: it would undo the per-shape fractions
                 raise SystemExit("quality_study: --fraction-allocation cost needs fixed fractions: add "
                                  f"--fraction-warmup 0 (got warm-ups {sorted(set(warmups))} at horizon {horizon})")
-            for fraction, lr, mu, warm, allocation, score in itertools.product(
+            for fraction, lr, mu, warm, allocation, score, weighting in itertools.product(
                     fractions, _floats(args.dion3_lr, "--dion3-lr"), _floats(args.dion3_mu, "--dion3-mu"),
-                    dict.fromkeys(warmups), allocations, row_scores):
+                    dict.fromkeys(warmups), allocations, row_scores, weightings):
                 runs.append(Run(optimizer="dion3", lr=lr, mu=mu, fraction=fraction, fraction_warmup=warm,
                                 horizon=horizon, seed=seed, fraction_allocation=allocation,
-                                cost_rule="time" if allocation == "cost" else None, row_score=score, **common))
+                                cost_rule="time" if allocation == "cost" else None, row_score=score,
+                                fraction_weights=weighting, **common))
     runs = with_momentum_dtypes(runs, momentum_dtypes(args.momentum_dtype))
     return [dataclasses.replace(run, repeat=r) for run in runs for r in range(args.repeats)]
 
@@ -240,7 +281,8 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
             by_setting.setdefault(run.setting, (run, {}))[1][run.seed] = record["final_val_loss"]
     variants: dict[tuple, list[tuple[Run, dict[int, float]]]] = {}
     for run, losses in by_setting.values():
-        variant = (run.optimizer, run.fraction, run.fraction_warmup, run.fraction_allocation, run.row_score)
+        variant = (run.optimizer, run.fraction, run.fraction_warmup, run.fraction_allocation, run.row_score,
+                   run.fraction_weights)
         variants.setdefault(variant, []).append((run, losses))
     best: dict[tuple, tuple[float, Run]] = {}
     for variant, settings in variants.items():

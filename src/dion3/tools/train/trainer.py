@@ -44,6 +44,9 @@ class RunSpec:
     fraction_allocation: str = "uniform"
     momentum_dtype: Optional[str] = None  # the matrix group's momentum_dtype; None keeps the optimizer's (float32)
     row_score: Optional[str] = None  # Dion3 only: the selection score ("l1", "l2"); None keeps the optimizer's (l1)
+    # Dion3 with fraction_allocation "cost" only: ((part of a parameter name, weight), ...), param_groups'
+    # fraction_weights; None: every matrix's rows count once
+    fraction_weights: Optional[tuple[tuple[str, float], ...]] = None
 
 
 @dataclass(frozen=True)
@@ -159,8 +162,9 @@ def build_optimizer(model: GPT, spec: RunSpec) -> Dion3:
     options = {key: value for key, value in (("fraction", spec.fraction), ("mu", spec.mu),
                                              ("momentum_dtype", spec.momentum_dtype), ("row_score", spec.row_score))
                if value is not None}
+    weights = None if spec.fraction_weights is None else dict(spec.fraction_weights)
     return Dion3(param_groups(model, lm_head=model.lm_head, algorithm=spec.algorithm, lr=spec.lr,
-                              fraction_allocation=spec.fraction_allocation, **options))
+                              fraction_allocation=spec.fraction_allocation, fraction_weights=weights, **options))
 
 
 @torch.no_grad()
