@@ -356,3 +356,30 @@ def test_the_built_model_holds_the_counted_block_matrices(study):
                                                    d_model=spec.d_model, vocab_size=256))
     blocks = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and ".layers." in name)
     assert blocks == block_matrix_parameters(spec)
+
+
+def test_train_step_times_each_setting_with_its_own_optimizer(tmp_path, capsys):
+    """`python -m dion3.tools.study.train_step` on the CPU: a row per setting, the optimizer step
+    inside the whole step, the study's optimizers (AdamW has no matrix step to speak of), and
+    clear errors for what it cannot do."""
+    from dion3.tools.study import train_step
+
+    out = tmp_path / "steps.json"
+    assert train_step.main(["--model", "gpt-tiny", "--settings", "adamw,muon,dion3-1/4-cost", "--steps", "2",
+                            "--warmup", "1", "--rounds", "2", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    rows = {row["setting"]: row for row in record["rows"]}
+    assert set(rows) == {"adamw", "muon", "dion3-1/4-cost"} and all(row["mode"] == "eager" for row in rows.values())
+    for row in rows.values():
+        assert 0 < row["optimizer_ms"] < row["total_ms"]
+        assert row["tokens_per_second"] == pytest.approx(4 * 32 / (row["total_ms"] / 1e3))  # gpt-tiny: 4 × 32 tokens
+    printed = capsys.readouterr().out
+    assert printed.count("round ") == 6 and "| gpt-tiny | muon | eager |" in printed
+    spec = train_step.run_spec("dion3-3/8-cost")
+    assert (spec.algorithm, spec.fraction, spec.fraction_allocation) == ("dion3", 0.375, "cost")
+    for bad in ("dion3-2-cost", "sgd"):
+        with pytest.raises(SystemExit, match="train_step: "):
+            train_step.run_spec(bad)
+    with pytest.raises(SystemExit):
+        train_step.main(["--model", "gpt-tiny", "--captured", "--device", "cpu"])
+    assert "--captured captures CUDA graphs" in capsys.readouterr().err
