@@ -294,6 +294,8 @@ def test_fraction_weights_pick_matrices_by_name_and_shape():
         param_groups(model, fraction_allocation="cost", fraction_weights={"a.": 2.0}, **options)
     with pytest.raises(ValueError, match=r"no matrix of the group has \['mlp'\]"):
         param_groups(model, fraction_allocation="cost", fraction_weights={"mlp": 2.0}, **options)
+    with pytest.raises(ValueError, match="the weight of 'b.' must be a positive finite number, got -1"):
+        param_groups(model, fraction_allocation="cost", fraction_weights={"b.": -1}, **options)
     with pytest.raises(ValueError, match="matches the weights of"):
         param_groups(model, fraction_allocation="cost", fraction_weights={"a.": 2.0, "weight": 2.0}, **options)
     with pytest.raises(ValueError, match="fraction_weights weigh the rows of fraction_allocation='cost'"):

@@ -72,9 +72,9 @@ def cost_allocated_fractions(
         more for the loss gets more of them within the same budget). Equal shapes need equal weights.
 
     Rule (water-filling by cost): every shape starts at ⌈floor·rows⌉ rows; then, again and again,
-    the shape whose next row costs the least (cost(k + 1) − cost(k), divided by the shape's weight;
-    first in input order among equals) gets one more row on each of its matrices, among the shapes below all their rows whose
-    additions still fit the budget, until none fits. Orthogonalizing k rows costs about k²·cols,
+    the shape whose next row costs the least (cost(k + 1) − cost(k), divided by the shape's
+    weight; first in input order among equals) gets one more row on each of its matrices, among
+    the shapes below all their rows whose additions still fit the budget, until none fits. Orthogonalizing k rows costs about k²·cols,
     so a row is cheap where k and cols are small: short matrices (k/v projections) and narrow ones
     get their rows first, and the budget they leave keeps a small fraction on the wide MLP
     matrices. The modeled time is a step function of k (the GPU computes k at its next multiple
@@ -209,6 +209,9 @@ def _weights_by_name(params: list, names: Optional[Sequence[str]], weights: Mapp
                          "(param_groups(...) writes them)")
     if not weights:
         raise ValueError("cost_allocated_groups: weights is empty; give {part of a parameter name: weight}")
+    for part, weight in weights.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0.0 < weight < math.inf:
+            raise ValueError(f"cost_allocated_groups: the weight of {part!r} must be a positive finite number, got {weight!r}")
     used = set()
     by_shape: dict[tuple[int, int], tuple[float, str]] = {}
     for p, name in zip(params, names):
