@@ -397,3 +397,28 @@ def test_every_help_text_states_its_first_paragraph_whole(command, capsys):
     paragraph = " ".join(module.__doc__.split("\n\n")[0].split())
     assert paragraph in printed, (paragraph, printed[:400])
     assert paragraph.rstrip().endswith((".", ":", ")")), paragraph
+
+
+def test_eager_ab_alternates_two_trees_with_an_adamw_group(tmp_path):
+    """benchmarks/eager_ab.py (the A/B behind the records): both trees load into one process and
+    step in turns; --scalars adds the preset's embedding, head and norms as an AdamW group, at
+    --vocab rows. The same tree twice: both sides step the same parameters' counts."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "ab.json"
+    command = [sys.executable, "benchmarks/eager_ab.py", "--trees", "src", "src", "--preset", "cpu-small", "--device", "cpu",
+               "--optimizers", "dion3-1/4", "--turns", "2", "--steps", "1", "--warmup", "1", "--scalars", "--vocab", "512",
+               "--json", str(out)]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(out.read_text())
+    preset = PRESETS["cpu-small"]
+    assert record["meta"]["scalars"] == [
+        {"name": "embedding,lm_head", "shape": [512, preset.matrices[0].cols], "count": 2},
+        {"name": "rmsnorm", "shape": [preset.matrices[0].cols], "count": 2 * 4 + 1}]
+    row = record["results"]["dion3-1/4"]
+    assert len(row["A"]["wall_ms_all"]) == len(row["B"]["wall_ms_all"]) == 2 and row["wall_ratio"] > 0
+    failed = subprocess.run(command[:-5] + ["--vocab", "512"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 2 and "--vocab sets the embedding's rows: use it with --scalars" in failed.stderr
