@@ -1,6 +1,6 @@
 """torch.optim front-ends."""
 from .base import OrthogonalOptimizer
-from .cost_fractions import describe_fractions
+from .fraction_table import describe_fractions
 from .fraction_schedule import FractionScheduler, FractionWarmup
 from .optimizers import Dion3, Muon, NorMuon
 from .state_dicts import convert_state_dict

@@ -1,6 +1,6 @@
 """`dion3 fractions`: the fractions that `param_groups(..., fraction_allocation="cost")` gives
 each matrix shape of a preset (or of --shapes), with the rows each selects and their modeled H200
-time against the uniform fraction's (dion3.optim.cost_fractions.describe_fractions). Host-side:
+time against the uniform fraction's (dion3.optim.fraction_table.describe_fractions). Host-side:
 the matrices are meta tensors, nothing is allocated or run on a device."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from ...optim.cost_fractions import cost_allocated_groups, describe_fractions
+from ...optim.cost_fractions import cost_allocated_groups
+from ...optim.fraction_table import describe_fractions
 from ..bench.presets import MODELS, PRESETS, parse_shapes
 
 CHOICES = {**PRESETS, **MODELS}  # MODELS wins where both name one: every layer of the model
