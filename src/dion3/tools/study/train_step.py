@@ -18,20 +18,19 @@ and μ are the study's bests; they do not change the time of a step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from fractions import Fraction
 from typing import Optional, Sequence
 
 import torch
 
 from ...optim.graph import CapturedStep
 from ..train.model import GPT, GPTConfig, padded_vocab
-from ..train.trainer import RunSpec, build_optimizer, resolve_device
+from ..bench.step_time import parse_variant
+from ..train.trainer import RunSpec, StepClock, bf16_autocast, build_optimizer, resolve_device
 from .child import build_llama
 from .runs import MODELS
 
@@ -52,21 +51,19 @@ class StepTimes:
 
 
 def run_spec(name: str) -> RunSpec:
-    """The study's RunSpec of a setting name (module docstring)."""
-    family, allocation, fraction = name, "uniform", None
-    if name.startswith("dion3-"):
-        spec = name.removeprefix("dion3-")
-        if spec.endswith("-cost"):
-            spec, allocation = spec.removesuffix("-cost"), "cost"
+    """The study's RunSpec of a setting name (module docstring); Dion3's names are `dion3 bench`'s
+    (parse_variant), with fixed fractions and float32 momentum as the study runs them."""
+    if name in RATES and name != "dion3":
+        family, fraction, allocation = name, None, "uniform"
+    else:
         try:
-            fraction = float(Fraction(spec))
-        except (ValueError, ZeroDivisionError):
-            fraction = -1.0
-        if not 0.0 < fraction <= 1.0:
-            raise SystemExit(f"train_step: {name!r}: the fraction must be a number in (0, 1], e.g. dion3-1/4-cost")
-        family = "dion3"
-    if family not in RATES:
-        raise SystemExit(f"train_step: unknown setting {name!r}; expected adamw, muon, normuon, dion3-F or dion3-F-cost")
+            variant = parse_variant(name)
+        except ValueError:
+            variant = None
+        if variant is None or variant.algorithm != "dion3" or variant.warmup_steps is not None or variant.momentum_dtype:
+            raise SystemExit(f"train_step: unknown setting {name!r}; expected adamw, muon, normuon, dion3-F or "
+                             "dion3-F-cost with F in (0, 1], e.g. dion3-1/4-cost")
+        family, fraction, allocation = "dion3", variant.fraction, variant.allocation
     lr, mu = RATES[family]
     return RunSpec(name, family, lr, fraction, mu, fraction_allocation=allocation)
 
@@ -87,39 +84,24 @@ def time_setting(model, forward, spec: RunSpec, tokens, targets, device: torch.d
     model.zero_grad(set_to_none=True)
     optimizer = build_optimizer(model, spec)
     step = CapturedStep(optimizer) if captured else optimizer.step
-    cuda = device.type == "cuda"
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-
-    def mark():
-        if not cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    marks = []
+    clock = StepClock(device)
     for number in range(warmup + steps):
-        start = mark()
-        with autocast():
+        start = clock.mark()
+        with bf16_autocast(device):
             loss = forward(tokens, targets)
         loss.backward()
-        middle = mark()
+        middle = clock.mark()
         step()
-        end = mark()
+        end = clock.mark()
         optimizer.zero_grad(set_to_none=not captured)  # captured: the graph reads the same gradient buffers
         if number >= warmup:
-            marks.append((start, middle, end))
-    if cuda:
-        torch.cuda.synchronize(device)
-        total = [s.elapsed_time(e) for s, _, e in marks]
-        inner = [m.elapsed_time(e) for _, m, e in marks]
-    else:
-        total = [(e - s) * 1e3 for s, _, e in marks]
-        inner = [(e - m) * 1e3 for _, m, e in marks]
+            clock.add("total", start, end)
+            clock.add("optimizer", middle, end)
+    times = clock.milliseconds("total"), clock.milliseconds("optimizer")
     del step, optimizer
-    if cuda:
+    if device.type == "cuda":
         torch.cuda.empty_cache()
-    return total, inner
+    return times
 
 
 def measure(model_name: str, settings: Sequence[str], device: torch.device, compiled: bool, captured: bool,

@@ -97,7 +97,7 @@ class RunResult:
         return self.tokens_per_step / (self.total_ms / 1000.0) if self.total_ms > 0 else math.nan
 
 
-class _StepClock:
+class StepClock:
     """Pairs of (start, end) marks per step for the optimizer and for the whole step."""
 
     def __init__(self, device: torch.device):
@@ -119,6 +119,13 @@ class _StepClock:
             torch.cuda.synchronize()
             return [start.elapsed_time(end) for start, end in self.marks[kind]]
         return [(end - start) * 1000.0 for start, end in self.marks[kind]]
+
+
+def bf16_autocast(device: torch.device, bf16: bool = True):
+    """The context a training step runs its forward in: bf16 autocast on a GPU when asked, else none."""
+    if bf16 and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def resolve_device(requested: str = "auto") -> torch.device:
@@ -223,9 +230,7 @@ def train(
     optimizer_step = CapturedStep(optimizer) if captured else optimizer.step
 
     def autocast():
-        if bf16 and device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return bf16_autocast(device, bf16)
 
     if schedule.read_once:
         batches = read_once_batches(data.train, schedule.batch_size, config.seq_len, seed, schedule.steps)
@@ -234,7 +239,7 @@ def train(
     validation = val_batches(data.val, schedule.batch_size, config.seq_len, schedule.eval_batches)
     result = RunResult(spec.label, spec.algorithm, spec.lr, spec.fraction, spec.mu, spec.fraction_warmup,
                        tokens_per_step=schedule.batch_size * config.seq_len)
-    clock = _StepClock(device)
+    clock = StepClock(device)
     elapsed = 0.0  # seconds of training so far, evaluations excluded
     # the skip counter after each step, copied on the device (no host sync): which steps skipped
     # updates is read once at the end, so a skipped update can be traced to its step
