@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .launch import read_results
-from .runs import best_on_shared_seeds
+from .runs import best_on_shared_seeds, selection_label
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,7 @@ class Variant:
             return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[self.optimizer]
         text = str(Fraction(self.fraction).limit_denominator(64)).replace("/", "⁄")
         return (f"Dion3 {text}" + (" by cost" if self.allocation == "cost" else " on every matrix")
-                + (f", rows by {self.row_score.upper()}" if self.row_score != "l1" else "")
-                + (f", rows weighted {self.weights}" if self.weights else ""))
+                + selection_label(self.row_score, self.weights))
 
 
 @dataclass

@@ -163,6 +163,13 @@ def fraction_weights_spec(text: str) -> Optional[str]:
     return ",".join(f"{name}={weights[name]:g}" for name in sorted(weights))
 
 
+def selection_label(row_score: str, fraction_weights: Optional[str]) -> str:
+    """What a Dion3 setting changes of the selection rule, for tables and plots: "" for the rule
+    itself (L1 scores, every matrix's rows counted once)."""
+    return ((f", rows by {row_score.upper()}" if row_score != "l1" else "")
+            + (f", rows weighted {fraction_weights}" if fraction_weights else ""))
+
+
 def parse_fraction_weights(spec: Optional[str]) -> Optional[tuple[tuple[str, float], ...]]:
     """The Run field → trainer.RunSpec's fraction_weights."""
     if spec is None:

@@ -8,15 +8,14 @@ from pathlib import Path
 from typing import Sequence
 
 from .launch import read_results
-from .runs import Run
+from .runs import Run, selection_label
 
 
 def _setting_label(setting: tuple) -> tuple[str, str]:
     _, _, optimizer, fraction, warmup, _, _, allocation, _, _, cost_rule, row_score, weights = setting
     if optimizer != "dion3":
         return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[optimizer], "—"
-    name = (f"Dion3 f={fraction:g}" + (f", rows by {row_score.upper()}" if row_score != "l1" else "")
-            + (f", rows weighted {weights}" if weights else ""))
+    name = f"Dion3 f={fraction:g}" + selection_label(row_score, weights)
     if allocation == "cost":
         return name, "by cost" if cost_rule else "by cost (FLOP rule)"
     return name, (f"1 → {fraction:g} over {warmup} steps" if warmup else "fixed")
