@@ -5,13 +5,13 @@ host syncs, so they run inside a captured CUDA graph; `lr` may be a float or a 0
 The guard, as for the matrices: a parameter whose gradient has a non-finite entry skips the step
 (its weights only decay; its moments and step count stay as they were). The optimizer either
 leaves such parameters out of the lists (where the host may look at the gradients: CPU tensors),
-or passes `ok`, one 0-d bool tensor per parameter on the device, and the step masks them itself,
-without a host sync: AdamW hands each parameter's verdict to the fused kernel (found_inf), Lion
+or passes `ok`, one verdict per parameter on the device ([N] bool, or 0-d bools), and the step
+masks them itself, without a host sync: AdamW hands each parameter's verdict to the fused kernel (found_inf), Lion
 replaces the gradient by what leaves its moment unchanged (lerp(m, m, w) = m exactly) and zeroes
 the update; step counts do not advance."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 from torch import Tensor
@@ -43,14 +43,14 @@ def adamw_step(
     beta2: float,
     epsilon: float,
     weight_decay: Scalar,
-    ok: Optional[Sequence[Tensor]] = None,
+    ok: Union[Tensor, Sequence[Tensor], None] = None,
 ) -> None:
     """Decoupled-weight-decay Adam, the update of torch.optim.AdamW(fused=True): torch's fused
     kernel reads each parameter, its gradient and its moments once (the foreach form took about a
     dozen passes, ten times the CPU time on embedding-sized tensors). The weights decay first, every
     parameter's, with one multiply; the kernel then runs without weight decay. Its bias corrections
     are 1 − β^t in the parameter's precision, as torch's.
-    ok (one 0-d bool tensor per parameter): skip those that are False (module docstring). Each
+    ok ([N] bool, or one 0-d bool tensor per parameter): skip those that are False (module docstring). Each
     parameter is then its own kernel call, whose found_inf is its verdict: the kernel leaves a
     skipped parameter and its moments as they were, and its step count advances by the verdict."""
     if not params:
@@ -61,14 +61,17 @@ def adamw_step(
         torch._foreach_add_(steps, 1.0)
         calls = [(at, None) for at in _by_dtype_and_device(params)]
     else:
-        kept = torch.stack(list(ok)).to(steps[0].dtype)
+        kept = (ok if isinstance(ok, Tensor) else torch.stack(list(ok))).to(steps[0].dtype)
         torch._foreach_add_(steps, list(kept.unbind()))
         skipped = (1.0 - kept).unbind()  # found_inf: 1 leaves the parameter
         calls = [([i], skipped[i]) for i in range(len(params))]
+    rates: dict = {}  # a tensor lr moved to each device once, not once per call
     for at, found_inf in calls:
-        rate = lr.to(params[at[0]].device) if isinstance(lr, Tensor) else lr
+        device = params[at[0]].device
+        if device not in rates:
+            rates[device] = lr.to(device) if isinstance(lr, Tensor) else lr
         torch._fused_adamw_([params[i] for i in at], [grads[i] for i in at], [exp_avgs[i] for i in at],
-                            [exp_avg_sqs[i] for i in at], [], [steps[i] for i in at], lr=rate, beta1=beta1, beta2=beta2,
+                            [exp_avg_sqs[i] for i in at], [], [steps[i] for i in at], lr=rates[device], beta1=beta1, beta2=beta2,
                             weight_decay=0.0, eps=epsilon, amsgrad=False, maximize=False, found_inf=found_inf)
 
 
@@ -106,7 +109,7 @@ def lion_step(
     beta1: float,
     beta2: float,
     weight_decay: Scalar,
-    ok: Optional[Sequence[Tensor]] = None,
+    ok: Union[Tensor, Sequence[Tensor], None] = None,
 ) -> None:
     """Lion: X ← (1 − lr·λ)X − lr·sign(β₁m + (1−β₁)g); m ← β₂m + (1−β₂)g. ok: as adamw_step."""
     if not params:
