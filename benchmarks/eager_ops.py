@@ -16,8 +16,10 @@ Two code paths:
                data-dependent branch, so shapes alone set the counts; --run-kernels runs it
                under TRITON_INTERPRET=1, set by this script before Triton loads), and
                Newton–Schulz computes in the GPU's dtypes (bf16 standard NS, fp16 Gram NS).
-               At gpu-small's shapes the symmetric-product kernel is not used on a GPU either
-               (n < SYMMETRIC_MIN_N), so every other op is one the GPU would dispatch.
+               The guard takes its sync-free branches (no look at device values on the host),
+               the AdamW and Lion groups' masks included. At gpu-small's shapes the
+               symmetric-product kernel is not used on a GPU either (n < SYMMETRIC_MIN_N), so
+               every other op is one the GPU would dispatch.
 
 Columns: dispatched (every aten op, views included: each costs host time), launching (ops that
 start device work: not views, not allocations), triton (kernel launches), syncs (ops that wait
@@ -123,6 +125,11 @@ def emulate_cuda_path(counter_ref: list, execute: bool) -> None:
 
     newton_schulz.default_compute_dtype = compute_dtype
     rules.default_compute_dtype = compute_dtype
+    # a GPU never reads device values on the host: the guard's sync-free branches, as on a GPU
+    # (trees from before the host-checked CPU path have no such switch)
+    reference = importlib.import_module("dion3.kernels.reference")
+    if hasattr(reference, "HOST_CHECKS"):
+        reference.HOST_CHECKS = False
     for info in pkgutil.iter_modules(kernels.__path__):  # every Triton kernel of dion3.kernels
         module = importlib.import_module(f"dion3.kernels.{info.name}")
         for name, value in vars(module).items():
