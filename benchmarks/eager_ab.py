@@ -52,6 +52,9 @@ def _drop_dion3() -> None:
 
 def load_tree(path: str) -> dict:
     """Import the `dion3` package under `path` and return its modules (name -> module)."""
+    if not (Path(path) / "dion3" / "__init__.py").is_file():
+        # Without this, the import below finds the installed dion3 and both sides time one tree.
+        raise SystemExit(f"--trees: {path} holds no dion3/__init__.py (give the folder above dion3)")
     _drop_dion3()
     sys.path.insert(0, path)
     try:
