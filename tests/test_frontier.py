@@ -171,3 +171,29 @@ def test_an_l2_row_score_is_its_own_point_timed_as_the_l1_rule(tmp_path):
     _, times = frontier.read_steps([steps])
     assert times.get(frontier._rounded(l2)) == times[l1] == {("llama-8b", "eager"): 240.0, ("llama-8b", "graph"): 239.0}
 
+
+
+def test_a_train_step_report_beside_the_bench_reports_adds_the_models_whole_step(tmp_path):
+    """train_step's rows join their settings (dion3-3/8-cost is the 3/8-by-cost point), only in the
+    table of the model they timed; the bench reports' columns are unchanged."""
+    results = tmp_path / "study"
+    results.mkdir()
+    (results / "results.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    whole = {"model": "tiny", "compiled": True, "rows": [
+        dict(setting="muon", mode="eager", total_ms=30.0, optimizer_ms=10.0, tokens_per_second=1.0),
+        dict(setting="muon", mode="captured", total_ms=25.5, optimizer_ms=1.5, tokens_per_second=1.0),
+        dict(setting="dion3-3/8-cost", mode="captured", total_ms=24.25, optimizer_ms=1.25, tokens_per_second=1.0)]}
+    other = {"model": "other", "compiled": True, "rows": [
+        dict(setting="muon", mode="eager", total_ms=99.0, optimizer_ms=9.0, tokens_per_second=1.0)]}
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps([bench_report("llama-8b", TIMES), whole, other]))
+    presets, times = frontier.read_steps([steps])
+    assert presets == ["llama-8b"]
+    out = tmp_path / "out"
+    assert frontier.main(["--results", str(results), "--steps", str(steps), "--horizon", "100", "--out", str(out)]) == 0
+    text = (out / "frontier.md").read_text()
+    assert "whole tiny training step ms (eager / captured)" in text
+    assert "| Muon | 0.01 | 0.8 | 3 | 0.7000 ± 0.0020 | — | 600.0 / 598.0 | 1.00 | 30.0 / 25.5 |" in text
+    assert "| Dion3 3⁄8 by cost | 0.02 | 0.6 | 2 | 0.7015 ± 0.0007 | +0.0015 | 240.0 / 239.0 | 0.40 | — / 24.2 |" in text
+    assert "| NorMuon | 0.02 | 0.6 | 2 | 0.6910 ± 0.0014 | -0.0090 | 601.0 / 600.0 | 1.00 | — / — |" in text
+    assert "99.0" not in text

@@ -6,7 +6,9 @@ faster its step is.
         --steps STEPS-llama-8b.json [STEPS-llama-1b.json ...] --out DIR
 
 --results: study folders (or their results.jsonl). --steps: `dion3 bench --json` files (or JSON
-lists of such reports); the first report's preset is the picture's x-axis, every one gets a column. For each model in the results, at
+lists of such reports); the first report's preset is the picture's x-axis, every one gets a column.
+The same files may also hold `python -m dion3.tools.study.train_step --json` reports: a model's
+table then gets a column with its own whole training step (eager / captured). For each model in the results, at
 --horizon steps: the best setting (among those with the most seeds, the lowest mean final validation loss) of each family
 (AdamW, Muon, NorMuon) and of each Dion3 variant (fraction, uniform or by cost; fixed fractions),
 with its step times: Muon's are `muon-gram`'s (dion3.Muon's defaults), Dion3 F by cost's are
@@ -32,6 +34,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..bench.step_time import parse_variant
 from .launch import read_results
 from .runs import best_on_shared_seeds, selection_label
 
@@ -123,15 +126,26 @@ def bench_variant(row: dict) -> Optional[Variant]:
     return Variant(spec["algorithm"]) if spec.get("algorithm") in ("adamw", "muon", "normuon") else None
 
 
-def read_steps(paths: Sequence[Path]) -> tuple[list[str], dict[Variant, dict]]:
-    """(the presets in order, variant → {(preset, mode): device ms}) from `dion3 bench --json` files,
-    each one report or a list of reports."""
-    presets, times = [], {}
+def _reports(paths: Sequence[Path]) -> list[dict]:
+    """The reports in the files, each file one report or a list of them."""
     reports = []
-    for path in paths:  # a report, or a list of them (one per preset)
+    for path in paths:
         loaded = json.loads(Path(path).read_text())
         reports += loaded if isinstance(loaded, list) else [loaded]
-    for report in reports:
+    return reports
+
+
+def _is_train_step(report: dict) -> bool:
+    return "model" in report and "rows" in report  # train_step's report; `dion3 bench`'s has "source"
+
+
+def read_steps(paths: Sequence[Path]) -> tuple[list[str], dict[Variant, dict]]:
+    """(the presets in order, variant → {(preset, mode): device ms}) from the `dion3 bench --json`
+    reports in the files (train_step's reports there are read by read_whole_steps)."""
+    presets, times = [], {}
+    for report in _reports(paths):
+        if _is_train_step(report):
+            continue
         preset = report["source"]["name"]
         presets.append(preset)
         for row in report["results"]:
@@ -139,6 +153,26 @@ def read_steps(paths: Sequence[Path]) -> tuple[list[str], dict[Variant, dict]]:
             if variant is not None and "device_ms" in row:
                 times.setdefault(_rounded(variant), {})[(preset, row["mode"])] = row["device_ms"]
     return presets, times
+
+
+def setting_variant(name: str) -> Variant:
+    """The frontier variant of a train_step setting name (adamw, muon, normuon, dion3-F[-cost])."""
+    if name in ("adamw", "muon", "normuon"):
+        return Variant(name)
+    spec = parse_variant(name)
+    return _rounded(Variant("dion3", spec.fraction, spec.allocation))
+
+
+def read_whole_steps(paths: Sequence[Path]) -> dict[str, dict[Variant, dict]]:
+    """model → variant → {mode ("eager" / "captured"): median whole training step ms} from the
+    train_step reports in the files (a later report of the same model and setting wins)."""
+    whole: dict[str, dict[Variant, dict]] = {}
+    for report in _reports(paths):
+        if _is_train_step(report):
+            for row in report["rows"]:
+                whole.setdefault(report["model"], {}).setdefault(setting_variant(row["setting"]), {})[row["mode"]] = \
+                    row["total_ms"]
+    return whole
 
 
 def _rounded(variant: Variant) -> Variant:
@@ -159,12 +193,16 @@ def picks(points: Sequence[Point], axis: tuple) -> dict[str, Optional[Point]]:
     return {"muon quality": quality, "fastest": timed[0] if timed else None}
 
 
-def frontier_table(model: str, points: Sequence[Point], presets: Sequence[str]) -> str:
+def frontier_table(model: str, points: Sequence[Point], presets: Sequence[str],
+                   whole: Optional[dict[Variant, dict]] = None) -> str:
+    """The model's table: one row per point; whole (read_whole_steps' entry for the model), when
+    given, adds the model's own whole training step."""
     muon = next((p for p in points if p.variant.optimizer == "muon"), None)
     reference = (presets[0], "eager") if presets else None
     muon_ms = muon.step_ms.get(reference) if muon and reference else None
     head = ["setting", "lr", "μ", "seeds", "final val loss", "vs Muon's best"]
     head += [f"{preset} ms (eager / graph)" for preset in presets] + ([f"× Muon's step ({presets[0]})"] if presets else [])
+    head += [f"whole {model} training step ms (eager / captured)"] if whole else []
     lines = [f"### {model}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for point in sorted(points, key=lambda p: p.mean):
         cells = [point.variant.label, f"{point.lr:g}", "—" if point.variant.optimizer == "adamw" else f"{point.mu:g}",
@@ -176,6 +214,9 @@ def frontier_table(model: str, points: Sequence[Point], presets: Sequence[str]) 
         if presets:
             mine = point.step_ms.get(reference)
             cells.append("—" if mine is None or not muon_ms else f"{mine / muon_ms:.2f}")
+        if whole:
+            modes = whole.get(_rounded(point.variant), {})
+            cells.append(" / ".join("—" if modes.get(m) is None else f"{modes[m]:.1f}" for m in ("eager", "captured")))
         lines.append("| " + " | ".join(cells) + " |")
     if reference:
         chosen = picks(points, reference)
@@ -282,7 +323,7 @@ def frontier_picture(panels: Sequence[tuple[str, Sequence[Point]]], axis: tuple,
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dion3.tools.study.frontier", description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, nargs="+", required=True, help="study folders or results.jsonl files")
-    parser.add_argument("--steps", type=Path, nargs="*", default=[], help="`dion3 bench --json` files; the first is the x-axis")
+    parser.add_argument("--steps", type=Path, nargs="*", default=[], help="`dion3 bench --json` files (the first is the x-axis), and train_step --json reports")
     parser.add_argument("--horizon", type=int, default=1500, help="training steps of the runs compared (default 1500)")
     parser.add_argument("--eager", action="store_true", help="compare eager runs (default: runs with --compile)")
     parser.add_argument("--out", type=Path, required=True, help="folder for frontier.md and frontier.png")
@@ -291,6 +332,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not records:
         parser.error(f"--results: no finished runs in {[str(p) for p in args.results]}")
     presets, times = read_steps(args.steps)
+    whole = read_whole_steps(args.steps)
     args.out.mkdir(parents=True, exist_ok=True)
     models = sorted({r["config"]["model"] for r in records})
     sections = [f"# Frontier at {args.horizon} steps ({'eager' if args.eager else 'compiled'} runs)", "",
@@ -302,7 +344,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             continue
         for point in points:
             point.step_ms = times.get(_rounded(point.variant), {})
-        sections += [frontier_table(model, points, presets), ""]
+        sections += [frontier_table(model, points, presets, whole.get(model)), ""]
         panels.append((model, points))
     summary = across_sizes(panels, (presets[0], "eager")) if presets else ""
     if summary:
