@@ -383,3 +383,50 @@ def test_train_step_times_each_setting_with_its_own_optimizer(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_step.main(["--model", "gpt-tiny", "--captured", "--device", "cpu"])
     assert "--captured captures CUDA graphs" in capsys.readouterr().err
+
+
+def test_progress_lines_count_the_processes_on_the_gpu_with_the_sampler(capsys):
+    from dion3.tools.study.child import progress_printer
+
+    answers = iter([3, None])
+    seen: list = []
+    step = progress_printer(4, lines=2, sample=lambda: next(answers), samples=seen)
+    for _ in range(4):
+        step()
+    lines = capsys.readouterr().out.splitlines()
+    assert seen == [3, None]
+    assert lines[0].endswith("3 processes on the GPU") and lines[1].endswith("? processes on the GPU")
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch, listing):
+    script = tmp_path / "nvidia-smi"
+    script.write_text("#!/bin/sh\ncat <<'END'\n" + listing + "END\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+
+
+def test_gpu_process_count_counts_the_runs_gpu_only_and_zero_is_unknown(tmp_path, monkeypatch):
+    """nvidia-smi's rows are matched to the run's GPU by UUID (its "GPU-" prefix dropped); a count
+    of 0 cannot be right (the run itself holds a context), so it reads as unknown; a CPU is None."""
+    import torch
+
+    from dion3.tools.study import child
+
+    class Properties:
+        uuid = "aaaa-1111"
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    _fake_nvidia_smi(tmp_path, monkeypatch, "GPU-AAAA-1111, 101\nGPU-bbbb-2222, 102\nGPU-aaaa-1111, 103\nGPU-aaaa-1111, 104\n")
+    assert child.gpu_process_count(torch.device("cuda", 0)) == 3
+    _fake_nvidia_smi(tmp_path, monkeypatch, "GPU-bbbb-2222, 102\n")
+    assert child.gpu_process_count(torch.device("cuda", 0)) is None
+    assert child.gpu_process_count(torch.device("cpu")) is None
+
+
+def test_summary_says_how_many_processes_were_seen_on_the_gpu(study, tmp_path):
+    records = [{**_record(study, "normuon", 1.5, 0), "runs_at_once": 1, "gpu_processes_max": 5},
+               {**_record(study, "normuon", 1.6, 1), "runs_at_once": 1, "gpu_processes_max": None}]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    study.write_summary(tmp_path)
+    assert ("with up to 1 runs of one study sharing the device, up to 5 processes seen on the GPU "
+            "(1 of 2 runs counted them)") in (tmp_path / "summary.md").read_text()

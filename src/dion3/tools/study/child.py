@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 import statistics
+import subprocess
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from .runs import MODELS, ModelSpec, Run, parse_fraction_weights
 
@@ -42,9 +44,12 @@ def build_llama(spec: ModelSpec):
 PROGRESS_LINES = 10
 
 
-def progress_printer(steps: int, lines: int = PROGRESS_LINES):
+def progress_printer(steps: int, lines: int = PROGRESS_LINES, sample: Optional[Callable[[], Optional[int]]] = None,
+                     samples: Optional[list] = None):
     """An on_step callback that prints `lines` lines over `steps` steps: the step, the minutes
-    since the first step and an estimate of the minutes left (host clock, no device sync)."""
+    since the first step and an estimate of the minutes left (host clock, no device sync). With
+    `sample` (e.g. gpu_process_count), each line also calls it, appends its answer to `samples`
+    and prints it."""
     every = max(1, steps // lines)
     started = time.perf_counter()
     done = 0
@@ -54,8 +59,38 @@ def progress_printer(steps: int, lines: int = PROGRESS_LINES):
         done += 1
         if done % every == 0 or done == steps:
             minutes = (time.perf_counter() - started) / 60
-            print(f"step {done}/{steps}: {minutes:.1f} min, about {minutes * (steps - done) / done:.1f} min left", flush=True)
+            line = f"step {done}/{steps}: {minutes:.1f} min, about {minutes * (steps - done) / done:.1f} min left"
+            if sample is not None:
+                count = sample()
+                if samples is not None:
+                    samples.append(count)
+                line += f", {'?' if count is None else count} processes on the GPU"
+            print(line, flush=True)
     return step
+
+
+def gpu_process_count(device) -> Optional[int]:
+    """How many processes hold a context on `device`'s GPU now, from `nvidia-smi` (this one
+    included): other study runs, or anything else sharing the GPU, which can corrupt products
+    (benchmarks/results/nonfinite-h200-2026-12-02.md). None off CUDA, without nvidia-smi, or
+    when it fails. A study starts one process per run, so its own count (runs_at_once) says
+    nothing of runs that other studies started on the same GPU."""
+    import torch
+
+    if device.type != "cuda" or shutil.which("nvidia-smi") is None:
+        return None
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    try:
+        listing = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [line.split(",")[0].strip().lower() for line in listing.splitlines() if line.strip()]
+    # nvidia-smi writes "GPU-<uuid>"; torch's uuid has no prefix
+    count = sum(1 for gpu in rows if uuid is None or gpu.removeprefix("gpu-") == str(uuid).lower())
+    # this process holds a context there, so 0 means nvidia-smi cannot see processes here (a container's
+    # PID namespace) or the names did not match: unknown, not "alone"
+    return count or None
 
 
 def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
@@ -84,8 +119,11 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
                        run.row_score if run.optimizer == "dion3" else None,
                        parse_fraction_weights(run.fraction_weights) if run.optimizer == "dion3" else None)
     started = time.perf_counter()
+    sharing: list = []  # processes on the GPU at each progress line
+    on_step = progress_printer(run.horizon, sample=lambda: gpu_process_count(device), samples=sharing)
     result = train(run_spec, config, schedule, data, device, run.seed, bf16=True, model_factory=factory, captured=run.captured,
-                   compiled=run.compiled, on_step=progress_printer(run.horizon))
+                   compiled=run.compiled, on_step=on_step)
+    counted = [n for n in sharing if n is not None]
     return {
         "key": run.key, "config": dataclasses.asdict(run), "seed": run.seed, "horizon": run.horizon,
         "final_val_loss": result.final_val_loss,
@@ -104,6 +142,8 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
         "nonfinite_updates": result.nonfinite_updates,
         "skipped_update_steps": result.skipped_update_steps,
         "nonfinite_parameters": result.nonfinite_parameters,
+        # the most processes seen on the GPU at the progress lines (None: not counted, e.g. on a CPU)
+        "gpu_processes_max": max(counted) if counted else None,
     }
 
 

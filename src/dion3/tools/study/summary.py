@@ -61,11 +61,13 @@ def _sharing_note(records: Sequence[dict]) -> str:
     """How many runs shared the device while the step times were measured, from the records (each
     run records its study's --jobs; records written before that field say nothing)."""
     counts = [r["runs_at_once"] for r in records if "runs_at_once" in r]
+    seen = [r["gpu_processes_max"] for r in records if r.get("gpu_processes_max") is not None]
+    on_gpu = f", up to {max(seen)} processes seen on the GPU ({len(seen)} of {len(records)} runs counted them)" if seen else ""
     if not counts:
-        return "with an unrecorded number of runs sharing the device"
+        return "with an unrecorded number of runs sharing the device" + on_gpu
     unrecorded = len(records) - len(counts)
     return (f"with up to {max(counts)} runs of one study sharing the device"
-            + (f" ({unrecorded} older records do not say how many)" if unrecorded else ""))
+            + (f" ({unrecorded} older records do not say how many)" if unrecorded else "") + on_gpu)
 
 
 def write_summary(out: Path) -> str:
