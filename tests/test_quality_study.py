@@ -6,7 +6,6 @@ import hashlib
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
