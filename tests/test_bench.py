@@ -422,3 +422,7 @@ def test_eager_ab_alternates_two_trees_with_an_adamw_group(tmp_path):
     assert len(row["A"]["wall_ms_all"]) == len(row["B"]["wall_ms_all"]) == 2 and row["wall_ratio"] > 0
     failed = subprocess.run(command[:-5] + ["--vocab", "512"], cwd=root, capture_output=True, text=True, timeout=300)
     assert failed.returncode == 2 and "--vocab sets the embedding's rows: use it with --scalars" in failed.stderr
+    # a tree folder without dion3/ would import the installed package and time it on both sides
+    wrong = [c if c != "src" else str(tmp_path) for c in command]
+    refused = subprocess.run(wrong[:7] + ["--turns", "1"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and f"--trees: {tmp_path} holds no dion3/__init__.py" in refused.stderr
