@@ -131,19 +131,21 @@ def accumulate_momentum_reference(
     plain = finite_on_host(pieces) if host_checks_free(momentum.device) else [False] * len(pieces)
     clean = [(t, g) for t, g, ok in zip(targets, pieces, plain) if ok]
     if clean:  # the masked path's arithmetic where every entry is finite, without its masks
-        if decay != 1.0:  # g + decay·m in one pass, computed in float32 or wider and rounded once
-            for target, grad in clean:
-                torch.add(grad, target, alpha=decay, out=target)
-        else:
-            torch._foreach_add_([t for t, _ in clean], [g for _, g in clean])
+        if decay != 1.0:  # one mul_ each: the CPU's _foreach_mul_ rounds a Python factor to a half dtype first
+            for target, _ in clean:
+                target.mul_(decay)
+        torch._foreach_add_([t for t, _ in clean], [g for _, g in clean])
     masked = [i for i, ok in enumerate(plain) if not ok]
     flagged = []  # per row block of the masked pieces, in matrix order: rows with a bad entry
     for _, _, target, grad in matrix_blocks([targets[i] for i in masked], [pieces[i] for i in masked]):
         finite = torch.isfinite(grad)
         flagged.append(finite.logical_not().any(dim=-1))
-        # g + decay·m where g is finite, m itself elsewhere: the plain path's one op and one rounding
-        updated = torch.add(grad.masked_fill(finite.logical_not(), 0), target, alpha=decay)
-        target.copy_(torch.where(finite, updated, target))
+        if decay != 1.0:  # decay·m + g where g is finite, m itself elsewhere (the factor in float32
+            # or wider, as the plain path's Python float: a half momentum is rounded once, not its factor too)
+            factor = torch.full(target.shape, decay, dtype=torch.promote_types(target.dtype, torch.float32),
+                                device=target.device)
+            target.mul_(factor.masked_fill_(finite.logical_not(), 1.0))
+        target.add_(grad.masked_fill(finite.logical_not(), 0))
     dtype = torch.promote_types(momentum.dtype, torch.float32)
     # abs + sum: ~2.5× faster on CPU than vector_norm(ord=1), whose reduction is not vectorized
     l1 = momentum.abs().sum(dim=-1, dtype=dtype) if scores else None
