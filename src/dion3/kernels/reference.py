@@ -131,6 +131,8 @@ def accumulate_momentum_reference(
     plain = finite_on_host(pieces) if host_checks_free(momentum.device) else [False] * len(pieces)
     clean = [(t, g) for t, g, ok in zip(targets, pieces, plain) if ok]
     if clean:  # the masked path's arithmetic where every entry is finite, without its masks
+        # decay·m, rounded, then + g (not one fused add: Dion3's pass has decay 1 and scales m
+        # afterwards, and at fraction 1 it must equal NorMuon's μ·m + g to the last bit)
         if decay != 1.0:  # one mul_ each: the CPU's _foreach_mul_ rounds a Python factor to a half dtype first
             for target, _ in clean:
                 target.mul_(decay)
