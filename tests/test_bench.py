@@ -426,3 +426,30 @@ def test_eager_ab_alternates_two_trees_with_an_adamw_group(tmp_path):
     wrong = [c if c != "src" else str(tmp_path) for c in command]
     refused = subprocess.run(wrong[:7] + ["--turns", "1"], cwd=root, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 1 and f"--trees: {tmp_path} holds no dion3/__init__.py" in refused.stderr
+
+
+def test_gpu_job_keeps_the_compile_cache_for_the_next_machine(tmp_path):
+    """benchmarks/gpu_job.sh with CORPUS=0: COMMAND sees TORCHINDUCTOR_CACHE_DIR under DION3_CACHE,
+    what it leaves there comes back in COMPILE_CACHE_TO, and a later job on an empty DION3_CACHE
+    (a fresh machine) finds it there again from COMPILE_CACHE_FROM; COMMAND's outputs and exit
+    status go through as before."""
+    import subprocess
+    import tarfile
+
+    root = Path(__file__).resolve().parent.parent
+    cache = tmp_path / "cache.tgz"
+
+    def job(name, command, **env):
+        archive = tmp_path / f"{name}.tgz"
+        done = subprocess.run(["bash", "benchmarks/gpu_job.sh", str(archive), command], cwd=root, timeout=120,
+                              env={**__import__("os").environ, "CORPUS": "0", "DION3_CACHE": str(tmp_path / name), **env},
+                              capture_output=True, text=True)
+        return done.returncode, tarfile.open(archive)
+
+    status, packed = job("first", 'echo kernel > "$TORCHINDUCTOR_CACHE_DIR/k.bin"; echo run > "$WORK/out.txt"; exit 3',
+                         COMPILE_CACHE_TO=str(cache))
+    assert status == 3 and packed.extractfile("./out.txt").read() == b"run\n"
+    assert "./k.bin" in tarfile.open(cache).getnames()
+    status, packed = job("second", 'cp "$TORCHINDUCTOR_CACHE_DIR/k.bin" "$WORK/found.txt"', COMPILE_CACHE_FROM=str(cache))
+    assert status == 0 and packed.extractfile("./found.txt").read() == b"kernel\n"
+    assert f"compile cache: from {cache}" in packed.extractfile("./machine.txt").read().decode()
