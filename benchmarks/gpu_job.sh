@@ -19,7 +19,7 @@ WORK=$(mktemp -d); export WORK
 export DION3_CACHE=${DION3_CACHE:-/tmp/dion3-cache} PYTHONUNBUFFERED=1
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 pack() { tar -czf "$archive.part" -C "$WORK" . && mv "$archive.part" "$archive"; }
-# the packer's sleep dies with it: a sleep left behind would hold the job's output open for up to 30 s
+# the packer's sleep dies with it: one left behind keeps the output open, and a caller reading it waits up to 30 s
 ( trap 'kill $sleeper 2>/dev/null; exit' TERM; while :; do sleep 30 & sleeper=$!; wait $sleeper; pack; done ) &
 packer=$!
 {
