@@ -323,7 +323,8 @@ def frontier_picture(panels: Sequence[tuple[str, Sequence[Point]]], axis: tuple,
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dion3.tools.study.frontier", description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, nargs="+", required=True, help="study folders or results.jsonl files")
-    parser.add_argument("--steps", type=Path, nargs="*", default=[], help="`dion3 bench --json` files (the first is the x-axis), and train_step --json reports")
+    parser.add_argument("--steps", type=Path, nargs="*", default=[],
+                        help="`dion3 bench --json` files (the first is the x-axis), and train_step --json reports")
     parser.add_argument("--horizon", type=int, default=1500, help="training steps of the runs compared (default 1500)")
     parser.add_argument("--eager", action="store_true", help="compare eager runs (default: runs with --compile)")
     parser.add_argument("--out", type=Path, required=True, help="folder for frontier.md and frontier.png")
