@@ -33,12 +33,14 @@ def step_group(group: dict, params: list[Tensor], state: dict, tally: SkipTally)
             params, grads = [p for p, keep in zip(params, kept) if keep], [g for g, keep in zip(grads, kept) if keep]
         ok = None
     meshes = _by_mesh(params)  # DTensor's foreach ops take one mesh at a time
-    # several meshes: one 0-d verdict per parameter (no index tensor to copy); one: the verdicts as they are
-    kept = None if ok is None or len(meshes) == 1 else ok.unbind()
+    if ok is not None and len(meshes) > 1:
+        ok = ok.unbind()  # one 0-d verdict per parameter, each mesh takes its own (no index tensor to copy)
     for at in meshes:
         here = [params[i] for i in at], [grads[i] for i in at], [state[params[i]] for i in at]
-        verdicts = None if ok is None else ok if kept is None else [kept[i] for i in at]
-        _step(group, *(here if ok is None else _local(*here)), verdicts)
+        if ok is None:
+            _step(group, *here, None)
+        else:
+            _step(group, *_local(*here), ok if len(meshes) == 1 else [ok[i] for i in at])
 
 
 def _step(group: dict, params: list, grads: list, states: list, ok) -> None:
