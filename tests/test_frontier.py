@@ -113,6 +113,27 @@ def test_the_command_writes_the_table_and_the_picture(tmp_path):
     assert (out / "frontier.png").stat().st_size > 10_000 and "](frontier.png)" in text
 
 
+def test_a_second_horizon_writes_its_own_files_beside_the_first(tmp_path):
+    # the records at horizon 50 hold one 1/4-by-cost run (0.600): at --horizon 50 it is the only
+    # point, and --name keeps the horizon-100 files as they were
+    results = tmp_path / "study"
+    results.mkdir()
+    (results / "results.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps(bench_report("llama-8b", TIMES)))
+    out = tmp_path / "out"
+    common = ["--results", str(results), "--steps", str(steps), "--out", str(out)]
+    assert frontier.main(common + ["--horizon", "100"]) == 0
+    first = (out / "frontier.md").read_text()
+    assert frontier.main(common + ["--horizon", "50", "--name", "frontier-50"]) == 0
+    second = (out / "frontier-50.md").read_text()
+    assert (out / "frontier.md").read_text() == first
+    assert second.startswith("# Frontier at 50 steps") and "](frontier-50.png)" in second
+    assert "| Dion3 1⁄4 by cost | 0.03 | 0.6 | 1 | 0.6000 ± 0.0000 |" in second
+    assert "Muon |" not in second  # no Muon run at 50 steps
+    assert (out / "frontier-50.png").stat().st_size > 10_000
+
+
 def test_the_picture_has_a_panel_per_model_with_timed_points(tmp_path):
     """Two models with timed points give two panels in one file; a model whose points have no step
     time on the axis gets none, and no timed point at all writes nothing."""

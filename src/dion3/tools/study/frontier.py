@@ -13,7 +13,7 @@ table then gets a column with its own whole training step (eager / captured). Fo
 (AdamW, Muon, NorMuon) and of each Dion3 variant (fraction, uniform or by cost; fixed fractions),
 with its step times: Muon's are `muon-gram`'s (dion3.Muon's defaults), Dion3 F by cost's are
 `dion3-F-cost`'s. Writes DIR/frontier.md (a table per model and two picks) and
-DIR/frontier.png (a panel per model: loss against step time, one standard deviation over seeds as
+DIR/frontier.png (--name: another name than frontier, e.g. for a second horizon beside it; a panel per model: loss against step time, one standard deviation over seeds as
 error bars, Muon and NorMuon marked), and the same question over every model at once ("Across
 sizes": each Dion3 setting's gap at each size, and the cheapest within Muon's sd at all of them).
 
@@ -313,7 +313,8 @@ def frontier_picture(panels: Sequence[tuple[str, Sequence[Point]]], axis: tuple,
         ax.set_ylabel("final validation loss, nats per byte")
         ax.set_title(f"{model}: loss against step time (mean ± sd over seeds; seeds in brackets)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper right")
+        if ax.get_legend_handles_labels()[0]:  # a panel without Muon or NorMuon has no reference lines
+            ax.legend(fontsize=8, loc="upper right")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -327,7 +328,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="`dion3 bench --json` files (the first is the x-axis), and train_step --json reports")
     parser.add_argument("--horizon", type=int, default=1500, help="training steps of the runs compared (default 1500)")
     parser.add_argument("--eager", action="store_true", help="compare eager runs (default: runs with --compile)")
-    parser.add_argument("--out", type=Path, required=True, help="folder for frontier.md and frontier.png")
+    parser.add_argument("--out", type=Path, required=True, help="folder for NAME.md and NAME.png")
+    parser.add_argument("--name", default="frontier",
+                        help="the two files' name (default frontier; e.g. frontier-6000 for --horizon 6000 beside it)")
     args = parser.parse_args(argv)
     records = [r for path in args.results for r in read_results(path / "results.jsonl" if path.is_dir() else path)]
     if not records:
@@ -350,9 +353,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     summary = across_sizes(panels, (presets[0], "eager")) if presets else ""
     if summary:
         sections += [summary, ""]
-    if presets and frontier_picture(panels, (presets[0], "eager"), args.out / "frontier.png"):
-        sections += ["![loss against step time, a panel per model](frontier.png)", ""]
-    (args.out / "frontier.md").write_text("\n".join(sections))
+    if presets and frontier_picture(panels, (presets[0], "eager"), args.out / f"{args.name}.png"):
+        sections += [f"![loss against step time, a panel per model]({args.name}.png)", ""]
+    (args.out / f"{args.name}.md").write_text("\n".join(sections))
     print("\n".join(sections))
     return 0
 
