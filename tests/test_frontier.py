@@ -99,14 +99,20 @@ def test_muon_quality_is_the_cheapest_dion3_within_one_sd_of_muon(tmp_path):
     assert chosen["fastest"].variant == frontier.Variant("dion3", 0.25, "cost")
 
 
-def test_the_command_writes_the_table_and_the_picture(tmp_path):
+def command_inputs(tmp_path):
+    """(the command's --results/--steps/--out arguments for RECORDS and TIMES, the out folder)."""
     results = tmp_path / "study"
     results.mkdir()
     (results / "results.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
     steps = tmp_path / "steps.json"
     steps.write_text(json.dumps(bench_report("llama-8b", TIMES)))
     out = tmp_path / "out"
-    assert frontier.main(["--results", str(results), "--steps", str(steps), "--horizon", "100", "--out", str(out)]) == 0
+    return ["--results", str(results), "--steps", str(steps), "--out", str(out)], out
+
+
+def test_the_command_writes_the_table_and_the_picture(tmp_path):
+    common, out = command_inputs(tmp_path)
+    assert frontier.main(common + ["--horizon", "100"]) == 0
     text = (out / "frontier.md").read_text()
     assert "| Dion3 3⁄8 by cost | 0.02 | 0.6 | 2 | 0.7015 ± 0.0007 | +0.0015 | 240.0 / 239.0 | 0.40 |" in text
     assert "- muon quality: Dion3 3⁄8 by cost" in text and "0.40× Muon's" in text
@@ -116,13 +122,7 @@ def test_the_command_writes_the_table_and_the_picture(tmp_path):
 def test_a_second_horizon_writes_its_own_files_beside_the_first(tmp_path):
     # the records at horizon 50 hold one 1/4-by-cost run (0.600): at --horizon 50 it is the only
     # point, and --name keeps the horizon-100 files as they were
-    results = tmp_path / "study"
-    results.mkdir()
-    (results / "results.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
-    steps = tmp_path / "steps.json"
-    steps.write_text(json.dumps(bench_report("llama-8b", TIMES)))
-    out = tmp_path / "out"
-    common = ["--results", str(results), "--steps", str(steps), "--out", str(out)]
+    common, out = command_inputs(tmp_path)
     assert frontier.main(common + ["--horizon", "100"]) == 0
     first = (out / "frontier.md").read_text()
     assert frontier.main(common + ["--horizon", "50", "--name", "frontier-50"]) == 0

@@ -13,9 +13,10 @@ table then gets a column with its own whole training step (eager / captured). Fo
 (AdamW, Muon, NorMuon) and of each Dion3 variant (fraction, uniform or by cost; fixed fractions),
 with its step times: Muon's are `muon-gram`'s (dion3.Muon's defaults), Dion3 F by cost's are
 `dion3-F-cost`'s. Writes DIR/frontier.md (a table per model and two picks) and
-DIR/frontier.png (--name: another name than frontier, e.g. for a second horizon beside it; a panel per model: loss against step time, one standard deviation over seeds as
+DIR/frontier.png (a panel per model: loss against step time, one standard deviation over seeds as
 error bars, Muon and NorMuon marked), and the same question over every model at once ("Across
 sizes": each Dion3 setting's gap at each size, and the cheapest within Muon's sd at all of them).
+--name gives the two files another name, e.g. frontier-6000 for a second horizon beside the first.
 
 The picks: "Muon quality", the Dion3 setting with the shortest step whose mean loss is at most
 Muon's best mean plus one standard deviation of Muon's seeds; "fastest", the Dion3 setting with

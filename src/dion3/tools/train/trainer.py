@@ -175,11 +175,11 @@ def build_optimizer(model: GPT, spec: RunSpec) -> Dion3:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]], device: torch.device, autocast) -> float:
+def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]], device: torch.device, bf16: bool = True) -> float:
     model.eval()
     total = 0.0
     for inputs, targets in batches:
-        with autocast():
+        with bf16_autocast(device, bf16):
             total += float(model(inputs.to(device), targets.to(device)))
     model.train()
     return total / len(batches)
@@ -229,9 +229,6 @@ def train(
     # so that each backward writes the buffers the graph reads, with no copy before a replay.
     optimizer_step = CapturedStep(optimizer) if captured else optimizer.step
 
-    def autocast():
-        return bf16_autocast(device, bf16)
-
     if schedule.read_once:
         batches = read_once_batches(data.train, schedule.batch_size, config.seq_len, seed, schedule.steps)
     else:
@@ -248,7 +245,7 @@ def train(
     def record_eval(step: int) -> None:
         result.eval_steps.append(step)
         result.eval_seconds.append(elapsed)
-        result.val_losses.append(evaluate(forward, validation, device, autocast))
+        result.val_losses.append(evaluate(forward, validation, device, bf16))
         if on_eval is not None:
             on_eval(result, step)
 
@@ -257,7 +254,7 @@ def train(
     for step in range(schedule.steps):
         inputs, targets = (t.to(device, non_blocking=True) for t in next(batches))
         step_start = clock.mark()
-        with autocast():
+        with bf16_autocast(device, bf16):
             loss = forward(inputs, targets)
         loss.backward()
         set_lr_multiplier(optimizer, schedule.lr_multiplier(step))
