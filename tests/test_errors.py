@@ -76,6 +76,20 @@ def shared_param():
     Dion3([{"params": [w]}, {"params": [w], "algorithm": "muon"}])
 
 
+def repeated_param():
+    w = param(4, 4)
+    Dion3([("a.weight", w), ("b.weight", param(4, 4)), ("c.weight", w)])
+
+
+def sparse_gradient_in(algorithm):
+    def action():
+        embedding = torch.nn.Embedding(10, 4, sparse=True)
+        opt = Dion3([{"params": [("embed.weight", embedding.weight)], "algorithm": algorithm}])
+        embedding(torch.tensor([1, 3])).sum().backward()
+        opt.step()
+    return action
+
+
 # (row id, action, error type, message fragment)
 CASES = [
     ("one-d-in-matrix-group", lambda: Dion3([param(8)]), ValueError, "is 1-D"),
@@ -90,6 +104,8 @@ CASES = [
      "parameter group 0 has an unknown key 'fracton' (did you mean 'fraction'?)"),
     ("group-without-params", lambda: Dion3([{"lr": 0.1}]), ValueError, "parameter group 0 has no 'params' entry"),
     ("parameter-in-two-groups", shared_param, ValueError, "already belongs to parameter group 0"),
+    ("parameter-twice-in-a-group", repeated_param, ValueError,
+     "parameter 'c.weight' appears twice in parameter group 0 (also as 'a.weight')"),
     ("fraction-zero", lambda: Dion3([param(4, 4)], fraction=0.0), ValueError, "fraction must lie in (0.0, 1.0]"),
     ("fraction-above-one", lambda: Dion3([param(4, 4)], fraction=1.5), ValueError, "fraction must lie in (0.0, 1.0]"),
     ("fraction-schedule-out-of-range", lambda: FractionScheduler(Dion3([param(4, 4)]), lambda step: 1.5), ValueError,
@@ -160,6 +176,9 @@ CASES = [
     ("nan-gradient-check-finite", lambda: step_with_grad(float("nan")), FloatingPointError, "non-finite gradient in parameter 'w'"),
     ("inf-gradient-check-finite", lambda: step_with_grad(float("inf")), FloatingPointError, "non-finite gradient in parameter 'w'"),
     ("overflowing-gradient-norm-check-finite", lambda: step_with_grad(1e20), FloatingPointError, "its norm overflows float32"),
+    ("sparse-gradient-adamw", sparse_gradient_in("adamw"), ValueError,
+     "parameter 'embed.weight' has a sparse gradient, which an AdamW or Lion group cannot step"),
+    ("sparse-gradient-lion", sparse_gradient_in("lion"), ValueError, "'embed.weight' has a sparse gradient"),
     ("orthogonalize-vector", lambda: orthogonalize(torch.randn(4)), ValueError, "needs a [..., rows, cols] tensor"),
     ("orthogonalize-integer", lambda: orthogonalize(torch.ones(4, 4, dtype=torch.int64)), ValueError, "real floating-point tensor"),
     ("orthogonalize-unknown-method", lambda: orthogonalize(torch.randn(4, 4), method="svd"), ValueError, "unknown orthogonalization method 'svd'"),
@@ -267,3 +286,37 @@ def test_rejected_param_group_leaves_the_optimizer_usable():
     before = w.detach().clone()
     opt.step()
     assert torch.isfinite(w).all() and not torch.equal(w, before)
+
+
+def test_a_sparse_gradient_leaves_an_adamw_group_untouched():
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    opt = Dion3([{"params": [embedding.weight], "algorithm": "adamw", "lr": 0.1}])
+    embedding(torch.tensor([1, 3])).sum().backward()
+    weights, state = embedding.weight.detach().clone(), copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="sparse gradient"):
+        opt.step()
+    assert torch.equal(embedding.weight, weights)
+    assert all(torch.equal(value, state["state"][0][key]) for key, value in opt.state_dict()["state"][0].items())
+
+
+@pytest.mark.parametrize("make", [
+    lambda params: Dion3(params, lr=0.1, fraction=0.25),
+    lambda params: Dion3(params, lr=0.1, check_finite=True),
+    lambda params: Muon(params, lr=0.1),
+    lambda params: NorMuon(params, lr=0.1),
+], ids=["dion3-quarter", "dion3-check-finite", "muon", "normuon"])
+def test_a_sparse_gradient_in_a_matrix_group_steps_as_its_dense_gradient(make):
+    """The reference is the same run with nn.Embedding(sparse=False): equal bit for bit."""
+    weights = []
+    for sparse in (True, False):
+        torch.manual_seed(0)
+        embedding = torch.nn.Embedding(16, 8, sparse=sparse)
+        other = param(16, 8)
+        opt = make([embedding.weight, other])
+        for tokens in ([1, 3], [3, 3, 7]):
+            opt.zero_grad()
+            (embedding(torch.tensor(tokens)).sum() + other.square().sum()).backward()
+            opt.step()
+        weights.append(embedding.weight.detach().clone())
+    assert not torch.equal(weights[1], torch.nn.Embedding(16, 8).weight)
+    assert torch.equal(weights[0], weights[1])

@@ -83,12 +83,19 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
             group["param_names"] = names
         index = len(self.param_groups)
         seen = {id(p): g for g, other in enumerate(self.param_groups) for p in other["params"]}
+        first_index: dict[int, int] = {}
         for i, p in enumerate(params):
             if id(p) in seen:
                 raise ValueError(
                     f"parameter {param_label(names, index, i, p)} already belongs to parameter group "
                     f"{seen[id(p)]}; a parameter may appear in one group only"
                 )
+            if id(p) in first_index:  # torch only warns; the step would update it twice
+                raise ValueError(
+                    f"parameter {param_label(names, index, i, p)} appears twice in parameter group {index} "
+                    f"(also as {param_label(names, index, first_index[id(p)], p)}); list each parameter once"
+                )
+            first_index[id(p)] = i
         super().add_param_group(group)
         group = self.param_groups[-1]
         try:
@@ -333,6 +340,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         if not checked:
             return
         grads = [distributed.local_tensor(p.grad) for _, _, p in checked]
+        grads = [g.to_dense() if g.is_sparse else g for g in grads]  # a matrix group steps sparse ones as dense
         # One pass per gradient: the norm is finite iff every entry is finite and the float32 norm
         # does not overflow (entries of ~1e19, whose orthogonalized update would be zero).
         finite = torch.stack([
@@ -357,6 +365,13 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
     def _scalar_step(self, group: dict) -> None:
         """AdamW or Lion on one group, guarded per parameter (scalar_group.step_group)."""
         params = [p for p in group["params"] if p.grad is not None]
+        if any(p.grad.is_sparse for p in params):  # before any state changes, as torch's AdamW
+            index = next(i for i, p in enumerate(group["params"]) if p.grad is not None and p.grad.is_sparse)
+            raise ValueError(
+                f"parameter {self._param_label(group, index)} has a sparse gradient, which an AdamW "
+                "or Lion group cannot step; build its module with sparse=False (e.g. "
+                "nn.Embedding(..., sparse=False))"
+            )
         if params:
             step_group(group, params, self.state, self._tally(distributed.local_tensor(params[0].grad).device))
 
