@@ -42,6 +42,31 @@ def test_plan_covers_the_grid_short_horizons_first(study):
     assert all(r.read_once for r in every) and len({r.key for r in every}) == len(every)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--dion3-lr", "0.02,-1"], "--dion3-lr values must lie in (0, inf), got '0.02,-1'"),
+    (["--muon-lr", "0"], "--muon-lr values must lie in (0, inf)"),
+    (["--adamw-lr", "inf"], "--adamw-lr values must lie in (0, inf)"),
+    (["--dion3-mu", "1.0"], "--dion3-mu values must lie in [0, 1), got '1.0'"),
+    (["--normuon-mu", "-0.1"], "--normuon-mu values must lie in [0, 1)"),
+    (["--fraction-warmup", "0,-5"], "--fraction-warmup must not be negative, got '-5'"),
+    (["--batch-size", "0"], "--batch-size must be ≥ 1, got 0"),
+    (["--lr-warmup", "-1"], "--lr-warmup must be ≥ 0 steps, got -1"),
+    (["--cooldown", "1.5"], "--cooldown is a share of the steps in [0, 1], got 1.5"),
+])
+def test_a_setting_no_run_could_train_with_is_refused_before_any_run(study, argv, message):
+    with pytest.raises(SystemExit) as refused:
+        study.plan_runs(study.parse_args(["--horizons", "100", "--seeds", "0"] + argv))
+    assert message in str(refused.value)
+
+
+def test_the_edges_of_each_range_are_accepted(study):
+    runs = study.plan_runs(study.parse_args([
+        "--horizons", "100", "--seeds", "0", "--optimizers", "muon,dion3", "--muon-mu", "0", "--dion3-mu", "0.99",
+        "--fraction-warmup", "0", "--lr-warmup", "0", "--cooldown", "1", "--batch-size", "1"]))
+    assert {(r.optimizer, r.mu) for r in runs} == {("muon", 0.0), ("dion3", 0.99)}
+    assert all(r.cooldown == 1.0 and r.lr_warmup == 0 and r.batch_size == 1 for r in runs)
+
+
 def test_cost_allocation_runs_beside_uniform_ones_with_fixed_fractions_only(study):
     args = ["--horizons", "100", "--seeds", "0", "--optimizers", "dion3", "--dion3-lr", "0.04", "--dion3-mu", "0.3"]
     runs = study.plan_runs(study.parse_args(args + ["--fraction-warmup", "0", "--fraction-allocation", "uniform,cost"]))

@@ -552,3 +552,16 @@ def test_compare_rejects_bad_options(tmp_path, capsys):
     assert "not among the optimizers being run" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         compare.main(["--steps", "0"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "muon=-1"], "muon: parameter group 0: lr must be a finite number ≥ 0, got -1.0"),
+    (["--mu", "dion3-f0.25=1.5"], "dion3-f0.25: parameter group 0: mu must lie in [0.0, 1.0), got 1.5"),
+])
+def test_compare_refuses_a_bad_setting_before_any_run_trains(tmp_path, monkeypatch, capsys, flags, message):
+    """The bad run is the last one: the check must come before the first run, not when its turn comes."""
+    trained = []
+    monkeypatch.setattr(compare, "train", lambda spec, *args, **kwargs: trained.append(spec.label))
+    assert compare.main(["--optimizers", "adamw,muon,dion3-f0.25", *flags, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+    assert trained == []

@@ -130,15 +130,43 @@ def _ints(text: str, flag: str) -> list[int]:
     return [int(v) for v in values]
 
 
+def _in_range(text: str, flag: str, low: float, high: float, closed_low: bool) -> list[float]:
+    """Comma-separated numbers, each in [low, high) (or (low, high) with closed_low=False)."""
+    values = _floats(text, flag)
+    if any(not ((low <= v if closed_low else low < v) and v < high) for v in values):
+        interval = f"{'[' if closed_low else '('}{low:g}, {high:g})"
+        raise SystemExit(f"quality_study: {flag} values must lie in {interval}, got {text!r}")
+    return values
+
+
+def learning_rates(text: str, flag: str) -> list[float]:
+    return _in_range(text, flag, 0.0, math.inf, closed_low=False)
+
+
+def momenta(text: str, flag: str) -> list[float]:
+    return _in_range(text, flag, 0.0, 1.0, closed_low=True)
+
+
+def check_schedule(args: argparse.Namespace) -> None:
+    """The settings every run shares, refused before any run starts rather than inside one."""
+    if args.batch_size is not None and args.batch_size < 1:
+        raise SystemExit(f"quality_study: --batch-size must be ≥ 1, got {args.batch_size}")
+    if args.lr_warmup < 0:
+        raise SystemExit(f"quality_study: --lr-warmup must be ≥ 0 steps, got {args.lr_warmup}")
+    if not 0.0 <= args.cooldown <= 1.0:
+        raise SystemExit(f"quality_study: --cooldown is a share of the steps in [0, 1], got {args.cooldown}")
+
+
 def warmup_steps(spec: str, horizon: int) -> int:
     """"200" → 200 steps; "15%" → 15% of the horizon."""
     spec = spec.strip()
     try:
-        if spec.endswith("%"):
-            return round(float(spec[:-1]) / 100 * horizon)
-        return int(spec)
+        steps = round(float(spec[:-1]) / 100 * horizon) if spec.endswith("%") else int(spec)
     except ValueError:
         raise SystemExit(f"quality_study: --fraction-warmup expects steps or P%, got {spec!r}") from None
+    if steps < 0:
+        raise SystemExit(f"quality_study: --fraction-warmup must not be negative, got {spec!r}")
+    return steps
 
 
 def fraction_weights_spec(text: str) -> Optional[str]:
@@ -221,6 +249,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     if any(weightings) and allocations != ["cost"]:
         raise SystemExit("quality_study: --fraction-weights weigh the rows of fractions by cost: use it with "
                          "--fraction-allocation cost alone")
+    check_schedule(args)
     model = MODELS[args.model]
     common = dict(model=args.model, batch_size=args.batch_size or model.batch_size, lr_warmup=args.lr_warmup,
                   cooldown=args.cooldown, eval_batches=args.eval_batches, data=tuple(args.data) if args.data else None,
@@ -230,8 +259,8 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     runs = []
     for horizon, seed in itertools.product(horizons, seeds):
         for family in (f for f in FAMILIES if f != "dion3" and f in families):
-            lrs = _floats(getattr(args, f"{family}_lr"), f"--{family}-lr")
-            mus = _floats(getattr(args, f"{family}_mu"), f"--{family}-mu") if FAMILIES[family][1] else [0.0]
+            lrs = learning_rates(getattr(args, f"{family}_lr"), f"--{family}-lr")
+            mus = momenta(getattr(args, f"{family}_mu"), f"--{family}-mu") if FAMILIES[family][1] else [0.0]
             for lr, mu in itertools.product(lrs, mus):
                 runs.append(Run(optimizer=family, lr=lr, mu=mu, fraction=None, fraction_warmup=0, horizon=horizon, seed=seed, **common))
         if "dion3" in families:
@@ -241,7 +270,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
                 raise SystemExit("quality_study: --fraction-allocation cost needs fixed fractions: add "
                                  f"--fraction-warmup 0 (got warm-ups {sorted(set(warmups))} at horizon {horizon})")
             for fraction, lr, mu, warm, allocation, score, weighting in itertools.product(
-                    fractions, _floats(args.dion3_lr, "--dion3-lr"), _floats(args.dion3_mu, "--dion3-mu"),
+                    fractions, learning_rates(args.dion3_lr, "--dion3-lr"), momenta(args.dion3_mu, "--dion3-mu"),
                     dict.fromkeys(warmups), allocations, row_scores, weightings):
                 runs.append(Run(optimizer="dion3", lr=lr, mu=mu, fraction=fraction, fraction_warmup=warm,
                                 horizon=horizon, seed=seed, fraction_allocation=allocation,

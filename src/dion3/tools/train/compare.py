@@ -22,9 +22,9 @@ from typing import Optional, Sequence
 import torch
 
 from .data import load_data
-from .model import GPTConfig
+from .model import GPT, GPTConfig
 from .plot import loss_unit, plot_validation
-from .trainer import RunResult, RunSpec, Schedule, resolve_device, train, use_captured_step
+from .trainer import RunResult, RunSpec, Schedule, build_optimizer, resolve_device, train, use_captured_step
 
 DEFAULT_OPTIMIZERS = ("adamw", "muon", "normuon", "dion3-f0.5", "dion3-f0.25")
 
@@ -145,6 +145,18 @@ def _overrides(flag: str, items: Sequence[str], names: Sequence[str]) -> dict[st
     return overrides
 
 
+def check_optimizers(specs: Sequence[RunSpec], config: GPTConfig) -> None:
+    """Build every run's optimizer once on a meta-device model (no memory, no data) so that a bad
+    lr or momentum fails before the first run trains, with the optimizer's own message."""
+    with torch.device("meta"):
+        model = GPT(config)
+    for spec in specs:
+        try:
+            build_optimizer(model, spec)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{spec.label}: {error}") from None
+
+
 class Progress:
     """A tqdm bar per run on a terminal; one plain line per evaluation otherwise (CI logs)."""
 
@@ -218,6 +230,7 @@ def _compare(args: argparse.Namespace) -> int:
     device = resolve_device(args.device or preset.device)
     captured = use_captured_step(device, args.eager)
     out = args.out or Path(f"compare-{args.preset}")
+    check_optimizers(specs, preset.model)
     data = load_data(args.data)
     print(f"dion3 compare --preset {args.preset}: {len(specs)} runs × {schedule.steps} steps on {device} "
           f"(torch {torch.__version__}, {torch.get_num_threads()} threads, {'captured' if captured else 'eager'} "
