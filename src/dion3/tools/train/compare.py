@@ -26,7 +26,10 @@ from .model import GPT, GPTConfig
 from .plot import loss_unit, plot_validation
 from .trainer import RunResult, RunSpec, Schedule, build_optimizer, resolve_device, train, use_captured_step
 
-DEFAULT_OPTIMIZERS = ("adamw", "muon", "normuon", "dion3-f0.5", "dion3-f0.25")
+# Dion3 at the README's two named settings, fractions by cost (on cpu-tiny's shapes ½ by cost puts ½
+# on every matrix; ¼ by cost ended 0.035 below ¼ on every matrix over three seeds,
+# benchmarks/results/compare-cpu-tiny-2026-12-04.md)
+DEFAULT_OPTIMIZERS = ("adamw", "muon", "normuon", "dion3-f0.5-cost", "dion3-f0.25-cost")
 
 
 @dataclass(frozen=True)
