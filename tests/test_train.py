@@ -537,7 +537,7 @@ def test_the_plot_shows_every_curve_whole_in_nats_and_tells_the_runs_apart(tmp_p
         plt.close(figure)
     assert plot.plot_validation(runs, tmp_path / "p.png", "test").read_bytes()[:4] == b"\x89PNG"
     assert plot.loss_unit(256) == "nats per byte" and plot.loss_unit(50257) == "nats per token"
-    record = plot.Path(__file__).parents[1] / "benchmarks" / "results" / "compare-cpu-tiny-2026-12-01.json"
+    record = plot.Path(__file__).parents[1] / "benchmarks" / "results" / "compare-cpu-tiny-2026-12-04.json"
     loaded, settings = plot.load_results(record)
     assert [r.label for r in loaded] == list(compare.DEFAULT_OPTIMIZERS) and settings["preset"] == "cpu-tiny"
     assert plot.main([str(record), str(tmp_path / "replot.png")]) == 0

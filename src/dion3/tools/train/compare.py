@@ -44,11 +44,11 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    # ~0.8 M parameters, byte-level; sized for ≤ 10 minutes of all five runs on 2 CPU cores.
+    # ~1.7 M parameters, byte-level; sized for ≤ 10 minutes of all five runs on 2 CPU cores.
     "cpu-tiny": Preset(
         # 256-wide matrices: at 128 wide, f=¼ selects only 32 rows a step and Dion3 trailed
-        # NorMuon by 0.03 (benchmarks/results/compare-cpu-tiny-2026-12-01.md); 2 layers keep the
-        # five runs inside 10 minutes on 2 cores.
+        # NorMuon by 0.03 (benchmarks/results/compare-cpu-tiny-2026-12-04.md, "Earlier"); 2 layers
+        # keep the five runs inside 10 minutes on 2 cores.
         model=GPTConfig(seq_len=128, n_layer=2, n_head=4, d_model=256),
         schedule=Schedule(steps=200, batch_size=16, eval_every=25, eval_batches=8, warmup_steps=10),
         lrs={"adamw": 0.004, "muon": 0.02, "normuon": 0.02, "dion3-f0.5": 0.042, "dion3-f0.25": 0.08},
