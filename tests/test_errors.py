@@ -105,7 +105,7 @@ CASES = [
     ("group-without-params", lambda: Dion3([{"lr": 0.1}]), ValueError, "parameter group 0 has no 'params' entry"),
     ("parameter-in-two-groups", shared_param, ValueError, "already belongs to parameter group 0"),
     ("parameter-twice-in-a-group", repeated_param, ValueError,
-     "parameter 'c.weight' appears twice in parameter group 0 (also as 'a.weight')"),
+     "parameter 'c.weight' appears twice in parameter group 0 (also 'a.weight')"),
     ("fraction-zero", lambda: Dion3([param(4, 4)], fraction=0.0), ValueError, "fraction must lie in (0.0, 1.0]"),
     ("fraction-above-one", lambda: Dion3([param(4, 4)], fraction=1.5), ValueError, "fraction must lie in (0.0, 1.0]"),
     ("fraction-schedule-out-of-range", lambda: FractionScheduler(Dion3([param(4, 4)]), lambda step: 1.5), ValueError,

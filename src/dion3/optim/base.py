@@ -91,9 +91,11 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                     f"{seen[id(p)]}; a parameter may appear in one group only"
                 )
             if id(p) in first_index:  # torch only warns; the step would update it twice
+                first = first_index[id(p)]
+                also = repr(names[first]) if names is not None else f"at index {first}"
                 raise ValueError(
                     f"parameter {param_label(names, index, i, p)} appears twice in parameter group {index} "
-                    f"(also as {param_label(names, index, first_index[id(p)], p)}); list each parameter once"
+                    f"(also {also}); list each parameter once"
                 )
             first_index[id(p)] = i
         super().add_param_group(group)
