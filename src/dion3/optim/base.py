@@ -33,6 +33,7 @@ from .validation import (
     SELECTING_ALGORITHMS,
     check_fractions,
     check_group_keys,
+    check_flag,
     check_state_dict,
     param_label,
     validate_group,
@@ -48,7 +49,8 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         self._mesh = distributed.resolve_mesh(distributed_mesh)  # None: single device
         self.communication_bytes = 0  # bytes this rank sent in the last step (distributed only)
         self.communication_bytes_by_kind: dict[str, int] = {}
-        self.check_finite = bool(check_finite)
+        check_flag("optimizer", "check_finite", check_finite)
+        self.check_finite = check_finite
         # matrices whose update was not finite and was skipped, per device (nonfinite_updates)
         self._skipped: dict[torch.device, SkipTally] = {}
         self._step_number: dict[torch.device, Tensor] = {}  # step() calls, counted on each device

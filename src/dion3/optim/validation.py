@@ -92,8 +92,10 @@ def validate_group(group: dict, index: int) -> None:
         check_number(where, "lr", lr)
     if not math.isfinite(lr_value) or lr_value < 0:
         raise ValueError(f"{where}: lr must be a finite number ≥ 0, got {lr!r}")
-    check_range(where, "weight_decay", group["weight_decay"], 0.0, math.inf)
-    check_range(where, "epsilon", group["epsilon"], 0.0, math.inf, low_open=True)
+    # finite: an infinite decay or epsilon would turn every weight into ±inf or freeze it
+    check_range(where, "weight_decay", group["weight_decay"], 0.0, math.inf, high_open=True)
+    check_range(where, "epsilon", group["epsilon"], 0.0, math.inf, low_open=True, high_open=True)
+    check_flag(where, "flatten", group["flatten"])
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
@@ -101,6 +103,7 @@ def validate_group(group: dict, index: int) -> None:
         check_range(where, name, value, 0.0, 1.0, high_open=True)
     if algorithm in SCALAR_ALGORITHMS:
         return
+    check_flag(where, "nesterov", group["nesterov"])
     check_range(where, "mu", group["mu"], 0.0, 1.0, high_open=True)
     check_range(where, "muon_beta2", group["muon_beta2"], 0.0, 1.0, high_open=True)
     check_range(where, "fraction", group["fraction"], 0.0, 1.0, low_open=True)
@@ -253,6 +256,12 @@ def check_number(where, name, value) -> None:
     """A real number, not a bool (True is an int in Python) nor a string: TypeError naming its type."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{where}: {name} must be a number, got {type(value).__name__} {value!r}")
+
+
+def check_flag(where, name, value) -> None:
+    """True or False: a string such as "no" is truthy and would switch the setting on."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be True or False, got {type(value).__name__} {value!r}")
 
 
 def check_range(where, name, value, low, high, low_open=False, high_open=False) -> None:
