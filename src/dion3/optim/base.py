@@ -49,7 +49,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         self._mesh = distributed.resolve_mesh(distributed_mesh)  # None: single device
         self.communication_bytes = 0  # bytes this rank sent in the last step (distributed only)
         self.communication_bytes_by_kind: dict[str, int] = {}
-        check_flag("optimizer", "check_finite", check_finite)
+        check_flag(type(self).__name__, "check_finite", check_finite)
         self.check_finite = check_finite
         # matrices whose update was not finite and was skipped, per device (nonfinite_updates)
         self._skipped: dict[torch.device, SkipTally] = {}
