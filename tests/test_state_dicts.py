@@ -223,7 +223,8 @@ def test_conversion_errors_name_what_does_not_match():
     net, muon = stepped(Muon)
     saved = muon.state_dict()
     other = torch.nn.Linear(8, 6)
-    with pytest.raises(ValueError, match="the state dict has 2 parameter groups but the target has 1"):
+    with pytest.raises(ValueError, match=r"groups hold \[2, 2\] parameters but the target's hold \[1\], and without "
+                                         "parameter names"):
         convert_state_dict(saved, Dion3([other.weight]))
     broken = muon.state_dict()
     del broken["state"][0]["momentum"]
@@ -232,6 +233,60 @@ def test_conversion_errors_name_what_does_not_match():
     flat = get_optimizer_state_dict(net, muon, options=StateDictOptions(flatten_optimizer_state_dict=True))
     with pytest.raises(ValueError, match="pass the target's state dict in the saved one's form"):
         convert_state_dict(flat, Dion3(net.groups()))
+
+
+def test_a_run_regrouped_by_cost_resumes_each_parameter_from_its_own_state():
+    """Saved with one matrix group (fraction ¼ on every matrix), resumed with one group per shape
+    (fraction_allocation="cost"): convert_state_dict matches the parameters by name. Reference: the
+    same new optimizer with every state entry copied in by hand, parameter by parameter."""
+    from dion3 import param_groups
+    from dion3.tools.train.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=8, n_layer=2, n_head=2, d_model=32, vocab_size=64))
+    uniform = Dion3(param_groups(model, lm_head="lm_head", lr=0.03, mu=0.6, fraction=0.25))
+    tokens = torch.randint(0, 64, (4, 8))
+    for _ in range(2):
+        model(tokens, tokens).backward()
+        uniform.step()
+        uniform.zero_grad()
+    saved = uniform.state_dict()
+
+    def by_cost(net):
+        return Dion3(param_groups(net, lm_head="lm_head", lr=0.03, mu=0.6, fraction=0.25, fraction_allocation="cost"))
+
+    twin = copy.deepcopy(model)
+    regrouped, reference = by_cost(model), by_cost(twin)
+    assert len(regrouped.param_groups) != len(uniform.param_groups)  # the groups do differ
+    with pytest.raises(ValueError, match="state dict has 4 parameter groups but this optimizer has"):
+        regrouped.load_state_dict(saved)
+    regrouped.load_state_dict(convert_state_dict(saved, regrouped))
+    by_name = {name: p for g in uniform.param_groups for name, p in zip(g["param_names"], g["params"])}
+    for group, twin_group in zip(regrouped.param_groups, reference.param_groups):
+        for name, p, q in zip(group["param_names"], group["params"], twin_group["params"]):
+            for key, value in uniform.state[by_name[name]].items():
+                assert torch.equal(regrouped.state[p][key], value), (name, key)
+                reference.state[q][key].copy_(value)
+    for net, opt in ((model, regrouped), (twin, reference)):
+        net(tokens, tokens).backward()
+        opt.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_regrouping_needs_every_parameter_by_name():
+    net = Net()
+    named = Dion3([{"params": [("inp.weight", net.inp.weight), ("out.weight", net.out.weight)]},
+                   {"params": [("inp.bias", net.inp.bias), ("out.bias", net.out.bias)], "algorithm": "adamw"}])
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    named.step()
+    saved = named.state_dict()
+    other = Net()
+    regrouped = Dion3([{"params": [("inp.weight", other.inp.weight)]}, {"params": [("out.weight", other.out.weight)]},
+                       {"params": [("inp.bias", other.inp.bias), ("head.bias", other.out.bias)], "algorithm": "adamw"}])
+    with pytest.raises(ValueError, match=r"has no parameter 'head.bias' \(of 1 missing\)"):
+        convert_state_dict(saved, regrouped)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -31,7 +31,9 @@ def convert_state_dict(state_dict: Mapping[str, Any],
         torch.distributed.checkpoint, `get_optimizer_state_dict(model, optimizer, options=...)`
         with the options that one was read with (parameters are then matched by FQN; the flat
         form of `flatten_optimizer_state_dict=True`, torchtitan's, included). Otherwise
-        parameters are matched by position, group by group, as `load_state_dict` matches them.
+        parameters are matched by position, group by group, as `load_state_dict` matches them,
+        or, where the groups differ (one matrix group saved, one per shape wanted with
+        `fraction_allocation="cost"`), by the names both optimizers' groups hold (`param_names`).
 
     Per parameter, each state entry the target keeps is the saved one when the saved algorithm
     keeps an entry of that name too (the momentum between Dion3, Dion2, Muon and NorMuon, the
@@ -100,17 +102,10 @@ def _convert_structured(state_dict: Mapping[str, Any], template: Mapping[str, An
             raise ValueError(f"convert_state_dict: the state dict has no parameter {missing[0]!r} (of "
                              f"{len(missing)} missing); it does not match these parameters")
         pairs = [[(pid, pid, owner[pid]) for pid in g["params"]] for g in groups]
-    else:  # by position, as load_state_dict matches them
-        if len(saved_groups) != len(groups):
-            raise ValueError(f"convert_state_dict: the state dict has {len(saved_groups)} parameter groups but the "
-                             f"target has {len(groups)}; the state dict does not match these parameters")
-        for index, (saved, group) in enumerate(zip(saved_groups, groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"convert_state_dict: parameter group {index} of the state dict has {len(saved['params'])} "
-                    f"parameters but the target's has {len(group['params'])}; the state dict does not match "
-                    "these parameters")
+    elif _same_grouping(saved_groups, groups):  # by position, as load_state_dict matches them
         pairs = [list(zip(g["params"], s["params"], [s] * len(g["params"]))) for g, s in zip(groups, saved_groups)]
+    else:  # regrouped (e.g. fraction_allocation="cost" after one group): by the names param_groups gives
+        pairs = _pairs_by_name(saved_groups, groups)
     state: dict[Any, Any] = {}
     for index, (group, members) in enumerate(zip(groups, pairs)):
         target_as = _target_algorithm(group, f"parameter group {index} of the target")
@@ -123,6 +118,28 @@ def _convert_structured(state_dict: Mapping[str, Any], template: Mapping[str, An
             state[pid] = _entries(state_dict["state"].get(saved_pid, {}), template["state"][pid],
                                   saved_as or target_as, label)
     return {"state": state, "param_groups": [dict(g, params=list(g["params"])) for g in groups]}
+
+
+def _same_grouping(saved_groups: list, groups: list) -> bool:
+    return len(saved_groups) == len(groups) and all(
+        len(saved["params"]) == len(group["params"]) for saved, group in zip(saved_groups, groups))
+
+
+def _pairs_by_name(saved_groups: list, groups: list) -> list[list[tuple[Any, Any, Mapping[str, Any]]]]:
+    """(target id, saved id, saved group) per parameter of each target group, matched by name: the
+    groups' `param_names`, which optimizers built from named parameters (`param_groups`) save."""
+    if not all("param_names" in g for g in saved_groups + groups):
+        counts = [[len(g["params"]) for g in gs] for gs in (saved_groups, groups)]
+        raise ValueError(
+            f"convert_state_dict: the state dict's groups hold {counts[0]} parameters but the target's hold "
+            f"{counts[1]}, and without parameter names (`param_groups`, or (name, tensor) pairs) the parameters "
+            "cannot be matched; the state dict does not match these parameters")
+    saved_by_name = {name: (pid, g) for g in saved_groups for name, pid in zip(g["param_names"], g["params"])}
+    missing = [name for g in groups for name in g["param_names"] if name not in saved_by_name]
+    if missing:
+        raise ValueError(f"convert_state_dict: the state dict has no parameter {missing[0]!r} (of {len(missing)} "
+                         "missing); it does not match these parameters")
+    return [[(pid, *saved_by_name[name]) for name, pid in zip(g["param_names"], g["params"])] for g in groups]
 
 
 def _split(state_dict: Mapping[str, Any], prefix: str) -> dict[tuple[str, str], Any]:

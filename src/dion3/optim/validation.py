@@ -205,16 +205,18 @@ def check_state_dict(state_dict: dict[str, Any], param_groups: list[dict]) -> No
     saved_groups = state_dict.get("param_groups")
     if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
         raise ValueError("state dict must have 'state' and 'param_groups' entries (from optimizer.state_dict())")
+    regroup = ("; if only the grouping changed (e.g. to fraction_allocation='cost'), load "
+               "dion3.convert_state_dict(state_dict, optimizer), which matches parameters by name")
     if len(saved_groups) != len(param_groups):
         raise ValueError(
             f"state dict has {len(saved_groups)} parameter groups but this optimizer has "
-            f"{len(param_groups)}; the state dict does not match these parameters"
+            f"{len(param_groups)}; the state dict does not match these parameters{regroup}"
         )
     for index, (saved, group) in enumerate(zip(saved_groups, param_groups)):
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(
                 f"parameter group {index} of the state dict has {len(saved['params'])} parameters but "
-                f"this optimizer's has {len(group['params'])}; the state dict does not match these parameters"
+                f"this optimizer's has {len(group['params'])}; the state dict does not match these parameters{regroup}"
             )
         algorithm = group["algorithm"]
         saved_as = saved_algorithm(saved.get("algorithm"), f"parameter group {index} of the state dict")
