@@ -40,7 +40,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
 import platform
 import re
 import statistics

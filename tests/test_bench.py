@@ -265,7 +265,6 @@ def test_cost_variant_on_a_llama_preset_keeps_the_uniform_budget():
         k = math.ceil(f * shape.rows - 1e-9)
         executed += shape.count * flops.orthogonalize_flops(k, shape.cols, "auto", flops.h200_symmetric)[1]
     by_cost = flops.step_cost(preset.matrices, "dion3", step.shape_fractions(variant, preset), symmetric=flops.h200_symmetric)
-    uniform = flops.step_cost(preset.matrices, "dion3", 0.25, symmetric=flops.h200_symmetric)
     assert by_cost.executed_flops == pytest.approx(executed, rel=1e-12)
     seconds = [shape.count * modeled_seconds(math.ceil(f * shape.rows - 1e-9), shape.cols) for shape, f in zip(preset.matrices, fractions)]
     quarter = [shape.count * modeled_seconds(math.ceil(shape.rows / 4), shape.cols) for shape in preset.matrices]

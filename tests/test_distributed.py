@@ -207,8 +207,6 @@ def test_half_precision_rows_on_the_wire_match_single_process(tmp_path, monkeypa
     are; forced here on CPU for both the one-rank group and the single-process reference."""
     import importlib
 
-    from dion3 import rules
-
     newton_schulz = importlib.import_module("dion3.ortho.newton_schulz")  # the package re-exports a function of that name
 
     def half(device, method, input_dtype=torch.float32, rows=None):

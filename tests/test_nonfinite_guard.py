@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dion3 import Dion3, Muon, NorMuon, rules
+from dion3 import Dion3, Muon, NorMuon, orthogonalize, rules
 
 sys.path.insert(0, str(Path(__file__).parent))
 from graph_standin import CPUCapturedStep  # noqa: E402
@@ -172,7 +172,7 @@ def test_no_orthogonalization_is_above_the_bound(coefficients, method):
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 if dtype != torch.float32 and not half_too or large and dtype not in (torch.float32, gpu_half):
                     continue
-                out = rules.orthogonalize(x.unsqueeze(0), method, coefficients, dtype=dtype, out_dtype=torch.float32)
+                out = orthogonalize(x.unsqueeze(0), method, coefficients, dtype=dtype, out_dtype=torch.float32)
                 norm = float(torch.linalg.vector_norm(out))
                 worst = max(worst, norm / n ** 0.5)
                 assert bool(rules.matrices_within(torch.tensor([norm]), out.shape, bound))
@@ -184,7 +184,7 @@ def test_owner_functions_mark_a_matrix_above_the_bound():
     normalization turn a matrix above the bound (finite) into NaN rows, keep its variance, and
     leave the others untouched; without a bound only finiteness counts."""
     generator = torch.Generator().manual_seed(4)
-    ortho = rules.orthogonalize(torch.randn(3, 6, 10, generator=generator), "newton_schulz", dtype=torch.float32)
+    ortho = orthogonalize(torch.randn(3, 6, 10, generator=generator), "newton_schulz", dtype=torch.float32)
     ortho[1] *= 4.0  # ‖O‖_F = 4·√6 > 1.5·√6
     bound = rules.update_bound("polar_express")
     poisoned = rules.poison_nonfinite(ortho.clone(), bound)
@@ -202,7 +202,7 @@ def test_fused_normalization_path_gets_the_bound_as_a_limit(monkeypatch):
     stand-in applying that limit with the PyTorch formulas gives the PyTorch path's verdict, factors
     and variance."""
     generator = torch.Generator().manual_seed(5)
-    ortho = rules.orthogonalize(torch.randn(3, 6, 10, generator=generator), "newton_schulz", dtype=torch.float32)
+    ortho = orthogonalize(torch.randn(3, 6, 10, generator=generator), "newton_schulz", dtype=torch.float32)
     ortho[2] *= 4.0
     variance = torch.rand(3, 6, 1, generator=generator)
     bound = rules.update_bound("polar_express")

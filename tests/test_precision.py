@@ -1,6 +1,5 @@
 """The CPU compute dtype of Newton–Schulz: the rule from the CPU's identity (faked), no timing,
 the explicit switches that override it, and the bf16 path's accuracy against float64 math."""
-import math
 
 import pytest
 import torch

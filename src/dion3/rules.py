@@ -36,7 +36,6 @@ from .kernels import (
     scale_cast, select_rows, selection_norm, snapshot_rows,
 )
 from .kernels import top_rows as _top_rows
-from .ortho import orthogonalize
 from .ortho.coefficients import CoefficientSpec, get_schedule
 from .ortho.newton_schulz import InputScaling, _resolve, input_scaling, orthogonalize_padded
 from .ortho.padding import Padded, empty_padded, marked_matrices, padded_buffer_of

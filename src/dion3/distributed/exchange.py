@@ -11,7 +11,6 @@ import math
 from collections import defaultdict
 from typing import Callable, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 

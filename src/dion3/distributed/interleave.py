@@ -16,7 +16,6 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from .. import rules
 from ..buckets import bucket_subset, write_back_subset

@@ -24,7 +24,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
