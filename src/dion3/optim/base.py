@@ -84,22 +84,20 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         if names is not None:  # torch checks that all groups are named or none is
             group["param_names"] = names
         index = len(self.param_groups)
-        seen = {id(p): g for g, other in enumerate(self.param_groups) for p in other["params"]}
-        first_index: dict[int, int] = {}
+        # where each parameter already is: (group, position); torch only warns of a repeat in one
+        # group, whose step would then update the parameter twice
+        placed = {id(p): (g, j) for g, other in enumerate(self.param_groups) for j, p in enumerate(other["params"])}
         for i, p in enumerate(params):
-            if id(p) in seen:
-                raise ValueError(
-                    f"parameter {param_label(names, index, i, p)} already belongs to parameter group "
-                    f"{seen[id(p)]}; a parameter may appear in one group only"
-                )
-            if id(p) in first_index:  # torch only warns; the step would update it twice
-                first = first_index[id(p)]
-                also = repr(names[first]) if names is not None else f"at index {first}"
-                raise ValueError(
-                    f"parameter {param_label(names, index, i, p)} appears twice in parameter group {index} "
-                    f"(also {also}); list each parameter once"
-                )
-            first_index[id(p)] = i
+            if id(p) in placed:
+                g, j = placed[id(p)]
+                label = param_label(names, index, i, p)
+                if g != index:
+                    raise ValueError(f"parameter {label} already belongs to parameter group {g}; a parameter "
+                                     "may appear in one group only")
+                also = repr(names[j]) if names is not None else f"at index {j}"
+                raise ValueError(f"parameter {label} appears twice in parameter group {index} (also {also}); "
+                                 "list each parameter once")
+            placed[id(p)] = (index, i)
         super().add_param_group(group)
         group = self.param_groups[-1]
         try:
@@ -343,8 +341,8 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         checked = [(g, i, p) for g in self.param_groups for i, p in enumerate(g["params"]) if p.grad is not None]
         if not checked:
             return
-        grads = [distributed.local_tensor(p.grad) for _, _, p in checked]
-        grads = [g.to_dense() if g.is_sparse else g for g in grads]  # a matrix group steps sparse ones as dense
+        # a sparse gradient is read whole, as a matrix group's step reads it
+        grads = [_dense(distributed.local_tensor(p.grad)) for _, _, p in checked]
         # One pass per gradient: the norm is finite iff every entry is finite and the float32 norm
         # does not overflow (entries of ~1e19, whose orthogonalized update would be zero).
         finite = torch.stack([
@@ -369,15 +367,9 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
     def _scalar_step(self, group: dict) -> None:
         """AdamW or Lion on one group, guarded per parameter (scalar_group.step_group)."""
         params = [p for p in group["params"] if p.grad is not None]
-        if any(p.grad.is_sparse for p in params):  # before any state changes, as torch's AdamW
-            index = next(i for i, p in enumerate(group["params"]) if p.grad is not None and p.grad.is_sparse)
-            raise ValueError(
-                f"parameter {self._param_label(group, index)} has a sparse gradient, which an AdamW "
-                "or Lion group cannot step; build its module with sparse=False (e.g. "
-                "nn.Embedding(..., sparse=False))"
-            )
         if params:
-            step_group(group, params, self.state, self._tally(distributed.local_tensor(params[0].grad).device))
+            step_group(group, params, self.state, self._tally(distributed.local_tensor(params[0].grad).device),
+                       lambda p: self._param_label(group, next(i for i, q in enumerate(group["params"]) if q is p)))
 
     @staticmethod
     def rule_config(group: dict) -> rules.RuleConfig:
@@ -409,3 +401,6 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         self._matrix_step(sub, group)
         write_back_subset(bucket, sub, targets)
 
+
+def _dense(tensor: Tensor) -> Tensor:
+    return tensor.to_dense() if tensor.is_sparse else tensor

@@ -3,6 +3,8 @@ whose gradient has a non-finite entry, on any rank holding a piece of it, skips 
 weights only decay, its state stays, and it counts once in the optimizer's skip tally."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -12,10 +14,15 @@ from ..kernels import finite_on_host, host_checks_free
 from . import scalar
 
 
-def step_group(group: dict, params: list[Tensor], state: dict, tally: SkipTally) -> None:
+def step_group(group: dict, params: list[Tensor], state: dict, tally: SkipTally,
+               label: Callable[[Tensor], str]) -> None:
     """Step `params` (those of `group` with a gradient) with the group's algorithm and settings;
-    `state` is the optimizer's per-parameter state."""
+    `state` is the optimizer's per-parameter state; `label` names a parameter in errors."""
     grads = [p.grad for p in params]
+    sparse = next((p for p, g in zip(params, grads) if g.is_sparse), None)
+    if sparse is not None:  # before any state changes, as torch's AdamW refuses it
+        raise ValueError(f"parameter {label(sparse)} has a sparse gradient, which an AdamW or Lion group cannot "
+                         "step; build its module with sparse=False (e.g. nn.Embedding(..., sparse=False))")
     local_grads = [distributed.local_tensor(g) for g in grads]
     host = host_checks_free(local_grads[0].device)
     if host:  # the host may look: the bad parameters are left out of the step

@@ -95,17 +95,18 @@ def _entries(saved: Mapping[str, Any], own: Mapping[str, Any], saved_as: str, wh
 def _convert_structured(state_dict: Mapping[str, Any], template: Mapping[str, Any]) -> dict[str, Any]:
     saved_groups, groups = list(state_dict["param_groups"]), list(template["param_groups"])
     ids = [pid for g in saved_groups + groups for pid in g["params"]]
-    if ids and all(isinstance(pid, str) for pid in ids):  # FQNs (torch.distributed.checkpoint): by name
-        owner = {pid: g for g in saved_groups for pid in g["params"]}
-        missing = [pid for g in groups for pid in g["params"] if pid not in owner]
-        if missing:
-            raise ValueError(f"convert_state_dict: the state dict has no parameter {missing[0]!r} (of "
-                             f"{len(missing)} missing); it does not match these parameters")
-        pairs = [[(pid, pid, owner[pid]) for pid in g["params"]] for g in groups]
+    if ids and all(isinstance(pid, str) for pid in ids):  # FQNs (torch.distributed.checkpoint) name themselves
+        pairs = _pairs_by_name(saved_groups, groups, "params")
     elif _same_grouping(saved_groups, groups):  # by position, as load_state_dict matches them
         pairs = [list(zip(g["params"], s["params"], [s] * len(g["params"]))) for g, s in zip(groups, saved_groups)]
     else:  # regrouped (e.g. fraction_allocation="cost" after one group): by the names param_groups gives
-        pairs = _pairs_by_name(saved_groups, groups)
+        if not all("param_names" in g for g in saved_groups + groups):
+            counts = [[len(g["params"]) for g in gs] for gs in (saved_groups, groups)]
+            raise ValueError(
+                f"convert_state_dict: the state dict's groups hold {counts[0]} parameters but the target's hold "
+                f"{counts[1]}, and without parameter names (`param_groups`, or (name, tensor) pairs) the "
+                "parameters cannot be matched; the state dict does not match these parameters")
+        pairs = _pairs_by_name(saved_groups, groups, "param_names")
     state: dict[Any, Any] = {}
     for index, (group, members) in enumerate(zip(groups, pairs)):
         target_as = _target_algorithm(group, f"parameter group {index} of the target")
@@ -125,21 +126,16 @@ def _same_grouping(saved_groups: list, groups: list) -> bool:
         len(saved["params"]) == len(group["params"]) for saved, group in zip(saved_groups, groups))
 
 
-def _pairs_by_name(saved_groups: list, groups: list) -> list[list[tuple[Any, Any, Mapping[str, Any]]]]:
-    """(target id, saved id, saved group) per parameter of each target group, matched by name: the
-    groups' `param_names`, which optimizers built from named parameters (`param_groups`) save."""
-    if not all("param_names" in g for g in saved_groups + groups):
-        counts = [[len(g["params"]) for g in gs] for gs in (saved_groups, groups)]
-        raise ValueError(
-            f"convert_state_dict: the state dict's groups hold {counts[0]} parameters but the target's hold "
-            f"{counts[1]}, and without parameter names (`param_groups`, or (name, tensor) pairs) the parameters "
-            "cannot be matched; the state dict does not match these parameters")
-    saved_by_name = {name: (pid, g) for g in saved_groups for name, pid in zip(g["param_names"], g["params"])}
-    missing = [name for g in groups for name in g["param_names"] if name not in saved_by_name]
+def _pairs_by_name(saved_groups: list, groups: list, names: str) -> list[list[tuple[Any, Any, Mapping[str, Any]]]]:
+    """(target id, saved id, saved group) per parameter of each target group, matched by the names
+    in each group's list `names`: "params" where the ids are FQNs, else "param_names" (which
+    optimizers built from named parameters, as `param_groups` builds them, save)."""
+    saved_by_name = {name: (pid, g) for g in saved_groups for name, pid in zip(g[names], g["params"])}
+    missing = [name for g in groups for name in g[names] if name not in saved_by_name]
     if missing:
         raise ValueError(f"convert_state_dict: the state dict has no parameter {missing[0]!r} (of {len(missing)} "
                          "missing); it does not match these parameters")
-    return [[(pid, *saved_by_name[name]) for name, pid in zip(g["param_names"], g["params"])] for g in groups]
+    return [[(pid, *saved_by_name[name]) for name, pid in zip(g[names], g["params"])] for g in groups]
 
 
 def _split(state_dict: Mapping[str, Any], prefix: str) -> dict[tuple[str, str], Any]:
