@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 from ..bench.step_time import parse_variant
 from .launch import read_results
-from .runs import best_on_shared_seeds, selection_label
+from .runs import MODELS, best_on_shared_seeds, selection_label
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ class Point:
     losses: list[float]
     step_ms: dict  # (preset, mode) → median device ms
     unconfirmed: list = field(default_factory=list)  # (lr, μ, shared seeds) of rivals ahead on fewer seeds
+    seeds: list = field(default_factory=list)  # the seed of each loss, in the same order
 
     @property
     def mean(self) -> float:
@@ -77,17 +78,21 @@ class Point:
         return statistics.stdev(self.losses) if len(self.losses) > 1 else 0.0
 
 
-def best_points(records: Sequence[dict], model: str, horizon: int, compiled: bool) -> dict[Variant, Point]:
-    """The best lr/μ of each variant for one model and horizon: among the settings with the most
+def best_points(records: Sequence[dict], model: str, horizon: int, compiled: bool,
+                batch_size: Optional[int] = None) -> dict[Variant, Point]:
+    """The best lr/μ of each variant for one model, horizon and batch size (default: the model's
+    own, MODELS): among the settings with the most
     seeds (those a seed-0 sweep led the study to confirm; a point needs a spread), the lowest mean.
     A setting with fewer seeds that beats it on the seeds they share is listed in `unconfirmed`
     (its seeds are the study's next runs). Non-finite runs never count (they are bugs to explain,
     not samples)."""
+    if batch_size is None and model in MODELS:
+        batch_size = MODELS[model].batch_size
     settings: dict[tuple, tuple[Variant, float, float, dict[int, float]]] = {}
     for record in records:
         config = record["config"]
         if (config["model"] != model or config["horizon"] != horizon or config.get("compiled", False) != compiled
-                or config.get("momentum_dtype") or config.get("fraction_warmup", 0)):
+                or config.get("batch_size", batch_size) != batch_size or config.get("momentum_dtype") or config.get("fraction_warmup", 0)):
             continue
         allocation = config.get("fraction_allocation", "uniform")
         if allocation == "cost" and not config.get("cost_rule"):
@@ -106,7 +111,7 @@ def best_points(records: Sequence[dict], model: str, horizon: int, compiled: boo
     best: dict[Variant, Point] = {}
     for variant, candidates in by_variant.items():
         lr, mu, by_seed = min(candidates, key=lambda c: (-len(c[2]), statistics.fmean(c[2].values())))
-        point = Point(variant, lr, mu, [by_seed[s] for s in sorted(by_seed)], {})
+        point = Point(variant, lr, mu, [by_seed[s] for s in sorted(by_seed)], {}, seeds=sorted(by_seed))
         for other_lr, other_mu, other in candidates:  # a rival that wins on the seeds it shares: run its seeds
             if len(other) < len(by_seed) and best_on_shared_seeds([by_seed, other])[0] == 1:
                 point.unconfirmed.append((other_lr, other_mu, sorted(set(other) & set(by_seed))))

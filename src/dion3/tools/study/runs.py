@@ -75,10 +75,11 @@ class Run:
 
     @property
     def setting(self) -> tuple:
-        """What the seeds of one setting share (the summary averages over seeds)."""
+        """What the seeds of one setting share (the summary averages over seeds); the batch size
+        last, so that a larger batch of the same optimizer is its own setting."""
         return (self.model, self.horizon, self.optimizer, self.fraction, self.fraction_warmup, self.lr, self.mu,
                 self.fraction_allocation, self.compiled, self.momentum_dtype, self.cost_rule, self.row_score,
-                self.fraction_weights)
+                self.fraction_weights, self.batch_size)
 
     @property
     def key(self) -> str:
@@ -308,7 +309,8 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
     for record in records:
         run = Run(**{**record["config"], "data": tuple(record["config"]["data"]) if record["config"]["data"] else None})
         if (run.model != args.model or run.horizon != args.best_at or run.optimizer not in families
-                or run.compiled != args.compile or run.momentum_dtype is not None):  # best judged in float32
+                or run.compiled != args.compile or run.momentum_dtype is not None  # best judged in float32
+                or run.batch_size != (args.batch_size or MODELS[args.model].batch_size)):  # and at the batch asked for
             continue
         if run.optimizer == "dion3" and (run.fraction not in fractions or run.fraction_warmup not in warmups
                                          or run.fraction_allocation not in allocations or run.row_score not in scores):

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Sequence
 
 from .launch import read_results
-from .runs import Run, selection_label
+from .runs import MODELS, Run, selection_label
 
 
 def _setting_label(setting: tuple) -> tuple[str, str]:
-    _, _, optimizer, fraction, warmup, _, _, allocation, _, _, cost_rule, row_score, weights = setting
+    _, _, optimizer, fraction, warmup, _, _, allocation, _, _, cost_rule, row_score, weights, _ = setting
     if optimizer != "dion3":
         return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[optimizer], "—"
     name = f"Dion3 f={fraction:g}" + selection_label(row_score, weights)
@@ -50,7 +50,8 @@ def summary_table(records: Sequence[dict]) -> str:
     for (model, horizon, _, setting, count, bad, skipped, loss_text, train_text, fraction, step_ms,
          flops_text) in sorted(rows, key=lambda r: r[:3]):
         name, schedule = _setting_label(setting)
-        model = f"{model} (compiled)" if setting[8] else model
+        notes = ["compiled"] * setting[8] + ([f"batch {setting[13]}"] if model in MODELS and setting[13] != MODELS[model].batch_size else [])
+        model = f"{model} ({', '.join(notes)})" if notes else model
         name = f"{name}, {setting[9]} momentum" if setting[9] else name
         lines.append(f"| {model} | {horizon} | {name} | {schedule} | {setting[5]:g} | {setting[6]:g} | {count} | {bad} | {skipped} | "
                      f"{loss_text} | {train_text} | {fraction:.3f} | {step_ms:.2f} | {flops_text} |")
