@@ -31,7 +31,7 @@ through Triton's JIT costs several times an aten op's host time, see results/ker
 
     PYTHONPATH=src python3 benchmarks/eager_ops.py --path cpu --host-ms
     PYTHONPATH=src python3 benchmarks/eager_ops.py --path cuda --host-ms   # one path per process
-    PYTHONPATH=src python3 benchmarks/eager_ops.py --path cuda --ops dion3-f0.25   # the ops, by name
+    PYTHONPATH=src python3 benchmarks/eager_ops.py --path cuda --ops dion3-1/4   # the ops, by name
     PYTHONPATH=src python3 benchmarks/eager_ops.py --path cuda --run-kernels --tiny   # Dion3 too (its rows are read)
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ if "--path" in sys.argv and "cuda" in sys.argv:  # the interpreter must be chose
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-OPTIMIZERS = ("muon", "normuon", "dion3-f0.25")
+OPTIMIZERS = ("muon", "normuon", "dion3-1/4")
 # Ops that start no device work (allocations, host-side queries), and ops that wait for the device.
 HOST_ONLY = {"empty.memory_format", "empty_strided.default", "empty_like.default", "detach.default",
              "alias.default", "lift_fresh.default", "_unsafe_view.default", "promote_types.default", "result_type.Tensor",

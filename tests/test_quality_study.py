@@ -71,7 +71,7 @@ def test_cost_allocation_runs_beside_uniform_ones_with_fixed_fractions_only(stud
     args = ["--horizons", "100", "--seeds", "0", "--optimizers", "dion3", "--dion3-lr", "0.04", "--dion3-mu", "0.3"]
     runs = study.plan_runs(study.parse_args(args + ["--fraction-warmup", "0", "--fraction-allocation", "uniform,cost"]))
     assert [(r.fraction_allocation, r.label) for r in runs] == [
-        ("uniform", "dion3-f0.25 lr=0.04 mu=0.3 h=100 seed=0"), ("cost", "dion3-f0.25-cost lr=0.04 mu=0.3 h=100 seed=0")]
+        ("uniform", "dion3-1/4 lr=0.04 mu=0.3 h=100 seed=0"), ("cost", "dion3-1/4-cost lr=0.04 mu=0.3 h=100 seed=0")]
     assert runs[0].setting != runs[1].setting and runs[0].key != runs[1].key
     # a uniform eager float32 run's key is the hash of its settings without the allocation, compile
     # and momentum-dtype fields, as before those fields existed
@@ -84,7 +84,7 @@ def test_cost_allocation_runs_beside_uniform_ones_with_fixed_fractions_only(stud
     earlier = {k: v for k, v in json.loads(json.dumps(runs[1].__dict__)).items()
                if k not in ("cost_rule", "row_score", "fraction_weights")}
     old = study.Run(**earlier)
-    assert old.label == "dion3-f0.25-cost-flops lr=0.04 mu=0.3 h=100 seed=0"
+    assert old.label == "dion3-1/4-cost-flops lr=0.04 mu=0.3 h=100 seed=0"
     assert old.key == hashlib.sha1(json.dumps({k: v for k, v in earlier.items() if k not in ("compiled", "momentum_dtype")},
                                               sort_keys=True).encode()).hexdigest()[:16]
     assert old.key != runs[1].key and old.setting != runs[1].setting
@@ -199,9 +199,9 @@ def test_l2_row_scores_are_their_own_dion3_settings_and_l1_keeps_the_recorded_ke
     # Muon has no selection: it runs once; Dion3 once per score, l1 with the key of before
     assert [(r.optimizer, r.row_score) for r in both] == [("muon", "l1"), ("dion3", "l1"), ("dion3", "l2")]
     assert [r.key for r in both[:2]] == [r.key for r in plain]
-    assert both[2].key != both[1].key and both[2].setting != both[1].setting and both[2].label.startswith("dion3-f0.5-cost-l2 ")
+    assert both[2].key != both[1].key and both[2].setting != both[1].setting and both[2].label.startswith("dion3-1/2-cost-l2 ")
     rows = study.summary_table([{**_record(study, "dion3", 1.5, 0, 0.5), "config": json.loads(json.dumps(both[2].__dict__))}])
-    assert "| Dion3 f=0.5, rows by L2 | by cost |" in rows
+    assert "| Dion3, rows by L2 | 1/2 by cost |" in rows
     with pytest.raises(SystemExit, match="--row-score expects some of"):
         study.plan_runs(study.parse_args(args + ["--row-score", "l3"]))
     # a run recorded before the option (no row_score in its config) keeps its key
@@ -221,9 +221,9 @@ def test_fraction_weights_are_their_own_settings_and_reach_the_allocation(study)
     # one spelling per setting (parts in name order, weights as numbers), unweighted runs keep their keys
     assert [r.fraction_weights for r in runs] == [None, "mlp.=4", "attn.=3,q=2"]
     assert runs[0].key == plain[0].key and len({r.key for r in runs}) == 3
-    assert runs[1].label.startswith("dion3-f0.25-cost-weights[mlp.=4] ")
+    assert runs[1].label.startswith("dion3-1/4-cost-weights[mlp.=4] ")
     rows = study.summary_table([{**_record(study, "dion3", 1.5, 0, 0.25), "config": json.loads(json.dumps(runs[1].__dict__))}])
-    assert "| Dion3 f=0.25, rows weighted mlp.=4 | by cost |" in rows
+    assert "| Dion3, rows weighted mlp.=4 | 1/4 by cost |" in rows
     # the weights reach param_groups: on this model a weight on the MLP moves rows there
     config = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=64)
 
@@ -252,9 +252,9 @@ def test_summary_names_cost_allocation_and_averages_optimizer_flops(study):
         record["config"]["cost_rule"] = "time"
     flop_rule = _record(study, "dion3", 1.45, 0, 0.25, allocation="cost", tflop=5.0)  # a record from before the time rule
     cost, old, fixed = study.summary_table(records + [flop_rule]).splitlines()[2:]
-    assert "| Dion3 f=0.25 | by cost |" in cost and cost.endswith("| 2.5 |")
-    assert "| Dion3 f=0.25 | by cost (FLOP rule) |" in old and old.endswith("| 5 |")
-    assert "| Dion3 f=0.25 | fixed |" in fixed and fixed.endswith("| — |")  # one of its two records has no count
+    assert "| Dion3 | 1/4 by cost |" in cost and cost.endswith("| 2.5 |")
+    assert "| Dion3 | 1/4 by cost (FLOP rule) |" in old and old.endswith("| 5 |")
+    assert "| Dion3 | 1/4 on every matrix |" in fixed and fixed.endswith("| — |")  # one of its two records has no count
 
 
 def test_summary_is_mean_and_standard_deviation_over_seeds(study):
@@ -267,7 +267,9 @@ def test_summary_is_mean_and_standard_deviation_over_seeds(study):
     table = study.summary_table(records).splitlines()
     assert len(table) == 2 + 2
     dion3, normuon = table[2], table[3]  # best mean loss first
-    assert "| Dion3 f=0.25 | 1 → 0.25 over 100 steps |" in dion3 and "| 2 | 0 | 0 | 1.4200 ± 0.0283 | 1.2500 | 0.438 | 2.00 |" in dion3
+    # the rows' average fraction is the share of rows orthogonalized, not the budget (by cost they differ)
+    assert "| optimizer | fraction budget |" in table[0] and "| share of rows orthogonalized |" in table[0]
+    assert "| Dion3 | 1 → 1/4 over 100 steps |" in dion3 and "| 2 | 0 | 0 | 1.4200 ± 0.0283 | 1.2500 | 0.438 | 2.00 |" in dion3
     assert f"{statistics.stdev([1.5, 1.6, 1.7]):.4f}" == "0.1000"
     assert "| NorMuon | — |" in normuon and "| 3 | 0 | 0 | 1.6000 ± 0.1000 | — | 1.000 | 4.00 |" in normuon  # records without a train loss
 

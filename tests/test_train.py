@@ -351,21 +351,66 @@ def test_fraction_warmup_run_logs_its_average_fraction_and_step_times():
 
 def test_compare_run_spec_names_with_a_fraction_warmup():
     preset = compare.PRESETS["cpu-tiny"]
-    spec = compare.run_spec("dion3-f0.25-warm200", preset, {}, {})
-    assert (spec.algorithm, spec.fraction, spec.fraction_warmup) == ("dion3", 0.25, 200)
-    assert (spec.lr, spec.mu) == (preset.lrs["dion3-f0.25"], preset.mus["dion3-f0.25"])  # its fraction's values
-    spec = compare.run_spec("dion3-f0.25-warm50", preset, {"dion3-f0.25-warm50": 0.05}, {"dion3-f0.25": 0.6})
+    spec = compare.run_spec("dion3-1/4-warmup200", preset, {}, {})
+    assert (spec.label, spec.algorithm, spec.fraction, spec.fraction_warmup) == ("dion3-1/4-warmup200", "dion3", 0.25, 200)
+    assert (spec.lr, spec.mu) == (preset.lrs["dion3-1/4"], preset.mus["dion3-1/4"])  # its fraction's values
+    spec = compare.run_spec("dion3-1/4-warmup50", preset, {"dion3-1/4-warmup50": 0.05}, {"dion3-1/4": 0.6})
     assert (spec.lr, spec.mu, spec.fraction_warmup) == (0.05, 0.6, 50)
-    assert compare.run_spec("dion3-f0.25", preset, {}, {}).fraction_warmup == 0
-    for bad in ("dion3-f0.25-warm", "dion3-f0.25-warm0", "dion3-f0.25-warmx", "dion3-f2-warm10",
-                "dion3-f0.25-warm10-cost", "dion3-f-cost", "dion3-f0-cost"):
+    assert compare.run_spec("dion3-1/4", preset, {}, {}).fraction_warmup == 0
+    for bad in ("dion3-1/4-warmup", "dion3-1/4-warmup0", "dion3-1/4-warmupx", "dion3-2-warmup10",
+                "dion3-1/4-warmup10-cost", "dion3-cost", "dion3-0-cost", "dion3-f-cost", "dion3-f0-cost"):
         with pytest.raises(ValueError, match="--optimizers"):
             compare.run_spec(bad, preset, {}, {})
     # by cost: fixed per-shape fractions within f's modeled step time, with f's lr and μ unless named itself
-    spec = compare.run_spec("dion3-f0.25-cost", preset, {}, {"dion3-f0.25-cost": 0.6})
+    spec = compare.run_spec("dion3-1/4-cost", preset, {}, {"dion3-1/4-cost": 0.6})
     assert (spec.fraction, spec.fraction_allocation, spec.fraction_warmup) == (0.25, "cost", 0)
-    assert (spec.lr, spec.mu) == (preset.lrs["dion3-f0.25"], 0.6)
-    assert compare.run_spec("dion3-f0.25", preset, {}, {}).fraction_allocation == "uniform"
+    assert (spec.lr, spec.mu) == (preset.lrs["dion3-1/4"], 0.6)
+    assert compare.run_spec("dion3-1/4", preset, {}, {}).fraction_allocation == "uniform"
+
+
+def test_compare_reads_the_old_names_as_the_same_settings():
+    """Commands written before the one naming still run: dion3-f0.25, -warm200 and -cost name the
+    settings dion3-1/4, -warmup200 and -cost, with the same lr, μ, fraction and allocation."""
+    preset = compare.PRESETS["cpu-tiny"]
+    for old, new in (("dion3-f0.25", "dion3-1/4"), ("dion3-f0.5-cost", "dion3-1/2-cost"),
+                     ("dion3-f0.25-warm200", "dion3-1/4-warmup200"), ("dion3-0.25-cost", "dion3-1/4-cost"),
+                     ("dion3-f1/8", "dion3-1/8")):
+        assert compare.run_spec(old, preset, {}, {}) == compare.run_spec(new, preset, {}, {})
+        assert compare.run_spec(old, preset, {}, {}).label == new
+
+
+def test_compare_table_states_the_budget_and_each_matrix_fraction():
+    """A ¼-by-cost run once read "average fraction 0.312" (the rows' average of its per-shape
+    fractions) beside its name: the row now gives the budget as the name says it and the least and
+    greatest fraction a matrix held, which the allocation itself (param_groups, on the same model)
+    sets; a uniform fraction is one number, a warm-up spans 1 to its target, Muon every row."""
+    tokens = _periodic_text(3000)
+    corpus = data.TokenData(tokens[:2500], tokens[2500:], 256, "periodic")
+    schedule = Schedule(steps=2, batch_size=2, eval_every=2, eval_batches=1)
+    preset = compare.PRESETS["cpu-tiny"]
+    names = ("adamw", "muon", "dion3-1/4", "dion3-1/4-cost", "dion3-1/4-warmup1")
+    results = [train(compare.run_spec(name, preset, {}, {}), TINY, schedule, corpus, torch.device("cpu")) for name in names]
+    lines = compare.summary_table(results).splitlines()
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = {cells[0]: dict(zip(header, cells)) for cells in
+            ([cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:])}
+    assert list(rows) == list(names)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**{**TINY.__dict__, "vocab_size": padded_vocab(256)}))
+    allocated = [g["fraction"] for g in param_groups(model, lm_head=model.lm_head, fraction=0.25,
+                                                     fraction_allocation="cost") if g.get("algorithm") != "adamw"]
+    assert len(allocated) > 1 and min(allocated) < 0.25 < max(allocated)  # the shapes get different fractions
+    cost = rows["dion3-1/4-cost"]
+    assert cost["fraction budget"] == "1/4 by cost"
+    assert cost["fraction per matrix"] == f"{min(allocated):.3g}–{max(allocated):.3g}"
+    # the rows' average of those fractions, what the old column showed, is in the record, not the table
+    row_weighted = results[3].average_fraction
+    assert row_weighted > 0.25 and f"{row_weighted:.3f}" not in lines[5] and f"{row_weighted:.3g}" not in lines[5]
+    assert (rows["dion3-1/4"]["fraction budget"], rows["dion3-1/4"]["fraction per matrix"]) == ("1/4 on every matrix", "0.25")
+    warm = rows["dion3-1/4-warmup1"]
+    assert (warm["fraction budget"], warm["fraction per matrix"]) == ("1 → 1/4 over 1 step", "0.25–1")
+    assert (rows["muon"]["fraction budget"], rows["muon"]["fraction per matrix"]) == ("—", "1")
+    assert (rows["adamw"]["fraction budget"], rows["adamw"]["fraction per matrix"]) == ("—", "—")
 
 
 def test_schedule_warmup_and_cooldown():
@@ -469,7 +514,7 @@ def test_compare_command_writes_table_logs_and_plot(tmp_path, monkeypatch, capsy
         (corpus / f"f{i}.py").write_bytes(bytes(_periodic_text(700 + 13 * i).tolist()))
     tiny = compare.Preset(
         model=TINY, schedule=Schedule(steps=50, batch_size=4, eval_every=2, eval_batches=1),
-        lrs={"adamw": 0.01, "muon": 0.02, "normuon": 0.02, "dion3-f0.25": 0.04}, device="cpu",
+        lrs={"adamw": 0.01, "muon": 0.02, "normuon": 0.02, "dion3-1/4": 0.04}, device="cpu",
     )
     monkeypatch.setitem(compare.PRESETS, "test-micro", tiny)
     out = tmp_path / "out"
@@ -477,17 +522,19 @@ def test_compare_command_writes_table_logs_and_plot(tmp_path, monkeypatch, capsy
 
     code = cli_main([
         "compare", "--preset", "test-micro", "--steps", "3", "--data", str(corpus), "--out", str(out),
-        "--optimizers", "adamw,muon,dion3-f0.25,dion3-f0.5", "--lr", "muon=0.03", "--mu", "dion3-f0.25=0.6",
+        "--optimizers", "adamw,muon,dion3-1/4,dion3-f0.5", "--lr", "muon=0.03", "--mu", "dion3-f0.25=0.6",
     ])
     assert code == 0
     printed = capsys.readouterr()
-    for label in ("adamw", "muon", "dion3-f0.25", "dion3-f0.5"):
+    for label in ("adamw", "muon", "dion3-1/4", "dion3-1/2"):  # dion3-f0.5 is the old spelling of dion3-1/2
         assert f"| {label} |" in printed.out
+    assert "note: dion3-f0.5 is written dion3-1/2" in printed.err and "dion3-f0.5 |" not in printed.out
     assert "[muon] step     3/3" in printed.err  # plain progress lines when not a terminal
     summary = json.loads((out / "results.json").read_text())
     runs = {r["label"]: r for r in summary["runs"]}
-    assert runs["muon"]["lr"] == 0.03 and runs["dion3-f0.25"]["mu"] == 0.6 and runs["muon"]["mu"] is None
-    assert runs["dion3-f0.5"]["lr"] == pytest.approx(0.04 * math.sqrt(0.5))  # 1/√f rule from f=¼
+    # --mu dion3-f0.25=... names dion3-1/4 in the old spelling
+    assert runs["muon"]["lr"] == 0.03 and runs["dion3-1/4"]["mu"] == 0.6 and runs["muon"]["mu"] is None
+    assert runs["dion3-1/2"]["lr"] == pytest.approx(0.04 * math.sqrt(0.5))  # 1/√f rule from f=¼
     assert all(r["eval_steps"] == [0, 2, 3] for r in runs.values())
     # Same seed, same initial model and validation set: identical loss before training.
     assert len({r["val_losses"][0] for r in runs.values()}) == 1
@@ -496,7 +543,7 @@ def test_compare_command_writes_table_logs_and_plot(tmp_path, monkeypatch, capsy
     assert len(rows) == 4 * 3 and {r["optimizer"] for r in rows} == set(runs)
     assert (out / "val_loss.png").read_bytes()[:4] == b"\x89PNG" and summary["settings"]["loss_unit"] == "nats per byte"
     assert (out / "summary.md").read_text().startswith("| optimizer |")
-    assert "| average fraction |" in printed.out and "| 0.250 |" in printed.out
+    assert "| fraction budget | fraction per matrix |" in printed.out and "| 1/4 on every matrix | 0.25 |" in printed.out
 
 
 
@@ -539,7 +586,10 @@ def test_the_plot_shows_every_curve_whole_in_nats_and_tells_the_runs_apart(tmp_p
     assert plot.loss_unit(256) == "nats per byte" and plot.loss_unit(50257) == "nats per token"
     record = plot.Path(__file__).parents[1] / "benchmarks" / "results" / "compare-cpu-tiny-2026-12-04.json"
     loaded, settings = plot.load_results(record)
+    # the record names the settings as compare did then (dion3-f0.5-cost): read as they are named now
+    assert "dion3-f0.5-cost" in record.read_text() and "dion3-1/2-cost" not in record.read_text()
     assert [r.label for r in loaded] == list(compare.DEFAULT_OPTIMIZERS) and settings["preset"] == "cpu-tiny"
+    assert [r.fraction_allocation for r in loaded if r.algorithm == "dion3"] == ["cost", "cost"]
     assert plot.main([str(record), str(tmp_path / "replot.png")]) == 0
     assert (tmp_path / "replot.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -556,7 +606,7 @@ def test_compare_rejects_bad_options(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags, message", [
     (["--lr", "muon=-1"], "muon: parameter group 0: lr must be a finite number ≥ 0, got -1.0"),
-    (["--mu", "dion3-f0.25=1.5"], "dion3-f0.25: parameter group 0: mu must lie in [0.0, 1.0), got 1.5"),
+    (["--mu", "dion3-f0.25=1.5"], "dion3-1/4: parameter group 0: mu must lie in [0.0, 1.0), got 1.5"),
 ])
 def test_compare_refuses_a_bad_setting_before_any_run_trains(tmp_path, monkeypatch, capsys, flags, message):
     """The bad run is the last one: the check must come before the first run, not when its turn comes."""

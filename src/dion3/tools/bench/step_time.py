@@ -22,7 +22,6 @@ import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from fractions import Fraction
 from typing import Callable, Optional
 
 import torch
@@ -34,6 +33,7 @@ from . import step_cost as flops
 from .launches import launches_per_step
 from .report import Progress, format_table
 from .presets import PRESETS, Preset, get_preset, parse_shapes
+from ..setting_names import GRAMMAR, canonical_name, parse_dion3
 
 GRAPH_WARMUP = 3  # eager steps CapturedStep runs before capturing
 BASELINE = "muon"
@@ -67,35 +67,28 @@ DEFAULT_OPTIMIZERS = ("adamw,muon,muon-gram,normuon,dion3-1/2,dion3-1/4,dion3-1/
 
 
 def parse_variant(name: str) -> Variant:
-    """A named variant; dion3-F with F a fraction in (0, 1] such as 1/4 or 0.25; dion3-F-cost:
-    per-shape fractions within the modeled H200 step time of dion3-F; dion3-F-warmupN: the
-    fraction warmed up from 1 to F over N steps (FractionWarmup). Any orthogonal variant with
-    ":bf16" (e.g. dion3-1/4:bf16) keeps its momentum in bf16 (momentum_dtype="bfloat16")."""
+    """A named variant, or a Dion3 setting named as dion3.tools.setting_names spells it: dion3-F
+    with F a fraction in (0, 1] such as 1/4 or 0.25; dion3-F-cost: per-shape fractions within the
+    modeled H200 step time of dion3-F; dion3-F-warmupN: the fraction warmed up from 1 to F over N
+    steps (FractionWarmup). Any orthogonal variant with ":bf16" (e.g. dion3-1/4:bf16) keeps its
+    momentum in bf16 (momentum_dtype="bfloat16"). A Dion3 variant's name is the setting's one
+    spelling (dion3-0.25 and dion3-f0.25 become dion3-1/4)."""
     if name.endswith(":bf16") and name != ":bf16":
         base = parse_variant(name[: -len(":bf16")])
         if base.algorithm == "adamw":
             raise ValueError(f"--optimizers: {name!r}: AdamW has no momentum_dtype")
-        return dataclasses.replace(base, name=name, momentum_dtype="bfloat16")
+        return dataclasses.replace(base, name=base.name + ":bf16", momentum_dtype="bfloat16")
     if name in NAMED_VARIANTS:
         return NAMED_VARIANTS[name]
-    if name.startswith("dion3-"):
-        spec, allocation, warmup = name[len("dion3-"):], "uniform", None
-        if spec.endswith("-cost"):
-            spec, allocation = spec.removesuffix("-cost"), "cost"
-        elif "-warmup" in spec:
-            spec, _, steps = spec.partition("-warmup")
-            warmup = int(steps) if steps.isdigit() and int(steps) > 0 else -1
-        try:
-            fraction = float(Fraction(spec))
-        except (ValueError, ZeroDivisionError):
-            fraction = -1.0
-        if 0.0 < fraction <= 1.0 and warmup != -1:
-            return Variant(name, "dion3", fraction=fraction, allocation=allocation, warmup_steps=warmup)
-    raise ValueError(
-        f"--optimizers: unknown optimizer {name!r}; expected one of {sorted(NAMED_VARIANTS)}, "
-        "dion3-F with a fraction F in (0, 1], e.g. dion3-1/4, dion3-F-cost, e.g. dion3-1/4-cost, or "
-        "dion3-F-warmupN, e.g. dion3-1/4-warmup200, each also with :bf16 (bf16 momentum)"
-    )
+    try:
+        setting = parse_dion3(name)
+    except ValueError as error:
+        raise ValueError(f"--optimizers: unknown optimizer {name!r}: {error}") from None
+    if setting is None:
+        raise ValueError(f"--optimizers: unknown optimizer {name!r}; expected one of {sorted(NAMED_VARIANTS)} "
+                         f"or {GRAMMAR}, each also with :bf16 (bf16 momentum)")
+    return Variant(setting.name, "dion3", fraction=setting.fraction, allocation=setting.allocation,
+                   warmup_steps=setting.warmup_steps or None)
 
 
 # ------------------------------------------------------------------------ building a run
@@ -284,7 +277,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS,
                         help=f"comma list (default {DEFAULT_OPTIMIZERS}); dion3-F takes any fraction F in (0, 1], "
                         "dion3-F-cost (e.g. dion3-1/4-cost) fractions per matrix shape within dion3-F's modeled "
-                        "H200 step time (dion3.ortho.cost.modeled_seconds)")
+                        "H200 step time (dion3.ortho.cost.modeled_seconds), dion3-F-warmupN the fraction warmed up "
+                        "from 1 over N steps; `dion3 compare` names the same settings alike")
     parser.add_argument("--skip", default="", help="comma list of optimizers to leave out (e.g. adamw on llama-8b)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run (median reported; default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first, the first step included (default 5)")
@@ -301,8 +295,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     try:
         args.device = torch.device(args.device)
         args.source = parse_shapes(args.shapes) if args.shapes else get_preset(args.preset)
-        skip = {name.strip() for name in args.skip.split(",") if name.strip()}
-        args.variants = [parse_variant(n.strip()) for n in args.optimizers.split(",") if n.strip() and n.strip() not in skip]
+        skip = {canonical_name(name.strip()) for name in args.skip.split(",") if name.strip()}
+        given = [n.strip() for n in args.optimizers.split(",") if n.strip() and canonical_name(n.strip()) not in skip]
+        args.variants = [parse_variant(name) for name in given]
+        for name, variant in zip(given, args.variants):
+            if variant.name != name:  # another spelling of the setting: tables and records use its name
+                print(f"note: {name} is written {variant.name}", file=sys.stderr)
     except (ValueError, RuntimeError) as error:
         parser.error(str(error))
     if args.graph is None:

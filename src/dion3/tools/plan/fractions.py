@@ -13,6 +13,7 @@ import torch
 from ...optim.cost_fractions import cost_allocated_groups
 from ...optim.fraction_table import describe_fractions
 from ..bench.presets import MODELS, PRESETS, parse_shapes
+from ..setting_names import Dion3Setting, fraction_text, parse_fraction
 
 CHOICES = {**PRESETS, **MODELS}  # MODELS wins where both name one: every layer of the model
 ORTHOGONALIZERS = ("auto", "newton_schulz", "gram")
@@ -22,7 +23,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dion3 fractions", description=__doc__)
     p.add_argument("--preset", default="llama-8b", help=f"one of {sorted(CHOICES)} (default llama-8b)")
     p.add_argument("--shapes", help="custom matrices ROWSxCOLS[:COUNT],... instead of a preset")
-    p.add_argument("--fraction", type=float, default=0.25, help="the uniform fraction to allocate (default 0.25)")
+    p.add_argument("--fraction", default="1/4",
+                   help="the uniform fraction to allocate, written 1/4 or 0.25 (default 1/4: dion3-1/4-cost, as "
+                        "`dion3 compare` and `dion3 bench` name it)")
     p.add_argument("--orthogonalizer", default="auto", choices=ORTHOGONALIZERS,
                    help="the group's orthogonalizer, which the time model prices (default auto)")
     return p
@@ -44,8 +47,10 @@ def groups(matrices, fraction: float, orthogonalizer: str = "auto") -> list[dict
 def main(argv: Optional[list[str]] = None) -> int:
     args = parser().parse_args(argv)
     try:
-        if not 0 < args.fraction <= 1:
-            raise ValueError(f"--fraction must be in (0, 1], got {args.fraction}")
+        try:
+            fraction = parse_fraction(args.fraction)
+        except ValueError as error:
+            raise ValueError(f"--fraction: {error}") from None
         if args.shapes:
             preset = parse_shapes(args.shapes)
         elif args.preset in CHOICES:
@@ -55,10 +60,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as error:
         print(f"dion3 fractions: {error}", file=sys.stderr)
         return 2
-    print(f"{preset.name} ({preset.description}): Dion3 fractions by cost at {args.fraction:g} "
-          f"(param_groups(..., fraction={args.fraction:g}, fraction_allocation=\"cost\"), "
+    setting = Dion3Setting(fraction, "cost")
+    print(f"{preset.name} ({preset.description}): {setting.name}, fractions per matrix shape within the "
+          f"modeled H200 step time of {fraction_text(fraction)} on every matrix "
+          f"(param_groups(..., fraction={fraction!r}, fraction_allocation=\"cost\"), "
           f"orthogonalizer {args.orthogonalizer})\n")
-    print(describe_fractions(groups(preset.matrices, args.fraction, args.orthogonalizer), args.fraction))
+    print(describe_fractions(groups(preset.matrices, fraction, args.orthogonalizer), fraction))
     return 0
 
 

@@ -83,7 +83,7 @@ def run_study(runs: Sequence[Run], out: Path, jobs: int, devices: Sequence[str],
                     finished += 1
                     fraction = record["average_fraction"]
                     print(f"[{finished + failures}/{finished + failures + len(todo) + len(running)}] {run.label}: "
-                          f"val {record['final_val_loss']:.4f}, average fraction {fraction:.3f}, "
+                          f"val {record['final_val_loss']:.4f}, share of rows orthogonalized {fraction:.3f}, "
                           f"optimizer {record['optimizer_ms_median']:.2f} ms (median), {time.perf_counter() - begun:.0f} s", flush=True)
                 else:
                     failures += 1

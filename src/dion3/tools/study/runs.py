@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ...rules import ROW_SCORES
+from ..setting_names import Dion3Setting
 
 
 @dataclass(frozen=True)
@@ -103,10 +104,9 @@ class Run:
     def label(self) -> str:
         if self.optimizer != "dion3":
             name = self.optimizer
-        else:
-            cost = "" if self.fraction_allocation == "uniform" else "-cost" if self.cost_rule else "-cost-flops"
-            name = (f"dion3-f{self.fraction:g}" + cost
-                    + (f"-warm{self.fraction_warmup}" if self.fraction_warmup else "")
+        else:  # the setting as `dion3 compare` and `dion3 bench` name it, then what the study varies besides
+            name = Dion3Setting(self.fraction, self.fraction_allocation, self.fraction_warmup).name
+            name = (name + ("-flops" if self.fraction_allocation == "cost" and not self.cost_rule else "")
                     + (f"-{self.row_score}" if self.row_score != "l1" else "")
                     + (f"-weights[{self.fraction_weights}]" if self.fraction_weights else ""))
         if self.momentum_dtype:

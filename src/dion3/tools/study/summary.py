@@ -7,18 +7,18 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
+from ..setting_names import Dion3Setting
 from .launch import read_results
 from .runs import MODELS, Run, selection_label
 
 
 def _setting_label(setting: tuple) -> tuple[str, str]:
+    """(optimizer, fraction budget): the budget worded as `dion3 compare` words it ("1/4 by cost")."""
     _, _, optimizer, fraction, warmup, _, _, allocation, _, _, cost_rule, row_score, weights, _ = setting
     if optimizer != "dion3":
         return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[optimizer], "—"
-    name = f"Dion3 f={fraction:g}" + selection_label(row_score, weights)
-    if allocation == "cost":
-        return name, "by cost" if cost_rule else "by cost (FLOP rule)"
-    return name, (f"1 → {fraction:g} over {warmup} steps" if warmup else "fixed")
+    rule = " (FLOP rule)" if allocation == "cost" and not cost_rule else ""
+    return "Dion3" + selection_label(row_score, weights), Dion3Setting(fraction, allocation, warmup).budget + rule
 
 
 def summary_table(records: Sequence[dict]) -> str:
@@ -28,8 +28,8 @@ def summary_table(records: Sequence[dict]) -> str:
     for record in records:
         groups.setdefault(Run(**{**record["config"], "data": None}).setting, []).append(record)
     lines = [
-        "| model | horizon | optimizer | fraction schedule | lr | μ | seeds | non-finite | skipped updates | final val loss "
-        "| train loss, last 50 steps | average fraction | optimizer ms (median) | optimizer TFLOP / run |",
+        "| model | horizon | optimizer | fraction budget | lr | μ | seeds | non-finite | skipped updates | final val loss "
+        "| train loss, last 50 steps | share of rows orthogonalized | optimizer ms (median) | optimizer TFLOP / run |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []

@@ -11,9 +11,10 @@ clock on the CPU; medians over the timed steps of every round. --rounds repeats 
 settings, so slow drift of the device hits every setting alike. The optimizer steps eagerly, or
 also captured in a CUDA graph (CapturedStep) with --captured.
 
-Settings are named as the frontier names them: adamw, muon, normuon, dion3-F (F on every matrix)
-and dion3-F-cost (fractions by cost within F's modeled step time), e.g. dion3-1/2-cost. Their lr
-and μ are the study's bests; they do not change the time of a step.
+Settings are named as `dion3 bench` and `dion3 compare` name them (dion3.tools.setting_names):
+adamw, muon, normuon, dion3-F (F on every matrix) and dion3-F-cost (fractions by cost within F's
+modeled step time), e.g. dion3-1/2-cost; rows name each setting that way. Their lr and μ are
+the study's bests; they do not change the time of a step.
 """
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ class StepTimes:
 
 
 def run_spec(name: str) -> RunSpec:
-    """The study's RunSpec of a setting name (module docstring); Dion3's names are `dion3 bench`'s
-    (parse_variant), with fixed fractions and float32 momentum as the study runs them."""
+    """The study's RunSpec of a setting name (module docstring), labelled with the setting's one
+    spelling; Dion3's names are read as `dion3 bench` reads them (parse_variant), with fixed
+    fractions and float32 momentum as the study runs them."""
     if name in RATES and name != "dion3":
         family, fraction, allocation = name, None, "uniform"
     else:
@@ -63,7 +65,7 @@ def run_spec(name: str) -> RunSpec:
         if variant is None or variant.algorithm != "dion3" or variant.warmup_steps is not None or variant.momentum_dtype:
             raise SystemExit(f"train_step: unknown setting {name!r}; expected adamw, muon, normuon, dion3-F or "
                              "dion3-F-cost with F in (0, 1], e.g. dion3-1/4-cost")
-        family, fraction, allocation = "dion3", variant.fraction, variant.allocation
+        family, fraction, allocation, name = "dion3", variant.fraction, variant.allocation, variant.name
     lr, mu = RATES[family]
     return RunSpec(name, family, lr, fraction, mu, fraction_allocation=allocation)
 

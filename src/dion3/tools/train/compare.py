@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..setting_names import GRAMMAR, Dion3Setting, canonical_name, parse_dion3
 from .data import load_data
 from .model import GPT, GPTConfig
 from .plot import loss_unit, plot_validation
@@ -29,7 +30,7 @@ from .trainer import RunResult, RunSpec, Schedule, build_optimizer, resolve_devi
 # Dion3 at the README's two named settings, fractions by cost (on cpu-tiny's shapes ½ by cost puts ½
 # on every matrix; ¼ by cost ended 0.035 below ¼ on every matrix over three seeds,
 # benchmarks/results/compare-cpu-tiny-2026-12-04.md)
-DEFAULT_OPTIMIZERS = ("adamw", "muon", "normuon", "dion3-f0.5-cost", "dion3-f0.25-cost")
+DEFAULT_OPTIMIZERS = ("adamw", "muon", "normuon", "dion3-1/2-cost", "dion3-1/4-cost")
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,8 @@ PRESETS: dict[str, Preset] = {
         # keep the five runs inside 10 minutes on 2 cores.
         model=GPTConfig(seq_len=128, n_layer=2, n_head=4, d_model=256),
         schedule=Schedule(steps=200, batch_size=16, eval_every=25, eval_batches=8, warmup_steps=10),
-        lrs={"adamw": 0.004, "muon": 0.02, "normuon": 0.02, "dion3-f0.5": 0.042, "dion3-f0.25": 0.08},
-        mus={"muon": 0.6, "normuon": 0.6, "dion3-f0.5": 0.3, "dion3-f0.25": 0.3},
+        lrs={"adamw": 0.004, "muon": 0.02, "normuon": 0.02, "dion3-1/2": 0.042, "dion3-1/4": 0.08},
+        mus={"muon": 0.6, "normuon": 0.6, "dion3-1/2": 0.3, "dion3-1/4": 0.3},
         device="cpu",
         # One thread: these small matrices gain little from a second one, and on a busy machine
         # (CI runners, shared hosts) OpenMP threads waiting on each other cost several times more.
@@ -63,8 +64,8 @@ PRESETS: dict[str, Preset] = {
         model=GPTConfig(seq_len=1024, n_layer=8, n_head=8, d_model=512),
         schedule=Schedule(steps=1500, batch_size=16, eval_every=100, eval_batches=16, warmup_steps=50),
         # Not tuned on a GPU yet: cpu-tiny's values, with a lower AdamW lr for the wider model.
-        lrs={"adamw": 0.003, "muon": 0.02, "normuon": 0.02, "dion3-f0.5": 0.042, "dion3-f0.25": 0.06},
-        mus={"muon": 0.6, "normuon": 0.6, "dion3-f0.5": 0.3, "dion3-f0.25": 0.3},
+        lrs={"adamw": 0.003, "muon": 0.02, "normuon": 0.02, "dion3-1/2": 0.042, "dion3-1/4": 0.06},
+        mus={"muon": 0.6, "normuon": 0.6, "dion3-1/2": 0.3, "dion3-1/4": 0.3},
         device="cuda",
         bf16=True,
     ),
@@ -72,52 +73,43 @@ PRESETS: dict[str, Preset] = {
 
 
 def run_spec(name: str, preset: Preset, lr_overrides: dict, mu_overrides: dict) -> RunSpec:
-    """"adamw", "muon", "normuon", "dion3-f<fraction>", "dion3-f<fraction>-warm<steps>" (the
-    fraction warmed up linearly from 1 over the first <steps> steps) or "dion3-f<fraction>-cost"
-    (fixed fractions per matrix shape within <fraction>'s modeled H200 step time,
-    param_groups' fraction_allocation="cost"). A Dion3 run without its own
-    lr/momentum takes those of its fraction without warm-up, else the f=¼ lr scaled by the 1/√f
-    rule of thumb (and the f=¼ momentum)."""
+    """"adamw", "muon", "normuon", or a Dion3 setting as dion3.tools.setting_names spells it (as
+    `dion3 bench` does): "dion3-F" (F on every matrix, e.g. dion3-1/4), "dion3-F-warmupN" (the
+    fraction warmed up linearly from 1 over the first N steps) or "dion3-F-cost" (fixed fractions
+    per matrix shape within F's modeled H200 step time, param_groups' fraction_allocation="cost");
+    the old spellings dion3-f0.25, dion3-f0.25-warm200 and dion3-f0.25-cost are read too. The run
+    is labelled with the setting's one spelling. A Dion3 run without its own lr/momentum takes
+    those of its fraction on every matrix, else the f=¼ lr scaled by the 1/√f rule of thumb (and
+    the f=¼ momentum). The overrides are keyed by that spelling too (_overrides)."""
     lrs, mus = {**preset.lrs, **lr_overrides}, {**preset.mus, **mu_overrides}
     if name in ("adamw", "muon", "normuon"):
         return RunSpec(name, name, lrs[name], mu=mus.get(name))
-    if name.startswith("dion3-f"):
-        rest = name[len("dion3-f"):]
-        allocation = "cost" if rest.endswith("-cost") else "uniform"
-        fraction_text, _, warmup_text = rest.removesuffix("-cost").partition("-warm")
-        try:
-            fraction = float(fraction_text)
-        except ValueError:
-            fraction = math.nan
-        if not 0.0 < fraction <= 1.0:
-            raise ValueError(f"--optimizers: {name!r} needs a fraction in (0, 1], e.g. dion3-f0.25")
-        warmup = 0
-        if warmup_text or name.endswith("-warm"):
-            if not warmup_text.isdigit() or int(warmup_text) < 1:
-                raise ValueError(f"--optimizers: {name!r} needs a positive number of warm-up steps, e.g. dion3-f0.25-warm200")
-            warmup = int(warmup_text)
-        if warmup and allocation == "cost":  # a warm-up sets one fraction on every group
-            raise ValueError(f"--optimizers: {name!r}: fractions by cost are fixed, they take no -warm<steps>")
-        base = f"dion3-f{fraction_text}"
-        lr = lrs.get(name, lrs.get(base, preset.lrs["dion3-f0.25"] * math.sqrt(0.25 / fraction)))
-        mu = mus.get(name, mus.get(base, preset.mus.get("dion3-f0.25")))
-        return RunSpec(name, "dion3", lr, fraction, mu, warmup, allocation)
-    raise ValueError(f"--optimizers: unknown optimizer {name!r}; use adamw, muon, normuon, dion3-f<fraction>, "
-                     "dion3-f<fraction>-warm<steps> or dion3-f<fraction>-cost")
+    try:
+        setting = parse_dion3(name)
+    except ValueError as error:
+        raise ValueError(f"--optimizers: {name!r}: {error}") from None
+    if setting is None:
+        raise ValueError(f"--optimizers: unknown optimizer {name!r}; use adamw, muon, normuon or {GRAMMAR}")
+    label, base = setting.name, Dion3Setting(setting.fraction).name
+    quarter = Dion3Setting(0.25).name
+    lr = lrs.get(label, lrs.get(base, preset.lrs[quarter] * math.sqrt(0.25 / setting.fraction)))
+    mu = mus.get(label, mus.get(base, preset.mus.get(quarter)))
+    return RunSpec(label, "dion3", lr, setting.fraction, mu, setting.warmup_steps, setting.allocation)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dion3 compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="cpu-tiny", choices=sorted(PRESETS), help="model size, steps, lrs (default cpu-tiny)")
     parser.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
-                        help="comma-separated; dion3-f<f>-warm<steps> warms the fraction up from 1, dion3-f<f>-cost "
-                             "sets fractions per matrix shape within f's modeled H200 step time "
-                             "(dion3.ortho.cost.modeled_seconds) (default: %(default)s)")
+                        help="comma-separated; dion3-F (F on every matrix, e.g. dion3-1/4), dion3-F-warmupN warms "
+                             "the fraction up from 1 over N steps, dion3-F-cost sets fractions per matrix shape "
+                             "within F's modeled H200 step time (dion3.ortho.cost.modeled_seconds); `dion3 bench` "
+                             "names the same settings alike (default: %(default)s)")
     parser.add_argument("--steps", type=int, help="training steps per optimizer (preset default otherwise)")
     parser.add_argument("--batch-size", type=int, help="sequences per step")
     parser.add_argument("--eval-every", type=int, help="steps between validation evaluations")
     parser.add_argument("--lr", action="append", default=[], metavar="NAME=LR", help="override one optimizer's matrix lr, e.g. --lr muon=0.03")
-    parser.add_argument("--mu", action="append", default=[], metavar="NAME=MU", help="override one optimizer's momentum, e.g. --mu dion3-f0.25=0.8")
+    parser.add_argument("--mu", action="append", default=[], metavar="NAME=MU", help="override one optimizer's momentum, e.g. --mu dion3-1/4=0.8")
     parser.add_argument("--data", nargs="+", metavar="PATH", help="text files/directories or .bin token shards (default: the Python standard library)")
     parser.add_argument("--out", type=Path, help="output directory (default: compare-<preset>)")
     parser.add_argument("--device", help="auto, cpu or cuda[:N] (preset default otherwise)")
@@ -135,16 +127,18 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 
 def _overrides(flag: str, items: Sequence[str], names: Sequence[str]) -> dict[str, float]:
-    """NAME=VALUE pairs of a repeatable option, for optimizers that are being run."""
+    """NAME=VALUE pairs of a repeatable option, for optimizers that are being run (`names`, each
+    spelled as its run is labelled); a Dion3 NAME in another spelling means the same setting."""
     overrides = {}
     for item in items:
-        name, _, value = item.partition("=")
+        given, _, value = item.partition("=")
+        name = canonical_name(given)
         try:
             overrides[name] = float(value)
         except ValueError:
             raise ValueError(f"{flag}: expected NAME=VALUE (e.g. muon=0.02), got {item!r}") from None
         if name not in names:
-            raise ValueError(f"{flag}: {name!r} is not among the optimizers being run ({', '.join(names)})")
+            raise ValueError(f"{flag}: {given!r} is not among the optimizers being run ({', '.join(names)})")
     return overrides
 
 
@@ -186,15 +180,31 @@ class Progress:
             self.bar.close()
 
 
+def fraction_cells(result: RunResult) -> tuple[str, str]:
+    """(fraction budget, fraction per matrix) of a run, for the table: the setting's fraction and how
+    it is spent ("1/4 by cost", as its name dion3-1/4-cost says), and the least and greatest
+    fraction any matrix held at any step ("0.188–0.5"). Muon and NorMuon orthogonalize every row
+    (1); AdamW none."""
+    if result.algorithm != "dion3":
+        return "—", "1" if result.algorithm in ("muon", "normuon") else "—"
+    budget = Dion3Setting(result.fraction, result.fraction_allocation, result.fraction_warmup).budget
+    if result.fraction_range is None:  # a record from before the range was kept
+        return budget, "—"
+    low, high = (f"{value:.3g}" for value in result.fraction_range)
+    return budget, low if low == high else f"{low}–{high}"
+
+
 def summary_table(results: Sequence[RunResult]) -> str:
     lines = [
-        "| optimizer | matrix lr | momentum | average fraction | final val loss | optimizer ms/step | total ms/step | tokens/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| optimizer | matrix lr | momentum | fraction budget | fraction per matrix | final val loss | optimizer ms/step "
+        "| total ms/step | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        fraction = "—" if r.average_fraction is None else f"{r.average_fraction:.3f}"
+        budget, per_matrix = fraction_cells(r)
         lines.append(
-            f"| {r.label} | {r.lr:g} | {'—' if r.mu is None else f'{r.mu:g}'} | {fraction} | {r.final_val_loss:.4f} | {r.optimizer_ms:.2f} | {r.total_ms:.1f} | {r.tokens_per_second:,.0f} |"
+            f"| {r.label} | {r.lr:g} | {'—' if r.mu is None else f'{r.mu:g}'} | {budget} | {per_matrix} | "
+            f"{r.final_val_loss:.4f} | {r.optimizer_ms:.2f} | {r.total_ms:.1f} | {r.tokens_per_second:,.0f} |"
         )
     return "\n".join(lines)
 
@@ -225,7 +235,11 @@ def _compare(args: argparse.Namespace) -> int:
     threads = args.threads or preset.threads
     if threads:
         torch.set_num_threads(threads)
-    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    given = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    names = [canonical_name(name) for name in given]
+    for old, name in zip(given, names):
+        if old != name:  # another spelling of the setting: the table, logs and plot use its name
+            print(f"note: {old} is written {name}", file=sys.stderr)
     lrs, mus = _overrides("--lr", args.lr, names), _overrides("--mu", args.mu, names)
     specs = [run_spec(name, preset, lrs, mus) for name in names]
     changes = {k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("eval_every", args.eval_every)) if v}

@@ -20,6 +20,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ..setting_names import parse_dion3
 from .data import BYTE_VOCAB
 from .trainer import RunResult
 
@@ -111,10 +112,22 @@ def plot_validation(results: Sequence[RunResult], path: Path, title: str, unit: 
 
 
 def load_results(path: Path) -> tuple[list[RunResult], dict]:
-    """The runs and settings of a `dion3 compare` results.json (fields a record lacks keep their defaults)."""
+    """The runs and settings of a `dion3 compare` results.json (fields a record lacks keep their
+    defaults). Runs are labelled as `dion3 compare` names their settings now: a record from before
+    (dion3-f0.25-cost) reads as dion3-1/4-cost, and its allocation comes from that name."""
     record = json.loads(Path(path).read_text())
     names = {f.name for f in dataclasses.fields(RunResult)}
-    runs = [RunResult(**{k: v for k, v in run.items() if k in names}) for run in record["runs"]]
+    runs = []
+    for run in record["runs"]:
+        fields = {k: v for k, v in run.items() if k in names}
+        try:
+            setting = parse_dion3(fields["label"]) if fields.get("algorithm") == "dion3" else None
+        except ValueError:  # a label that names no setting stays as it is
+            setting = None
+        if setting is not None:
+            fields.setdefault("fraction_allocation", setting.allocation)
+            fields["label"] = setting.name
+        runs.append(RunResult(**fields))
     return runs, record.get("settings", {})
 
 

@@ -81,6 +81,10 @@ class RunResult:
     optimizer_ms: float = math.nan  # mean optimizer step time after warm-up
     optimizer_ms_median: float = math.nan  # median of the same steps
     average_fraction: Optional[float] = None  # Dion3: the fraction averaged over the steps (and rows, see train)
+    fraction_allocation: str = "uniform"  # Dion3: RunSpec.fraction_allocation
+    # Dion3: (least, greatest) fraction of any matrix group at any step; by cost the per-shape
+    # fractions spread around the budget `fraction`, which average_fraction (weighted by rows) need not equal
+    fraction_range: Optional[tuple[float, float]] = None
     optimizer_flops: float = 0.0  # executed orthogonalization FLOPs of all steps (fractions.step_orthogonalize_flops)
     total_ms: float = math.nan  # mean forward + backward + optimizer time after warm-up
     tokens_per_step: int = 0
@@ -235,7 +239,9 @@ def train(
         batches = train_batches(data.train, schedule.batch_size, config.seq_len, seed)
     validation = val_batches(data.val, schedule.batch_size, config.seq_len, schedule.eval_batches)
     result = RunResult(spec.label, spec.algorithm, spec.lr, spec.fraction, spec.mu, spec.fraction_warmup,
-                       tokens_per_step=schedule.batch_size * config.seq_len)
+                       tokens_per_step=schedule.batch_size * config.seq_len,
+                       fraction_allocation=spec.fraction_allocation)
+    held: set[float] = set()  # every fraction a Dion3 group held at a step
     clock = StepClock(device)
     elapsed = 0.0  # seconds of training so far, evaluations excluded
     # the skip counter after each step, copied on the device (no host sync): which steps skipped
@@ -266,6 +272,7 @@ def train(
             skip_counts[step].copy_(skipped)
         if selecting:
             fractions.append(sum(w * group["fraction"] for w, (group, _) in zip(weights, selecting)))
+            held.update(group["fraction"] for group, _ in selecting)
         now = tuple(group.get("fraction") for group in optimizer.param_groups)
         if now not in step_flops:
             step_flops[now] = step_orthogonalize_flops(optimizer.param_groups)
@@ -293,6 +300,7 @@ def train(
     result.nonfinite_parameters = sum(1 for p in model.parameters() if not bool(torch.isfinite(p).all()))
     if fractions:
         result.average_fraction = sum(fractions) / len(fractions)
+        result.fraction_range = (min(held), max(held))
     for kind, attribute in (("optimizer", "optimizer_ms"), ("total", "total_ms")):
         times = clock.milliseconds(kind)
         kept = times[TIMING_WARMUP:] if len(times) > 2 * TIMING_WARMUP else times
