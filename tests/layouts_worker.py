@@ -148,7 +148,7 @@ def uneven_scenarios(mesh, cases=UNEVEN) -> dict:
         weights = [(torch.randn(shape, generator=gen), placements) for _, shape, placements in cases]
         params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, pl, src_data_rank=None)) for w, pl in weights]
         ref = [torch.nn.Parameter(w.clone()) for w, _ in weights]
-        errors[name] = run_pair(params, ref, kind, **options)[0]
+        errors[name] = run_pair(params, ref, kind, stacked=True, **options)[0]  # 3-D cases: expert stacks
     return errors
 
 
@@ -301,7 +301,7 @@ def expert_scenarios(world: int) -> dict:
             params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, placements, src_data_rank=None))
                       for w in weights]
             ref = [torch.nn.Parameter(w.clone()) for w in weights]
-            error, sent, same_rows, _ = run_pair(params, ref, kind, **options)
+            error, sent, same_rows, _ = run_pair(params, ref, kind, stacked=True, **options)
             if layout == "ep_fsdp" and name == "dion3_local":
                 continue  # per-shard selection is its own rule once rows are split (recipe test)
             out["errors"][f"{layout}/{name}"] = error

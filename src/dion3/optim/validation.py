@@ -96,6 +96,7 @@ def validate_group(group: dict, index: int) -> None:
     check_range(where, "weight_decay", group["weight_decay"], 0.0, math.inf, high_open=True)
     check_range(where, "epsilon", group["epsilon"], 0.0, math.inf, low_open=True, high_open=True)
     check_flag(where, "flatten", group["flatten"])
+    check_flag(where, "stacked", group["stacked"])
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
@@ -124,6 +125,12 @@ def validate_group(group: dict, index: int) -> None:
     problem = blocks.option_error(num_heads, split_sizes)
     if problem is not None:
         raise ValueError(f"{where}: {problem}")
+    if group["flatten"] and group["stacked"]:
+        raise ValueError(
+            f"{where}: flatten=True (every parameter one matrix) and stacked=True (a 3-D parameter a stack of "
+            "matrices) contradict each other; put convolution kernels (flatten=True) and expert stacks "
+            "(stacked=True, flatten=False) in separate groups"
+        )
     for i, p in enumerate(group["params"]):
         label = param_label(group.get("param_names"), index, i, p)
         if not p.is_floating_point():
@@ -140,18 +147,25 @@ def validate_group(group: dict, index: int) -> None:
                     "flatten=True (its memory layout, e.g. channels_last, is not row-major); make it "
                     "contiguous (memory_format=torch.contiguous_format)"
                 )
-        elif p.dim() not in (2, 3):
-            hint = (
-                "put 1-D parameters (biases, norms) in an 'adamw' or 'lion' group"
-                if p.dim() < 2
-                else "pass flatten=True to treat it as a matrix (e.g. conv weights)"
-            )
-            raise ValueError(
-                f"{where}: parameter {label} is "
-                f"{p.dim()}-D, but algorithm {algorithm!r} needs 2-D matrices or 3-D batches of "
-                f"matrices; {hint}"
-            )
+        elif p.dim() == 3 and not group["stacked"]:
+            raise ValueError(f"{where}: parameter {label} {_ambiguous_3d(p.shape)}")
+        elif p.dim() < 2:
+            raise ValueError(f"{where}: parameter {label} is {p.dim()}-D, but algorithm {algorithm!r} orthogonalizes "
+                             "matrices; put 1-D parameters (biases, norms) in an 'adamw' or 'lion' group")
+        elif p.dim() > 3:
+            raise ValueError(f"{where}: parameter {label} is {p.dim()}-D; pass flatten=True to "
+                             f"train it as one {p.shape[0]}×{p.numel() // p.shape[0]} matrix (e.g. a conv weight)")
         _check_blocks(where, label, p, group["flatten"], num_heads, split_sizes)
+
+
+def _ambiguous_3d(shape) -> str:
+    """Why a 3-D parameter of a group with neither flatten nor stacked is refused: its shape does not
+    say whether it is a convolution kernel (out, in, k), one matrix, or E matrices [E, rows, cols]."""
+    first, rows, cols = shape
+    return ("is 3-D: a convolution kernel (out, in, k) or a stack of matrices [E, rows, cols]? "
+            f"Pass flatten=True for a convolution kernel, trained as one {first}×{rows * cols} matrix, or "
+            f"stacked=True for {first} matrices of {rows}×{cols} trained each on its own (expert weights); "
+            "dion3.param_groups(model) tells the two apart by their module")
 
 
 def _momentum_dtype_name(where: str, value) -> Optional[str]:
