@@ -4,7 +4,11 @@ The optimizer cannot tell an embedding table or an LM head from a hidden weight 
 orthogonalizing those hurts, so the split is done here from the model's structure:
 
 * hidden weight matrices (≥ 2-D, outside embeddings and the LM head) → the orthogonal algorithm of
-  the optimizer the groups are given to (Muon, NorMuon or Dion3), unless `algorithm` names one;
+  the optimizer the groups are given to (Muon, NorMuon or Dion3), unless `algorithm` names one.
+  A convolution's kernel (out, in, k...) is one out × in·k matrix (a group of its own with
+  flatten=True); any other 3-D parameter is a stack of matrices [E, rows, cols] (expert weights),
+  each orthogonalized on its own (stacked=True): the shape alone cannot tell the two apart, the
+  module can;
 * embeddings (`nn.Embedding` weights) → AdamW with `embed_lr`;
 * the LM head, which the caller must name → AdamW with `head_lr`;
 * everything else (norm gains, biases, other 0-/1-D parameters) → AdamW with `scalar_lr` and no
@@ -18,12 +22,17 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Union
 
+import torch
 from torch import nn
 
+from ..buckets import matrix_view
 from .validation import ALIASES, MATRIX_ALGORITHMS, SCALAR_ALGORITHMS
 from .cost_fractions import cost_allocated_groups
 
 FRACTION_ALLOCATIONS = ("uniform", "cost")  # param_groups(fraction_allocation=...)
+
+# Modules whose ≥ 3-D weights are convolution kernels (out, in, k...): one matrix each, flattened.
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 # AdamW learning rates for the non-matrix groups, tuned on the `cpu-tiny` preset of
 # `dion3 compare` (docs/training.md). The head gets a lower lr than the embedding: its gradient is
@@ -76,7 +85,10 @@ def param_groups(
         time; cost_allocated_fractions). Matrices of one shape need one weight.
     options: further settings of the matrix group (fraction, mu, weight_decay, ...).
 
-    Every trainable parameter lands in exactly one group; empty groups are left out.
+    Every trainable parameter lands in exactly one group; empty groups are left out. Convolution
+    kernels form a group of their own with flatten=True (unless `flatten` is among the options);
+    the matrix group holding other 3-D parameters gets stacked=True (docs/training.md,
+    "Convolutions and expert stacks").
     """
     if algorithm is not None:
         algorithm = ALIASES.get(algorithm, algorithm)
@@ -100,8 +112,14 @@ def param_groups(
                              f"dion2), got algorithm={algorithm!r}")
     head_ids = _head_parameter_ids(model, lm_head)
     embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    scalar_run = algorithm in SCALAR_ALGORITHMS  # AdamW/Lion on the matrices: any shape, no flattening
+    # kernels of convolutions (their parametrizations' tensors included); with flatten among the
+    # options every matrix is flattened already
+    conv_ids = set() if scalar_run or options.get("flatten") else {
+        id(p) for m in model.modules() if isinstance(m, CONVOLUTIONS) for p in m.parameters() if p.dim() >= 3}
 
-    buckets: dict[str, list[tuple[str, nn.Parameter]]] = {"matrix": [], "head": [], "embed": [], "scalar": []}
+    buckets: dict[str, list[tuple[str, nn.Parameter]]] = {
+        "matrix": [], "conv": [], "head": [], "embed": [], "scalar": []}
     for name, param in model.named_parameters():  # shared (tied) parameters are listed once, by their first name
         if not param.requires_grad:
             continue
@@ -109,6 +127,8 @@ def param_groups(
             kind = "head"
         elif id(param) in embed_ids:
             kind = "embed"
+        elif id(param) in conv_ids:
+            kind = "conv"
         elif param.dim() >= 2:
             kind = "matrix"
         else:
@@ -119,14 +139,20 @@ def param_groups(
         # the names go with the tensors: errors name the parameter (torch keeps "param_names")
         return dict(settings, params=[p for _, p in members], param_names=[n for n, _ in members])
 
-    matrix_group = group(buckets["matrix"], **options)
+    settings = dict(options)
+    if not scalar_run and (any(p.dim() == 3 for _, p in buckets["matrix"]) and not settings.get("flatten")
+          and "stacked" not in settings):
+        settings["stacked"] = True  # not a convolution's kernel: a stack of matrices (expert weights)
     if algorithm is not None:
-        matrix_group["algorithm"] = algorithm
+        settings["algorithm"] = algorithm
     if lr is not None:
-        matrix_group["lr"] = lr
-    matrix_groups = [matrix_group]
-    if fraction_allocation == "cost" and matrix_group["params"]:
-        matrix_groups = cost_allocated_groups(matrix_group, options["fraction"], weights=fraction_weights)
+        settings["lr"] = lr
+    conv_settings = {key: value for key, value in settings.items() if key != "stacked"}
+    conv_settings["flatten"] = True  # one out × in·k matrix per kernel
+    matrix_groups = [group(buckets["matrix"], **settings), group(buckets["conv"], **conv_settings)]
+    matrix_groups = [g for g in matrix_groups if g["params"]]
+    if fraction_allocation == "cost" and matrix_groups:
+        matrix_groups = _allocated_by_cost(matrix_groups, options["fraction"], fraction_weights)
     groups = [
         *matrix_groups,
         group(buckets["head"], algorithm=scalar_algorithm, lr=head_lr),
@@ -135,6 +161,31 @@ def param_groups(
         group(buckets["scalar"], algorithm=scalar_algorithm, lr=scalar_lr, weight_decay=0.0),
     ]
     return [g for g in groups if g["params"]]
+
+
+def _allocated_by_cost(groups: list[dict], fraction: float, weights: Optional[Mapping[str, float]]) -> list[dict]:
+    """The matrix groups (the flattened convolutions' beside the others) split by matrix shape,
+    with fractions by cost over all their matrices at once: one budget, and one fraction per shape
+    whichever group a matrix is in. Stand-ins on the meta device with each parameter's matrices
+    ([B, rows, cols], as the step views them) go through cost_allocated_groups."""
+    stand_ins, owners = [], []  # owners: (group index, parameter index) of each stand-in
+    for g, group in enumerate(groups):
+        for i, p in enumerate(group["params"]):
+            like = torch.empty(tuple(p.shape), device="meta")  # the global shape; no shard is read
+            stand_ins.append(matrix_view(like, bool(group.get("flatten", False))))
+            owners.append((g, i))
+    names = [name for group in groups for name in group["param_names"]]
+    slot = {id(s): n for n, s in enumerate(stand_ins)}
+    everything = dict(groups[0], params=stand_ins, param_names=names, flatten=False)
+    out = []
+    for part in cost_allocated_groups(everything, fraction, weights=weights):  # one part per shape
+        members = [owners[slot[id(s)]] for s in part["params"]]
+        for g, group in enumerate(groups):
+            mine = [i for owner, i in members if owner == g]
+            if mine:
+                out.append(dict(group, params=[group["params"][i] for i in mine],
+                                param_names=[group["param_names"][i] for i in mine], fraction=part["fraction"]))
+    return out
 
 
 def _head_parameter_ids(model: nn.Module, lm_head: Optional[Union[str, nn.Module, bool]]) -> set[int]:
