@@ -1,5 +1,5 @@
 """dion3.param_groups reads the model's modules: convolution kernels are one (out, in·k) matrix each,
-other 3-D parameters are stacks of matrices. Updates are checked against the
+other 3-D parameters are stacks of matrices, and a compiled model gives the plain model's groups. Updates are checked against the
 float64 reference (tests/reference.py) on the matrices each parameter is meant to be."""
 from __future__ import annotations
 
@@ -109,3 +109,36 @@ def test_a_convolution_shares_its_shapes_fraction_under_cost_allocation():
     groups = groups[0]
     (kernel_group,) = [g for g in groups if "mix.weight" in g["param_names"]]
     assert kernel_group["flatten"] is True and kernel_group["param_names"] == ["mix.weight"]
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.block = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.Conv1d(8, 8, 1))
+        self.lm_head = nn.Linear(8, 32, bias=False)
+
+
+# torch.compile imports torch._dynamo, which warns of torch.jit's deprecation on its own
+COMPILE_IMPORT = pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
+
+
+@COMPILE_IMPORT
+@pytest.mark.parametrize("options", [dict(), dict(fraction=0.25, fraction_allocation="cost"), dict(algorithm="adamw")])
+def test_a_compiled_model_gives_the_plain_models_groups(options):
+    model = TinyLM()
+    compiled = torch.compile(model)  # built, never run
+    assert any("_orig_mod." in name for name, _ in compiled.named_parameters())
+    expected = _named_groups(param_groups(model, lm_head="lm_head", **options))
+    assert _named_groups(param_groups(compiled, lm_head="lm_head", **options)) == expected
+    # a submodule compiled on its own, and the head named as the compiled model spells it
+    model.block = torch.compile(model.block)
+    assert _named_groups(param_groups(model, lm_head="lm_head", **options)) == expected
+    assert _named_groups(param_groups(compiled, lm_head="_orig_mod.lm_head", **options)) == expected
+
+
+@COMPILE_IMPORT
+def test_a_compiled_model_refuses_an_unnamed_head_by_its_plain_name():
+    with pytest.raises(ValueError, match=r"but 'lm_head' projects 8 features onto the 32-token vocabulary of "
+                                         r"embedding 'embed': name it \(lm_head='lm_head'\)"):
+        param_groups(torch.compile(TinyLM()))

@@ -16,7 +16,9 @@ orthogonalizing those hurts, so the split is done here from the model's structur
 
 The head is never guessed: a wrong guess would silently orthogonalize the output layer, so a
 model without `lm_head` named must not look as if it had one. Every group carries its
-parameters' names (`param_names`, kept by torch.optim): errors name the parameter.
+parameters' names (`param_names`, kept by torch.optim): errors name the parameter. A model
+compiled with torch.compile gives the names of the model it wraps (without `_orig_mod.`, as
+torch.distributed.checkpoint's FQNs), so its groups are those of the plain model.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ FRACTION_ALLOCATIONS = ("uniform", "cost")  # param_groups(fraction_allocation=.
 
 # Modules whose ≥ 3-D weights are convolution kernels (out, in, k...): one matrix each, flattened.
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+# The attribute under which torch.compile's wrapper (OptimizedModule) holds the compiled module.
+COMPILE_WRAPPER = "_orig_mod"
 
 # AdamW learning rates for the non-matrix groups, tuned on the `cpu-tiny` preset of
 # `dion3 compare` (docs/training.md). The head gets a lower lr than the embedding: its gradient is
@@ -133,7 +137,7 @@ def param_groups(
             kind = "matrix"
         else:
             kind = "scalar"
-        buckets[kind].append((name, param))
+        buckets[kind].append((plain_name(name), param))
 
     def group(members, **settings) -> dict:
         # the names go with the tensors: errors name the parameter (torch keeps "param_names")
@@ -161,6 +165,13 @@ def param_groups(
         group(buckets["scalar"], algorithm=scalar_algorithm, lr=scalar_lr, weight_decay=0.0),
     ]
     return [g for g in groups if g["params"]]
+
+
+def plain_name(name: str) -> str:
+    """A parameter's or module's name in the model that torch.compile wrapped: its wrapper
+    (OptimizedModule, at the root or at a compiled submodule) adds `_orig_mod.`, which
+    torch.distributed.checkpoint's FQNs leave out as well."""
+    return ".".join(part for part in name.split(".") if part != COMPILE_WRAPPER)
 
 
 def _allocated_by_cost(groups: list[dict], fraction: float, weights: Optional[Mapping[str, float]]) -> list[dict]:
@@ -198,12 +209,13 @@ def _head_parameter_ids(model: nn.Module, lm_head: Optional[Union[str, nn.Module
             raise ValueError("param_groups: the lm_head module given is not part of the model")
         params = list(lm_head.parameters())
     elif isinstance(lm_head, str):
-        modules = dict(model.named_modules())
-        named = dict(model.named_parameters())
-        if lm_head in modules and lm_head != "":
-            params = list(modules[lm_head].parameters())
-        elif lm_head in named:
-            params = [named[lm_head]]
+        modules = {plain_name(n): m for n, m in model.named_modules()}
+        named = {plain_name(n): p for n, p in model.named_parameters()}
+        key = plain_name(lm_head)
+        if key in modules and key != "":
+            params = list(modules[key].parameters())
+        elif key in named:
+            params = [named[key]]
         else:
             candidates = [n for n, m in modules.items() if isinstance(m, nn.Linear)][-3:]
             raise ValueError(
@@ -222,9 +234,9 @@ def _refuse_an_unnamed_head(model: nn.Module) -> None:
     """lm_head=None means the model has no LM head. A linear layer that projects onto the vocabulary
     of one of its embeddings (out_features = num_embeddings, untied) looks like one: refused by
     name rather than orthogonalized silently (lm_head=False keeps it a matrix on purpose)."""
-    vocabularies = {m.num_embeddings: n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    vocabularies = {m.num_embeddings: plain_name(n) for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    for name, module in model.named_modules():
+    for name, module in ((plain_name(n), m) for n, m in model.named_modules()):
         if (isinstance(module, nn.Linear) and module.out_features in vocabularies
                 and id(module.weight) not in embedded and module.out_features > module.in_features):
             raise ValueError(
