@@ -1,5 +1,6 @@
 """dion3.param_groups reads the model's modules: convolution kernels are one (out, in·k) matrix each,
-other 3-D parameters are stacks of matrices, and a compiled model gives the plain model's groups. Updates are checked against the
+other 3-D parameters are stacks of matrices, a compiled model gives the plain model's groups, and
+AdamW/Lion groups carry no setting of the orthogonal rules. Updates are checked against the
 float64 reference (tests/reference.py) on the matrices each parameter is meant to be."""
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from dion3 import Dion3, Muon, param_groups
+from dion3.optim.validation import MATRIX_SETTINGS
 from reference import ReferenceOptimizer
 
 
@@ -142,3 +144,28 @@ def test_a_compiled_model_refuses_an_unnamed_head_by_its_plain_name():
     with pytest.raises(ValueError, match=r"but 'lm_head' projects 8 features onto the 32-token vocabulary of "
                                          r"embedding 'embed': name it \(lm_head='lm_head'\)"):
         param_groups(torch.compile(TinyLM()))
+
+
+@pytest.mark.parametrize("algorithm", ["adamw", "lion"])
+def test_scalar_groups_carry_no_setting_of_the_orthogonal_rules(algorithm):
+    groups = param_groups(ConvAndExperts(), algorithm=algorithm, scalar_algorithm=algorithm, lr=0.01, fraction=0.25,
+                          mu=0.9, weight_decay=0.05, betas=(0.8, 0.9), momentum_dtype="bfloat16", flatten=False)
+    assert all(g["algorithm"] == algorithm for g in groups)
+    assert not [key for g in groups for key in g if key in MATRIX_SETTINGS]
+    (matrices,) = [g for g in groups if "conv1.weight" in g["param_names"]]  # every matrix, as it is
+    assert matrices["param_names"] == ["experts", "conv1.weight", "conv2.weight", "proj.weight"]
+    assert (matrices["lr"], matrices["weight_decay"], matrices["betas"]) == (0.01, 0.05, (0.8, 0.9))
+    Dion3(groups)
+
+
+def test_a_misspelled_option_still_reaches_a_scalar_group_and_is_refused():
+    with pytest.raises(ValueError, match=r"unknown key 'weight_decy' \(did you mean 'weight_decay'\?\)"):
+        Dion3(param_groups(ConvAndExperts(), algorithm="adamw", weight_decy=0.1))
+
+
+@pytest.mark.parametrize("cls", [Dion3, Muon])
+def test_matrix_settings_are_the_settings_scalar_groups_do_not_read(cls):
+    """MATRIX_SETTINGS (what param_groups leaves out of AdamW/Lion groups) are every setting of the
+    optimizers but the four that the AdamW and Lion steps read, and the algorithm."""
+    defaults = set(cls([torch.zeros(2, 2, requires_grad=True)]).defaults)
+    assert set(MATRIX_SETTINGS) == defaults - {"algorithm", "lr", "betas", "weight_decay", "epsilon"}

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..buckets import matrix_view
-from .validation import ALIASES, MATRIX_ALGORITHMS, SCALAR_ALGORITHMS
+from .validation import ALIASES, MATRIX_ALGORITHMS, MATRIX_SETTINGS, SCALAR_ALGORITHMS
 from .cost_fractions import cost_allocated_groups
 
 FRACTION_ALLOCATIONS = ("uniform", "cost")  # param_groups(fraction_allocation=...)
@@ -87,7 +87,9 @@ def param_groups(
         matrices whose names contain that part count their rows `weight` times when the budget
         is handed out (e.g. {"mlp": 2.0} moves rows to the MLP matrices within the same modeled
         time; cost_allocated_fractions). Matrices of one shape need one weight.
-    options: further settings of the matrix group (fraction, mu, weight_decay, ...).
+    options: further settings of the matrix group (fraction, mu, weight_decay, ...). Under
+        algorithm "adamw"/"lion" the settings only the orthogonal rules read (fraction, mu, flatten,
+        ...) are left out of the group: it does not carry a label it does not follow.
 
     Every trainable parameter lands in exactly one group; empty groups are left out. Convolution
     kernels form a group of their own with flatten=True (unless `flatten` is among the options);
@@ -144,7 +146,9 @@ def param_groups(
         return dict(settings, params=[p for _, p in members], param_names=[n for n, _ in members])
 
     settings = dict(options)
-    if not scalar_run and (any(p.dim() == 3 for _, p in buckets["matrix"]) and not settings.get("flatten")
+    if scalar_run:  # a label the group would not follow (fraction=0.25 on AdamW) is left out
+        settings = {key: value for key, value in options.items() if key not in MATRIX_SETTINGS}
+    elif (any(p.dim() == 3 for _, p in buckets["matrix"]) and not settings.get("flatten")
           and "stacked" not in settings):
         settings["stacked"] = True  # not a convolution's kernel: a stack of matrices (expert weights)
     if algorithm is not None:

@@ -26,6 +26,10 @@ SCOPES = ("local", "global")
 # a running optimizer's groups (a group copied from one holds them; dion3.tools.train reads
 # initial_lr). Any other key is refused by name: it would be kept and never read.
 GROUP_KEYS = ("params", "param_names", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
+# Settings that only the orthogonal rules (Dion3, Dion2, Muon, NorMuon) read; an AdamW or Lion
+# group reads lr, betas, weight_decay and epsilon of the optimizer's settings.
+MATRIX_SETTINGS = ("fraction", "mu", "muon_beta2", "nesterov", "adjust_lr", "flatten", "stacked", "orthogonalizer",
+                   "ns_coefficients", "selection_scope", "row_score", "num_heads", "split_sizes", "momentum_dtype")
 # torch.optim's names of settings that dion3 spells otherwise: suggested where difflib would not
 TORCH_NAMES = {"momentum": "mu", "eps": "epsilon"}
 
