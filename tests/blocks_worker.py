@@ -42,7 +42,7 @@ def fused_vs_separate(sizes, option: dict, settings: dict, without_grad=None) ->
     start = [torch.randn(s, generator=gen) for s in SHAPES]
     fused = [torch.nn.Parameter(t.clone()) for t in start]
     separate = [[torch.nn.Parameter(b.clone()) for b in blocks_of(t, sizes)] for t in start]
-    hyper = dict(lr=0.03, weight_decay=0.1, orthogonalizer="newton_schulz")
+    hyper = dict(lr=0.03, weight_decay=0.1, orthogonalizer="newton_schulz", stacked=True)
     ddp_opt = Dion3([dict(params=fused, **option, **settings)], distributed_mesh=dist.group.WORLD, **hyper)
     one_opt = Dion3([dict(params=[b for blocks in separate for b in blocks], **settings)], **hyper)
     for step in range(STEPS):

@@ -5,7 +5,7 @@ Layouts: torchtitan's recipe on a (dp=2, tp=2) mesh (parallelize_module with Col
 RowwiseParallel, then fully_shard on dp: column-parallel weights get (_StridedShard(0, sf=2),
 Shard(0)), row-parallel ones (Shard(0), Shard(1))); HSDP + TP on (replicate=2, shard=2, tp=2);
 expert stacks [E, out, in] sharded over an expert axis, alone or with their rows sharded over a
-dp axis. Gradients are full tensors drawn on every rank and cut by DTensor itself
+dp axis; convolution kernels through param_groups under FSDP2. Gradients are full tensors drawn on every rank and cut by DTensor itself
 (distribute_tensor with src_data_rank=None), so the distributed and the one-process optimizers
 see the same numbers. Rank 0 writes the results to a JSON file. Not a test module.
 """
@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import gloo
 from graph_standin import captured_region
-from dion3 import Dion3, Muon, NorMuon
+from dion3 import Dion3, Muon, NorMuon, param_groups
 from dion3.distributed import matrix_layout
 
 OPTIMIZERS = {"muon": Muon, "normuon": NorMuon, "dion3": Dion3}
@@ -148,7 +148,41 @@ def uneven_scenarios(mesh, cases=UNEVEN) -> dict:
         weights = [(torch.randn(shape, generator=gen), placements) for _, shape, placements in cases]
         params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, pl, src_data_rank=None)) for w, pl in weights]
         ref = [torch.nn.Parameter(w.clone()) for w, _ in weights]
-        errors[name] = run_pair(params, ref, kind, **options)[0]
+        errors[name] = run_pair(params, ref, kind, stacked=True, **options)[0]  # 3-D cases: expert stacks
+    return errors
+
+
+class Convolutions(torch.nn.Module):
+    """Kernels (6, 4, 3) and (5, 3, 2, 2): one 6 × 12 and one 5 × 12 matrix (5 rows: uneven over dp=2)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.conv1 = torch.nn.Conv1d(4, 6, 3, bias=False)
+        self.conv2 = torch.nn.Conv2d(3, 5, 2, bias=False)
+
+
+def conv_scenarios(mesh) -> dict:
+    """Convolution kernels through dion3.param_groups (their group flattens each to one matrix),
+    sharded by FSDP2 over dp, against one process; the one-process step of such a group is held
+    to the float64 reference of the flattened matrix in tests/test_param_groups.py."""
+    errors = {}
+    for name, kind, options in (("muon", "muon", {}), ("normuon", "normuon", {}),
+                                ("dion3_global", "dion3", {"selection_scope": "global", "fraction": 0.5})):
+        model, reference = Convolutions(), Convolutions()
+        fully_shard(model, mesh=mesh["dp"])
+        groups, reference_groups = param_groups(model), param_groups(reference)
+        if [g.get("flatten") for g in groups + reference_groups] != [True, True]:
+            raise AssertionError(f"param_groups did not flatten the kernels: {groups}")
+        opt = OPTIMIZERS[kind](groups, **SETTINGS, **options)
+        ref = OPTIMIZERS[kind](reference_groups, **SETTINGS, **options)
+        params, ref_params = list(model.parameters()), list(reference.parameters())
+        for step in range(STEPS):
+            for p, r, g in zip(params, ref_params, grads_for([tuple(r.shape) for r in ref_params], step)):
+                p.grad, r.grad = cut(g, p), g.clone()
+            opt.step()
+            ref.step()
+        errors[name] = max_relative_error([full(p) for p in params], [r.detach() for r in ref_params])
     return errors
 
 
@@ -301,7 +335,7 @@ def expert_scenarios(world: int) -> dict:
             params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, placements, src_data_rank=None))
                       for w in weights]
             ref = [torch.nn.Parameter(w.clone()) for w in weights]
-            error, sent, same_rows, _ = run_pair(params, ref, kind, **options)
+            error, sent, same_rows, _ = run_pair(params, ref, kind, stacked=True, **options)
             if layout == "ep_fsdp" and name == "dion3_local":
                 continue  # per-shard selection is its own rule once rows are split (recipe test)
             out["errors"][f"{layout}/{name}"] = error
@@ -474,6 +508,7 @@ def worker(rank: int, world: int, out_path: str, which: str) -> None:
             results = {"owners": owners_and_groups(mesh), "layouts": layout_checks(mesh), **recipe_scenarios(mesh)}
             results["errors"]["local_scope"] = local_scope_error(mesh)
             results["uneven"] = uneven_scenarios(mesh)
+            results["convolutions"] = conv_scenarios(mesh)
             results["traffic"] = traffic(mesh)
             results["experts"] = expert_scenarios(world)
             results["rejected"] = rejected_layouts(mesh)

@@ -29,7 +29,7 @@ from layouts_worker import Block, cut, full, grads_for, max_relative_error, reci
 
 STEPS = 3
 MOVED = 1e-5  # a change beyond weight decay larger than this: the row was selected (compare)
-SETTINGS = dict(lr=0.02, weight_decay=0.1, orthogonalizer="newton_schulz")
+SETTINGS = dict(lr=0.02, weight_decay=0.1, orthogonalizer="newton_schulz", stacked=True)  # 3-D: expert stacks
 ALGORITHMS = {
     "muon": {"algorithm": "muon"},
     "normuon": {"algorithm": "normuon"},

@@ -116,7 +116,8 @@ def _run_fused_and_separate(shapes, sizes, option, algorithm, extra, steps=4, fl
     gen = torch.Generator().manual_seed(11)
     fused = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     separate = [[torch.nn.Parameter(b.detach().clone()) for b in _split(p.detach(), sizes, flatten)] for p in fused]
-    settings = dict(algorithm=algorithm, flatten=flatten, adjust_lr=adjust_lr, **extra)
+    # without flatten, a 3-D parameter is a stack of matrices
+    settings = dict(algorithm=algorithm, flatten=flatten, stacked=not flatten, adjust_lr=adjust_lr, **extra)
     fused_opt = _make([dict(params=fused, **{option: option_value(option, sizes)}, **settings)])
     separate_opt = _make([dict(params=[b for blocks in separate for b in blocks], **settings)])
     for step in range(steps):
@@ -199,8 +200,8 @@ def test_heads_that_do_not_fold_share_a_bucket_with_folded_ones():
     plain = torch.nn.Parameter(torch.randn(2, 6, 4, generator=gen))
     fused = [strided, plain]
     separate = [[torch.nn.Parameter(b.detach().clone()) for b in p.detach().split(3, dim=-2)] for p in fused]
-    fused_opt = Dion3([dict(params=fused, num_heads=2)], fraction=0.5, lr=0.05)
-    separate_opt = Dion3([dict(params=[b for blocks in separate for b in blocks])], fraction=0.5, lr=0.05)
+    fused_opt = Dion3([dict(params=fused, num_heads=2)], fraction=0.5, lr=0.05, stacked=True)
+    separate_opt = Dion3([dict(params=[b for blocks in separate for b in blocks])], fraction=0.5, lr=0.05, stacked=True)
     assert len(fused_opt._buckets[0]) == 1 and fused_opt._buckets[0][0].pieces is not None
     for _ in range(3):
         for p, blocks in zip(fused, separate):
@@ -240,7 +241,8 @@ def test_state_dict_round_trip_of_a_per_block_group(option, value):
     grads = [[torch.randn(t.shape, generator=gen) for t in initial] for _ in range(5)]
 
     def build(params):
-        return Dion3([dict(params=params, **{option: value}), dict(params=[bias], algorithm="adamw")], fraction=0.3)
+        return Dion3([dict(params=params, **{option: value}), dict(params=[bias], algorithm="adamw")], fraction=0.3,
+                     stacked=True)
 
     bias = torch.nn.Parameter(torch.zeros(3))
     unbroken = [torch.nn.Parameter(t.clone()) for t in initial]
@@ -305,7 +307,7 @@ def test_block_split_step_matches_float64_reference(exact_orthogonalizer, algori
     params = [torch.nn.Parameter(torch.randn(12, 16, generator=gen)),
               torch.nn.Parameter(torch.randn(2, 12, 6, generator=gen))]
     hyper = dict(lr=0.05, mu=0.9, muon_beta2=0.9, weight_decay=0.1, fraction=0.3)
-    opt = Dion3([dict(params=params, split_sizes=sizes, algorithm=algorithm)], **hyper)
+    opt = Dion3([dict(params=params, split_sizes=sizes, algorithm=algorithm, stacked=True)], **hyper)
     ref = ReferenceOptimizer(params, algorithm, blocks=[sizes, sizes], **hyper)
     for _ in range(3):
         grads = [torch.randn(p.shape, generator=gen) for p in params]
@@ -329,8 +331,8 @@ def test_dion2_full_fraction_equals_muon_without_nesterov():
     dion2_params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     muon_params = [torch.nn.Parameter(p.detach().clone()) for p in dion2_params]
     hyper = dict(lr=0.03, mu=0.9, weight_decay=0.05)
-    dion2 = Dion3([dict(params=dion2_params, algorithm="dion2")], fraction=1.0, **hyper)
-    muon = Muon(muon_params, nesterov=False, **hyper)
+    dion2 = Dion3([dict(params=dion2_params, algorithm="dion2")], fraction=1.0, stacked=True, **hyper)
+    muon = Muon(muon_params, nesterov=False, stacked=True, **hyper)
     for _ in range(5):
         grads = [torch.randn(s, generator=gen) for s in shapes]
         for a, b, g in zip(dion2_params, muon_params, grads):
@@ -464,7 +466,7 @@ def test_captured_per_block_steps_equal_eager_on_cuda(algorithm, option, value):
     start = [torch.randn(s, generator=gen) for s in shapes]
     eager = [torch.nn.Parameter(t.to(device)) for t in start]
     graphed = [torch.nn.Parameter(t.to(device)) for t in start]
-    settings = dict(params=None, algorithm=algorithm, **{option: value})
+    settings = dict(params=None, algorithm=algorithm, stacked=True, **{option: value})
     opt_eager = Dion3([dict(settings, params=eager)], lr=0.02, fraction=0.25)
     opt_graph = Dion3([dict(settings, params=graphed)], lr=0.02, fraction=0.25)
     to_device_scalars(opt_eager, torch.device(device))

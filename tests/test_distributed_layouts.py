@@ -2,9 +2,9 @@
 
 (dp=2, tp=2) with torchtitan's recipe (4 ranks): layout indices against DTensor's full_tensor(),
 Muon / NorMuon / Dion3 against one process, Dion3 "local" against its own definition, traffic,
-expert stacks, rejected layouts and a DCP round trip across layouts. HSDP + TP on (replicate=2,
-shard=2, tp=2) (8 tiny ranks), plus rows over two axes with columns over the third, and columns
-split alone (uneven pieces, both meshes). Each group of ranks is spawned once per module.
+expert stacks, convolution kernels from param_groups, rejected layouts and a DCP round trip across
+layouts. HSDP + TP on (replicate=2, shard=2, tp=2) (8 tiny ranks), plus rows over two axes with
+columns over the third, and columns split alone (uneven pieces, both meshes). Each group of ranks is spawned once per module.
 """
 from __future__ import annotations
 
@@ -62,6 +62,14 @@ def test_dp_tp_matches_one_process(dp_tp, scenario):
 def test_uneven_and_empty_pieces_match_one_process(dp_tp, hsdp_tp, layout, scenario):
     uneven = {"dp_tp": dp_tp, "hsdp_tp": hsdp_tp}[layout]["uneven"]
     assert uneven[scenario] <= TOLERANCE, uneven[scenario]
+
+
+@pytest.mark.parametrize("scenario", ["muon", "normuon", "dion3_global"])
+def test_convolution_kernels_from_param_groups_under_fsdp2_match_one_process(dp_tp, scenario):
+    """Conv1d/Conv2d kernels in param_groups' flatten=True group, rows sharded by fully_shard (5 rows
+    over 2 ranks for one of them)."""
+    errors = dp_tp["convolutions"]
+    assert errors[scenario] <= TOLERANCE, errors
 
 
 @pytest.mark.parametrize("scenario", RECIPE)

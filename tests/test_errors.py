@@ -94,6 +94,12 @@ def sparse_gradient_in(algorithm):
 CASES = [
     ("one-d-in-matrix-group", lambda: Dion3([param(8)]), ValueError, "is 1-D"),
     ("four-d-without-flatten", lambda: Muon([param(2, 3, 4, 5)]), ValueError, "pass flatten=True"),
+    ("three-d-undeclared", lambda: Dion3([torch.nn.Conv1d(4, 8, 3).weight]), ValueError,
+     "is 3-D: a convolution kernel (out, in, k) or a stack of matrices [E, rows, cols]? Pass flatten=True for a "
+     "convolution kernel, trained as one 8×12 matrix, or stacked=True for 8 matrices of 4×3"),
+    ("flatten-and-stacked", lambda: Dion3([{"params": [param(3, 4, 5)], "stacked": True}], flatten=True), ValueError,
+     "flatten=True (every parameter one matrix) and stacked=True (a 3-D parameter a stack of matrices) contradict "
+     "each other"),
     ("flatten-channels-last", lambda: Muon([torch.nn.Parameter(torch.randn(8, 4, 3, 3).to(memory_format=torch.channels_last))], flatten=True),
      ValueError, "cannot be flattened to [rows, -1] in place"),
     ("integer-matrix", lambda: Dion3([torch.zeros(4, 4, dtype=torch.int64)]), ValueError, "has dtype torch.int64"),
@@ -156,6 +162,7 @@ CASES = [
      "epsilon must lie in (0.0, inf), got inf"),
     ("string-nesterov", lambda: Muon([param(4, 4)], nesterov="yes"), TypeError, "nesterov must be True or False, got str 'yes'"),
     ("string-flatten", lambda: Muon([param(8, 4, 3, 3)], flatten="no"), TypeError, "flatten must be True or False, got str 'no'"),
+    ("string-stacked", lambda: Muon([param(3, 4, 5)], stacked="no"), TypeError, "stacked must be True or False, got str 'no'"),
     ("string-check-finite", lambda: Dion3([param(4, 4)], check_finite="no"), TypeError,
      "check_finite must be True or False, got str 'no'"),
     ("betas-not-a-pair", lambda: Dion3([param(4, 4)], betas=(0.9,)), ValueError, "betas must be a pair"),
@@ -170,7 +177,8 @@ CASES = [
      "Dion2 has no Nesterov variant"),
     ("num-heads-not-dividing-rows", lambda: Muon([("attn.qkv", param(12, 8))], num_heads=5), ValueError,
      "parameter 'attn.qkv' has 12 rows, which num_heads=5 does not split into equal heads"),
-    ("num-heads-of-3d-batch", lambda: NorMuon([param(2, 12, 8)], num_heads=8), ValueError, "has 12 rows, which num_heads=8"),
+    ("num-heads-of-3d-batch", lambda: NorMuon([param(2, 12, 8)], num_heads=8, stacked=True), ValueError,
+     "has 12 rows, which num_heads=8"),
     ("split-sizes-wrong-sum", lambda: Dion3([("mlp.gate_up", param(12, 8))], split_sizes=(6, 4)), ValueError,
      "parameter 'mlp.gate_up' has 12 rows, but split_sizes=(6, 4) sum to 10"),
     ("split-sizes-flattened-rows", lambda: Muon([param(8, 3, 2, 2)], flatten=True, split_sizes=(4, 2)), ValueError,

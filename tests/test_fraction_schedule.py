@@ -15,7 +15,7 @@ from dion3.optim.graph import CapturedStep, to_device_scalars
 from graph_standin import CPUCapturedStep
 from reference import ReferenceOptimizer, selected_count
 
-SHAPES = [(16, 12), (16, 12), (20, 8), (2, 12, 10)]
+SHAPES = [(16, 12), (16, 12), (20, 8), (2, 12, 10)]  # a 3-D stack: stacked=True
 
 
 def make_params(shapes=SHAPES, dtype=torch.float32, device="cpu", seed=0):
@@ -71,8 +71,10 @@ def test_scheduled_fraction_equals_setting_it_by_hand():
     schedule = FractionWarmup(0.25, 4)
     scheduled, by_hand = make_params(), make_params()
     bias_a, bias_b = torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(5))
-    opt_a = Dion3([dict(params=scheduled), dict(params=[bias_a], algorithm="adamw", lr=0.01)], lr=0.05, weight_decay=0.0)
-    opt_b = Dion3([dict(params=by_hand), dict(params=[bias_b], algorithm="adamw", lr=0.01)], lr=0.05, weight_decay=0.0)
+    opt_a = Dion3([dict(params=scheduled, stacked=True), dict(params=[bias_a], algorithm="adamw", lr=0.01)], lr=0.05,
+                  weight_decay=0.0)
+    opt_b = Dion3([dict(params=by_hand, stacked=True), dict(params=[bias_b], algorithm="adamw", lr=0.01)], lr=0.05,
+                  weight_decay=0.0)
     scheduler = FractionScheduler(opt_a, schedule)
     assert scheduler.groups == [0]
     fractions = [1.0, 0.8125, 0.625, 0.4375, 0.25, 0.25]
@@ -132,7 +134,7 @@ def test_dion2_groups_are_scheduled_and_their_rows_follow_k():
 
 def test_fraction_outside_range_raises_naming_the_group():
     params = make_params()
-    opt = Dion3([dict(params=[torch.nn.Parameter(torch.ones(3))], algorithm="adamw"), dict(params=params)])
+    opt = Dion3([dict(params=[torch.nn.Parameter(torch.ones(3))], algorithm="adamw"), dict(params=params, stacked=True)])
     with pytest.raises(ValueError, match=r"parameter group 1 \(fraction schedule at step 0\): fraction must lie in \(0.0, 1.0\], got 1.5"):
         FractionScheduler(opt, lambda step: 1.5)
     scheduler = FractionScheduler(opt, lambda step: 0.5 if step < 2 else 0.0)
@@ -173,7 +175,7 @@ def test_groups_of_different_fractions_are_scheduled_only_when_named():
 
 
 def _build(params):
-    opt = Dion3(params, lr=0.05, mu=0.6, weight_decay=0.1)
+    opt = Dion3(params, lr=0.05, mu=0.6, weight_decay=0.1, stacked=True)
     return opt, FractionScheduler(opt, FractionWarmup(0.25, 6))
 
 
@@ -336,7 +338,7 @@ def test_captured_step_of_a_torch_optimizer_has_one_selection():
 
 def test_captured_step_argument_checks():
     with pytest.raises(ValueError, match="max_graphs"):
-        CapturedStep(Dion3(make_params()), max_graphs=0)
+        CapturedStep(Dion3(make_params(), stacked=True), max_graphs=0)
 
 
 # ------------------------------------------------------------------------- distributed (gloo)
@@ -361,8 +363,8 @@ def test_captured_schedule_equals_eager_on_cuda():
     device = "cuda"
     shapes = [(256, 128)] * 3 + [(128, 384), (4, 64, 96)]
     eager, graph = make_params(shapes, device=device), make_params(shapes, device=device)
-    opt_eager = Dion3(eager, lr=0.02, mu=0.6, weight_decay=0.1)
-    opt_graph = Dion3(graph, lr=0.02, mu=0.6, weight_decay=0.1)
+    opt_eager = Dion3(eager, lr=0.02, mu=0.6, weight_decay=0.1, stacked=True)
+    opt_graph = Dion3(graph, lr=0.02, mu=0.6, weight_decay=0.1, stacked=True)
     to_device_scalars(opt_eager, torch.device(device))
     step = CapturedStep(opt_graph, warmup_steps=2, max_graphs=2)
     warmup = FractionWarmup(0.25, 24, levels=4)

@@ -16,7 +16,7 @@ def _model_and_groups(device="cpu", seed=0):
 
 
 def _groups(weights, bias):
-    return [dict(params=weights), dict(params=[bias], algorithm="adamw", lr=1e-2)]
+    return [dict(params=weights, stacked=True), dict(params=[bias], algorithm="adamw", lr=1e-2)]  # (3, 5, 7): a stack
 
 
 def _fill_grads(params, step, device):

@@ -67,7 +67,7 @@ def synthetic_grads(steps, seed=3):
 def build(factory, options, check_finite=False):
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(s)) for s in SHAPES] + [nn.Parameter(torch.randn(5))]
-    groups = [{"params": params[:-1]}, {"params": params[-1:], "algorithm": "adamw"}]
+    groups = [{"params": params[:-1], "stacked": True}, {"params": params[-1:], "algorithm": "adamw"}]
     return params, factory(groups, check_finite=check_finite, **options)
 
 

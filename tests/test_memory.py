@@ -68,7 +68,7 @@ def test_state_bytes_match_the_formula(algorithm, factory):
     shapes = [((64, 32), torch.float32), ((64, 32), torch.float32), ((3, 16, 48), torch.bfloat16), ((40, 8), torch.float16)]
     params = [torch.nn.Parameter(torch.randn(s).to(d)) for s, d in shapes]
     bias = torch.nn.Parameter(torch.randn(32))
-    opt = factory([{"params": params}, {"params": [bias], "algorithm": "adamw"}])
+    opt = factory([{"params": params, "stacked": True}, {"params": [bias], "algorithm": "adamw"}])
     expected = sum(matrix_state_bytes(s, d, algorithm) for s, d in shapes)
     expected += 2 * bias.numel() * FP32 + FP32  # AdamW: two moments and a float32 step counter
     assert state_storage_bytes(opt) == expected
@@ -80,7 +80,7 @@ def test_state_bytes_match_the_formula(algorithm, factory):
 def peak_step_bytes(factory, shape, count, dtype, **options) -> int:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape).to(dtype)) for _ in range(count)]
-    opt = factory(params, **options)
+    opt = factory(params, stacked=True, **options)  # a 3-D shape is a stack of matrices
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()  # anything created lazily on the first step is not step memory

@@ -16,7 +16,9 @@ from dion3 import Dion3, Muon, NorMuon, rules
 sys.path.insert(0, str(Path(__file__).parent))
 from graph_standin import CPUCapturedStep  # noqa: E402
 
-KINDS = {"dion3": (Dion3, dict(fraction=0.5)), "muon": (Muon, {}), "normuon": (NorMuon, {})}
+# (2, 6, 10) among the parameters: a stack of two matrices
+KINDS = {"dion3": (Dion3, dict(fraction=0.5, stacked=True)), "muon": (Muon, dict(stacked=True)),
+         "normuon": (NorMuon, dict(stacked=True))}
 
 
 def _params(dtype=torch.float32):

@@ -28,8 +28,8 @@ def test_dion3_full_fraction_equals_normuon_without_nesterov():
     dion_params = make_params(SHAPES)
     nor_params = [p.detach().clone().requires_grad_() for p in dion_params]
     hyper = dict(lr=0.03, mu=0.9, muon_beta2=0.9, weight_decay=0.05)
-    dion = Dion3(dion_params, fraction=1.0, **hyper)
-    nor = NorMuon(nor_params, nesterov=False, **hyper)
+    dion = Dion3(dion_params, fraction=1.0, stacked=True, **hyper)
+    nor = NorMuon(nor_params, nesterov=False, stacked=True, **hyper)
     for _ in range(5):
         grads = [torch.randn(*s) for s in SHAPES]
         set_grads(dion_params, grads)
@@ -47,7 +47,7 @@ def test_dion3_full_fraction_equals_normuon_without_nesterov():
 def test_dion3_quarter_fraction_moves_only_top_rows(weight_decay):
     shapes, lr, mu, fraction = [(16, 12), (2, 12, 10)], 0.05, 0.8, 0.25
     params = make_params(shapes)
-    opt = Dion3(params, lr=lr, mu=mu, fraction=fraction, weight_decay=weight_decay)
+    opt = Dion3(params, lr=lr, mu=mu, fraction=fraction, weight_decay=weight_decay, stacked=True)
     momentum = [torch.zeros(*s, dtype=torch.float64) for s in shapes]  # independent float64 track
     decay = 1.0 - lr * weight_decay
     for _ in range(4):
@@ -80,7 +80,7 @@ def build_mixed(cls, options, seed=1):
     bias = torch.randn(8, generator=g).requires_grad_()
     embedding = torch.randn(10, 4, generator=g).requires_grad_()
     groups = [
-        dict(params=matrices),
+        dict(params=matrices, stacked=True),
         dict(params=[bias], algorithm="adamw", lr=0.01, betas=(0.9, 0.99), weight_decay=0.1),
         dict(params=[embedding], algorithm="lion", lr=0.003, betas=(0.9, 0.99), weight_decay=0.1),
     ]
@@ -284,7 +284,7 @@ def test_non_finite_gradient_stays_in_its_matrix(cls, method, bad_value):
     runs = []
     for poison in (False, True):
         params = [p.detach().clone().requires_grad_() for p in start]
-        opt = cls(params, orthogonalizer=method, lr=0.05)
+        opt = cls(params, orthogonalizer=method, lr=0.05, stacked=True)
         for step, step_grads in enumerate(grads):
             step_grads = [g.clone() for g in step_grads]
             if poison and step == 1:
@@ -338,7 +338,7 @@ def test_groups_override_hyperparameters(exact_orthogonalizer):
         ref_options.setdefault("weight_decay", 0.01)  # the optimizer's default
         refs.append(ReferenceOptimizer(params, algorithm, **ref_options))
         group_params.append(params)
-    opt = Dion3(groups)
+    opt = Dion3(groups, stacked=True)
     assert opt.param_groups[1]["algorithm"] == "dion3"  # alias resolved
     for _ in range(3):
         for params, ref in zip(group_params, refs):
@@ -358,7 +358,7 @@ def test_l2_row_score_selects_by_each_rows_l2_norm(exact_orthogonalizer):
     params = make_params(shapes, dtype=torch.float64)
     twin = [p.detach().clone().requires_grad_() for p in params]
     hyper = dict(lr=0.05, mu=0.8, fraction=0.125, weight_decay=0.01)  # one row of 8
-    opt, l1 = Dion3(params, row_score="l2", **hyper), Dion3(twin, **hyper)
+    opt, l1 = Dion3(params, row_score="l2", stacked=True, **hyper), Dion3(twin, stacked=True, **hyper)
     ref = ReferenceOptimizer(params, "dion3", row_score="l2", **hyper)
     generator = torch.Generator().manual_seed(3)
     for step in range(3):

@@ -76,7 +76,7 @@ CASES = {  # name: (optimizer, shapes, options); fraction 5/13 etc.: odd k on ev
 def _train(factory, shapes, options, steps=3, captured=False):
     generator = torch.Generator().manual_seed(5)
     params = [torch.nn.Parameter(torch.randn(s, generator=generator, dtype=torch.float64)) for s in shapes]
-    opt = factory(params, lr=0.03, weight_decay=0.1, **options)
+    opt = factory(params, lr=0.03, weight_decay=0.1, stacked=True, **options)  # (3, 11, 24): three experts
     step = CPUCapturedStep(opt, warmup_steps=1) if captured else opt.step
     for i in range(steps):
         grads = torch.Generator().manual_seed(50 + i)
@@ -166,7 +166,7 @@ def test_gpu_padded_step_matches_the_unpadded_step(padding, case):
         generator = torch.Generator().manual_seed(5)
         params = [torch.nn.Parameter(torch.randn(s, generator=generator).cuda()) for s in shapes]
         before = [p.detach().clone() for p in params]
-        opt = factory(params, lr=0.03, weight_decay=0.0, **options)
+        opt = factory(params, lr=0.03, weight_decay=0.0, stacked=True, **options)
         for i in range(2):
             grads = torch.Generator().manual_seed(50 + i)
             for p in params:

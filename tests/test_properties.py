@@ -113,7 +113,8 @@ def test_dion3_invariants(shape, fraction, dtype, orthogonalizer, weight_decay, 
     gen = torch.Generator().manual_seed(seed)
     param = torch.nn.Parameter(torch.randn(full_shape, generator=gen).to(dtype))
     lr = 0.05
-    opt = Dion3([param], lr=lr, fraction=fraction, mu=MU, weight_decay=weight_decay, orthogonalizer=orthogonalizer)
+    opt = Dion3([param], lr=lr, fraction=fraction, mu=MU, weight_decay=weight_decay, orthogonalizer=orthogonalizer,
+                stacked=True)  # a batch: a stack of matrices
     for _ in range(3):
         grad = (torch.randn(full_shape, generator=gen) * grad_scale).to(dtype)
         before_x = param.detach().clone()
@@ -137,8 +138,8 @@ def test_dion3_with_fraction_one_is_normuon_without_nesterov(shape, dtype, seed)
     start = torch.randn(full_shape, generator=gen).to(dtype)
     dion3_param, normuon_param = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
     options = dict(lr=0.2, mu=0.9, muon_beta2=0.95, weight_decay=0.01)
-    dion3 = Dion3([dion3_param], fraction=1.0, **options)
-    normuon = NorMuon([normuon_param], nesterov=False, **options)
+    dion3 = Dion3([dion3_param], fraction=1.0, stacked=True, **options)
+    normuon = NorMuon([normuon_param], nesterov=False, stacked=True, **options)
     decay = 1.0 - options["lr"] * options["weight_decay"]
     for _ in range(3):
         grad = torch.randn(full_shape, generator=gen).to(dtype)
@@ -172,7 +173,7 @@ def test_every_algorithm_stays_finite_on_degenerate_gradients(shape, algorithm, 
     gen = torch.Generator().manual_seed(seed)
     param = torch.nn.Parameter(torch.randn(full_shape, generator=gen).to(dtype))
     factory = {"muon": Muon, "normuon": NorMuon, "dion3": Dion3}[algorithm]
-    opt = factory([param], lr=0.02, weight_decay=0.0)
+    opt = factory([param], lr=0.02, weight_decay=0.0, stacked=True)
     grad = torch.randn(full_shape, generator=gen)
     if gradient == "zero":
         grad.zero_()

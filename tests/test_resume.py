@@ -41,7 +41,7 @@ class TinyModel(nn.Module):
         matrices = [self.inp.weight, *(b.weight for b in self.blocks), self.experts]
         biases = [self.inp.bias, self.mix.bias, *(b.bias for b in self.blocks)]
         return [
-            {"params": matrices, **(matrix_algorithm_options or {})},
+            {"params": matrices, "stacked": True, **(matrix_algorithm_options or {})},  # experts: a stack
             {"params": [self.mix.weight], "flatten": True},
             {"params": [self.embed.weight, self.head.weight], "algorithm": "adamw", "lr": 3e-3},
             {"params": biases, "algorithm": "lion", "lr": 1e-3},
@@ -188,7 +188,7 @@ def test_bf16_continuation_tracks_fp32_and_uses_the_loaded_state():
         if values is not None:
             for p, v in zip(params, values):
                 p.data.copy_(v)
-        return params, NorMuon(params, lr=0.02, weight_decay=0.0)
+        return params, NorMuon(params, lr=0.02, weight_decay=0.0, stacked=True)
 
     params, opt = start(torch.float32)
     run(params, opt, grads[:5])

@@ -255,7 +255,7 @@ def _run_against_reference(cls, options, hyper, shapes, steps=4):
     """Same params and grads into the optimizer (float64 params) and the reference."""
     params = [torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in shapes]
     algorithm = options.pop("algorithm")
-    opt = cls(params, **options, **hyper)
+    opt = cls(params, **options, **hyper, stacked=True)  # 3-D shapes: stacks of matrices
     ref = ReferenceOptimizer(params, algorithm, **options, **hyper)
     for _ in range(steps):
         grads = [torch.randn(*s, dtype=torch.float64) for s in shapes]
@@ -316,7 +316,8 @@ def test_default_orthogonalizer_is_wired_through():
             return orthogonalize(u.float(), method, coefficients).double()
 
         params = [torch.randn(8, 24, requires_grad=True), torch.randn(2, 24, 8, requires_grad=True)]
-        opt = NorMuon(params, lr=0.05, weight_decay=0.1, orthogonalizer=method, ns_coefficients=coefficients)
+        opt = NorMuon(params, lr=0.05, weight_decay=0.1, orthogonalizer=method, ns_coefficients=coefficients,
+                      stacked=True)
         ref = ReferenceOptimizer(params, "normuon", lr=0.05, weight_decay=0.1, orthogonalizer=orth)
         for _ in range(3):
             grads = [torch.randn_like(p) for p in params]

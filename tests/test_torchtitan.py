@@ -123,9 +123,13 @@ def test_moe_groups_by_fqn():
     spec = model_registry("debugmodel_moe")
     model = _meta_model(spec)
     params = dict(model.named_parameters())
-    built = _assignment(dion3_optimizer(spec.model).build(model_parts=[model]))
+    container = dion3_optimizer(spec.model).build(model_parts=[model])
+    built = _assignment(container)
     experts = [n for n in built if "inner_experts" in n]
     assert experts and all(params[n].dim() == 3 and built[n][:2] == ("Dion3", "dion3") for n in experts)
+    # declared stacks: each expert is its own matrix (a group without stacked=True refuses them)
+    stacked = {n for o in container.optimizers for g in o.param_groups if g.get("stacked") for n in g["param_names"]}
+    assert set(experts) <= stacked
     routers = [n for n in built if n.endswith("router.gate.weight")]
     assert routers and all(built[n][0] == "AdamW" for n in routers)
     assert all(built[n][:2] == ("AdamW", None) for n in built if params[n].dim() == 1)

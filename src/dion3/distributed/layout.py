@@ -120,7 +120,7 @@ def classify(param: Tensor, label: str, flatten: bool) -> Axes:
         if flatten and param.dim() > 2 and dim != 0:
             raise ValueError(
                 f"parameter {label} has placements {placements}: with flatten=True only dim 0 may be "
-                f"sharded (dim {dim} is); keep flatten=False or shard dim 0"
+                f"sharded (dim {dim} is); shard dim 0, or read a 3-D expert stack with stacked=True instead"
             )
         role = "batch" if dim == batch_dim else "rows" if dim == row_dim else "cols" if dim == col_dim else None
         if role is None or (role == "batch" and param.dim() != 3):

@@ -16,8 +16,10 @@ through its `optimizer` field, which the trainer builds after parallelizing the 
 `param_group_configs` writes the groups by torchtitan's FQNs: norms and biases (AdamW without
 weight decay), token embeddings, the output head and MoE router gates (AdamW), the row blocks
 of a fused `wqkv` (its heads, `num_heads`), and everything else — attention and MLP matrices,
-expert stacks [E, out, in] — in the orthogonal group. A 1-D parameter that reaches the
-orthogonal group is refused by name when the optimizer is built, never trained by accident.
+expert stacks [E, out, in] — in the orthogonal group. That group declares its 3-D parameters
+expert stacks (stacked=True: each expert its own matrix), as torchtitan's are (its models have
+no convolutions). A 1-D parameter that reaches the orthogonal group is refused by name when the
+optimizer is built, never trained by accident.
 
 The parameters are torchtitan's DTensors (FSDP2, TP, HSDP, EP): dion3 reads each one's own mesh
 and placements (`distributed_mesh=None`). The container's flat, FQN-keyed state dict is what
@@ -245,7 +247,8 @@ def param_group_configs(
     1. norm gains and biases → AdamW (adamw_lr, no weight decay);
     2. `tok_embeddings`, the output head (`output` / `lm_head`), MoE router gates → AdamW;
     3. with `qkv_heads`: fused `wqkv` weights → `algorithm` with num_heads=qkv_heads;
-    4. everything else (attention and MLP matrices, expert stacks) → `algorithm`.
+    4. everything else (attention and MLP matrices, expert stacks) → `algorithm`, with
+       stacked=True: a 3-D parameter is a stack of experts [E, out, in], one matrix each.
 
     algorithm: "Dion3", "NorMuon" or "Muon". options: further settings of the orthogonal groups
     (fraction, selection_scope, mu, nesterov, adjust_lr, ...). Every pattern must match some
@@ -254,7 +257,7 @@ def param_group_configs(
     if algorithm not in OPTIMIZERS:
         raise ValueError(f"algorithm must be one of {sorted(OPTIMIZERS)}, got {algorithm!r}")
     adamw = {"lr": adamw_lr, "betas": tuple(adamw_betas), "eps": 1e-8}
-    matrix = {"lr": lr, "weight_decay": weight_decay, **options}
+    matrix = {"lr": lr, "weight_decay": weight_decay, "stacked": True, **options}
     groups = [
         ParamGroupConfig(pattern=NO_DECAY_PATTERN, optimizer_name="AdamW",
                          optimizer_kwargs={**adamw, "weight_decay": 0.0}),

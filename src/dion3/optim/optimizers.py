@@ -4,6 +4,12 @@ Every group may override any hyperparameter, including `algorithm`: one of "dion
 "nordion2"), "dion2" (Dion3 without the per-row normalization), "muon", "normuon" for
 matrices, "adamw" or "lion" for everything else. `num_heads` / `split_sizes` orthogonalize
 the row blocks of each matrix separately (dion3.blocks).
+
+A 3-D parameter's shape does not say what it holds, so a matrix group must: `flatten=True` reads
+every parameter as one [shape[0], -1] matrix (a convolution kernel (out, in, k) is one out × in·k
+matrix), `stacked=True` reads a 3-D parameter as a stack [E, rows, cols] of E matrices, each
+orthogonalized on its own (expert weights). With neither, a 3-D parameter is refused
+(docs/training.md, "Convolutions and expert stacks").
 """
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ class Dion3(OrthogonalOptimizer):
         epsilon: float = 1e-8,
         adjust_lr: Optional[str] = "spectral_norm",
         flatten: bool = False,
+        stacked: bool = False,
         orthogonalizer: str = "auto",
         ns_coefficients: Coefficients = "polar_express",
         selection_scope: str = "local",
@@ -59,7 +66,7 @@ class Dion3(OrthogonalOptimizer):
     ):
         defaults = _defaults(
             "dion3", lr=lr, fraction=fraction, mu=mu, muon_beta2=muon_beta2, betas=betas,
-            weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr, flatten=flatten,
+            weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr, flatten=flatten, stacked=stacked,
             orthogonalizer=orthogonalizer, ns_coefficients=ns_coefficients, selection_scope=selection_scope,
             num_heads=num_heads, split_sizes=split_sizes, momentum_dtype=momentum_dtype, row_score=row_score,
         )
@@ -83,6 +90,7 @@ class Muon(OrthogonalOptimizer):
         nesterov: bool = False,
         adjust_lr: Optional[str] = "spectral_norm",
         flatten: bool = False,
+        stacked: bool = False,
         orthogonalizer: str = "auto",
         ns_coefficients: Coefficients = "polar_express",
         check_finite: bool = False,
@@ -96,7 +104,7 @@ class Muon(OrthogonalOptimizer):
             raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments {unknown}")
         defaults = _defaults(
             self._algorithm, lr=lr, mu=mu, betas=betas, weight_decay=weight_decay, epsilon=epsilon,
-            nesterov=nesterov, adjust_lr=adjust_lr, flatten=flatten, orthogonalizer=orthogonalizer,
+            nesterov=nesterov, adjust_lr=adjust_lr, flatten=flatten, stacked=stacked, orthogonalizer=orthogonalizer,
             ns_coefficients=ns_coefficients, num_heads=num_heads, split_sizes=split_sizes,
             momentum_dtype=momentum_dtype, **extra,
         )

@@ -4,7 +4,11 @@ The optimizer cannot tell an embedding table or an LM head from a hidden weight 
 orthogonalizing those hurts, so the split is done here from the model's structure:
 
 * hidden weight matrices (≥ 2-D, outside embeddings and the LM head) → the orthogonal algorithm of
-  the optimizer the groups are given to (Muon, NorMuon or Dion3), unless `algorithm` names one;
+  the optimizer the groups are given to (Muon, NorMuon or Dion3), unless `algorithm` names one.
+  A convolution's kernel (out, in, k...) is one out × in·k matrix (a group of its own with
+  flatten=True); any other 3-D parameter is a stack of matrices [E, rows, cols] (expert weights),
+  each orthogonalized on its own (stacked=True): the shape alone cannot tell the two apart, the
+  module can;
 * embeddings (`nn.Embedding` weights) → AdamW with `embed_lr`;
 * the LM head, which the caller must name → AdamW with `head_lr`;
 * everything else (norm gains, biases, other 0-/1-D parameters) → AdamW with `scalar_lr` and no
@@ -12,18 +16,27 @@ orthogonalizing those hurts, so the split is done here from the model's structur
 
 The head is never guessed: a wrong guess would silently orthogonalize the output layer, so a
 model without `lm_head` named must not look as if it had one. Every group carries its
-parameters' names (`param_names`, kept by torch.optim): errors name the parameter.
+parameters' names (`param_names`, kept by torch.optim): errors name the parameter. A model
+compiled with torch.compile gives the names of the model it wraps (without `_orig_mod.`, as
+torch.distributed.checkpoint's FQNs), so its groups are those of the plain model.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Union
 
+import torch
 from torch import nn
 
-from .validation import ALIASES, MATRIX_ALGORITHMS, SCALAR_ALGORITHMS
+from ..buckets import matrix_view
+from .validation import ALIASES, MATRIX_ALGORITHMS, MATRIX_SETTINGS, SCALAR_ALGORITHMS
 from .cost_fractions import cost_allocated_groups
 
 FRACTION_ALLOCATIONS = ("uniform", "cost")  # param_groups(fraction_allocation=...)
+
+# Modules whose ≥ 3-D weights are convolution kernels (out, in, k...): one matrix each, flattened.
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+# The attribute under which torch.compile's wrapper (OptimizedModule) holds the compiled module.
+COMPILE_WRAPPER = "_orig_mod"
 
 # AdamW learning rates for the non-matrix groups, tuned on the `cpu-tiny` preset of
 # `dion3 compare` (docs/training.md). The head gets a lower lr than the embedding: its gradient is
@@ -74,9 +87,14 @@ def param_groups(
         matrices whose names contain that part count their rows `weight` times when the budget
         is handed out (e.g. {"mlp": 2.0} moves rows to the MLP matrices within the same modeled
         time; cost_allocated_fractions). Matrices of one shape need one weight.
-    options: further settings of the matrix group (fraction, mu, weight_decay, ...).
+    options: further settings of the matrix group (fraction, mu, weight_decay, ...). Under
+        algorithm "adamw"/"lion" the settings only the orthogonal rules read (fraction, mu, flatten,
+        ...) are left out of the group: it does not carry a label it does not follow.
 
-    Every trainable parameter lands in exactly one group; empty groups are left out.
+    Every trainable parameter lands in exactly one group; empty groups are left out. Convolution
+    kernels form a group of their own with flatten=True (unless `flatten` is among the options);
+    the matrix group holding other 3-D parameters gets stacked=True (docs/training.md,
+    "Convolutions and expert stacks").
     """
     if algorithm is not None:
         algorithm = ALIASES.get(algorithm, algorithm)
@@ -100,8 +118,14 @@ def param_groups(
                              f"dion2), got algorithm={algorithm!r}")
     head_ids = _head_parameter_ids(model, lm_head)
     embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    scalar_run = algorithm in SCALAR_ALGORITHMS  # AdamW/Lion on the matrices: any shape, no flattening
+    # kernels of convolutions (their parametrizations' tensors included); with flatten among the
+    # options every matrix is flattened already
+    conv_ids = set() if scalar_run or options.get("flatten") else {
+        id(p) for m in model.modules() if isinstance(m, CONVOLUTIONS) for p in m.parameters() if p.dim() >= 3}
 
-    buckets: dict[str, list[tuple[str, nn.Parameter]]] = {"matrix": [], "head": [], "embed": [], "scalar": []}
+    buckets: dict[str, list[tuple[str, nn.Parameter]]] = {
+        "matrix": [], "conv": [], "head": [], "embed": [], "scalar": []}
     for name, param in model.named_parameters():  # shared (tied) parameters are listed once, by their first name
         if not param.requires_grad:
             continue
@@ -109,24 +133,34 @@ def param_groups(
             kind = "head"
         elif id(param) in embed_ids:
             kind = "embed"
+        elif id(param) in conv_ids:
+            kind = "conv"
         elif param.dim() >= 2:
             kind = "matrix"
         else:
             kind = "scalar"
-        buckets[kind].append((name, param))
+        buckets[kind].append((plain_name(name), param))
 
     def group(members, **settings) -> dict:
         # the names go with the tensors: errors name the parameter (torch keeps "param_names")
         return dict(settings, params=[p for _, p in members], param_names=[n for n, _ in members])
 
-    matrix_group = group(buckets["matrix"], **options)
+    settings = dict(options)
+    if scalar_run:  # a label the group would not follow (fraction=0.25 on AdamW) is left out
+        settings = {key: value for key, value in options.items() if key not in MATRIX_SETTINGS}
+    elif (any(p.dim() == 3 for _, p in buckets["matrix"]) and not settings.get("flatten")
+          and "stacked" not in settings):
+        settings["stacked"] = True  # not a convolution's kernel: a stack of matrices (expert weights)
     if algorithm is not None:
-        matrix_group["algorithm"] = algorithm
+        settings["algorithm"] = algorithm
     if lr is not None:
-        matrix_group["lr"] = lr
-    matrix_groups = [matrix_group]
-    if fraction_allocation == "cost" and matrix_group["params"]:
-        matrix_groups = cost_allocated_groups(matrix_group, options["fraction"], weights=fraction_weights)
+        settings["lr"] = lr
+    conv_settings = {key: value for key, value in settings.items() if key != "stacked"}
+    conv_settings["flatten"] = True  # one out × in·k matrix per kernel
+    matrix_groups = [group(buckets["matrix"], **settings), group(buckets["conv"], **conv_settings)]
+    matrix_groups = [g for g in matrix_groups if g["params"]]
+    if fraction_allocation == "cost" and matrix_groups:
+        matrix_groups = _allocated_by_cost(matrix_groups, options["fraction"], fraction_weights)
     groups = [
         *matrix_groups,
         group(buckets["head"], algorithm=scalar_algorithm, lr=head_lr),
@@ -135,6 +169,38 @@ def param_groups(
         group(buckets["scalar"], algorithm=scalar_algorithm, lr=scalar_lr, weight_decay=0.0),
     ]
     return [g for g in groups if g["params"]]
+
+
+def plain_name(name: str) -> str:
+    """A parameter's or module's name in the model that torch.compile wrapped: its wrapper
+    (OptimizedModule, at the root or at a compiled submodule) adds `_orig_mod.`, which
+    torch.distributed.checkpoint's FQNs leave out as well."""
+    return ".".join(part for part in name.split(".") if part != COMPILE_WRAPPER)
+
+
+def _allocated_by_cost(groups: list[dict], fraction: float, weights: Optional[Mapping[str, float]]) -> list[dict]:
+    """The matrix groups (the flattened convolutions' beside the others) split by matrix shape,
+    with fractions by cost over all their matrices at once: one budget, and one fraction per shape
+    whichever group a matrix is in. Stand-ins on the meta device with each parameter's matrices
+    ([B, rows, cols], as the step views them) go through cost_allocated_groups."""
+    stand_ins, owners = [], []  # owners: (group index, parameter index) of each stand-in
+    for g, group in enumerate(groups):
+        for i, p in enumerate(group["params"]):
+            like = torch.empty(tuple(p.shape), device="meta")  # the global shape; no shard is read
+            stand_ins.append(matrix_view(like, bool(group.get("flatten", False))))
+            owners.append((g, i))
+    names = [name for group in groups for name in group["param_names"]]
+    slot = {id(s): n for n, s in enumerate(stand_ins)}
+    everything = dict(groups[0], params=stand_ins, param_names=names, flatten=False)
+    out = []
+    for part in cost_allocated_groups(everything, fraction, weights=weights):  # one part per shape
+        members = [owners[slot[id(s)]] for s in part["params"]]
+        for g, group in enumerate(groups):
+            mine = [i for owner, i in members if owner == g]
+            if mine:
+                out.append(dict(group, params=[group["params"][i] for i in mine],
+                                param_names=[group["param_names"][i] for i in mine], fraction=part["fraction"]))
+    return out
 
 
 def _head_parameter_ids(model: nn.Module, lm_head: Optional[Union[str, nn.Module, bool]]) -> set[int]:
@@ -147,12 +213,13 @@ def _head_parameter_ids(model: nn.Module, lm_head: Optional[Union[str, nn.Module
             raise ValueError("param_groups: the lm_head module given is not part of the model")
         params = list(lm_head.parameters())
     elif isinstance(lm_head, str):
-        modules = dict(model.named_modules())
-        named = dict(model.named_parameters())
-        if lm_head in modules and lm_head != "":
-            params = list(modules[lm_head].parameters())
-        elif lm_head in named:
-            params = [named[lm_head]]
+        modules = {plain_name(n): m for n, m in model.named_modules()}
+        named = {plain_name(n): p for n, p in model.named_parameters()}
+        key = plain_name(lm_head)
+        if key in modules and key != "":
+            params = list(modules[key].parameters())
+        elif key in named:
+            params = [named[key]]
         else:
             candidates = [n for n, m in modules.items() if isinstance(m, nn.Linear)][-3:]
             raise ValueError(
@@ -171,9 +238,9 @@ def _refuse_an_unnamed_head(model: nn.Module) -> None:
     """lm_head=None means the model has no LM head. A linear layer that projects onto the vocabulary
     of one of its embeddings (out_features = num_embeddings, untied) looks like one: refused by
     name rather than orthogonalized silently (lm_head=False keeps it a matrix on purpose)."""
-    vocabularies = {m.num_embeddings: n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    vocabularies = {m.num_embeddings: plain_name(n) for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    for name, module in model.named_modules():
+    for name, module in ((plain_name(n), m) for n, m in model.named_modules()):
         if (isinstance(module, nn.Linear) and module.out_features in vocabularies
                 and id(module.weight) not in embedded and module.out_features > module.in_features):
             raise ValueError(

@@ -26,6 +26,10 @@ SCOPES = ("local", "global")
 # a running optimizer's groups (a group copied from one holds them; dion3.tools.train reads
 # initial_lr). Any other key is refused by name: it would be kept and never read.
 GROUP_KEYS = ("params", "param_names", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
+# Settings that only the orthogonal rules (Dion3, Dion2, Muon, NorMuon) read; an AdamW or Lion
+# group reads lr, betas, weight_decay and epsilon of the optimizer's settings.
+MATRIX_SETTINGS = ("fraction", "mu", "muon_beta2", "nesterov", "adjust_lr", "flatten", "stacked", "orthogonalizer",
+                   "ns_coefficients", "selection_scope", "row_score", "num_heads", "split_sizes", "momentum_dtype")
 # torch.optim's names of settings that dion3 spells otherwise: suggested where difflib would not
 TORCH_NAMES = {"momentum": "mu", "eps": "epsilon"}
 
@@ -96,6 +100,7 @@ def validate_group(group: dict, index: int) -> None:
     check_range(where, "weight_decay", group["weight_decay"], 0.0, math.inf, high_open=True)
     check_range(where, "epsilon", group["epsilon"], 0.0, math.inf, low_open=True, high_open=True)
     check_flag(where, "flatten", group["flatten"])
+    check_flag(where, "stacked", group["stacked"])
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
@@ -124,6 +129,12 @@ def validate_group(group: dict, index: int) -> None:
     problem = blocks.option_error(num_heads, split_sizes)
     if problem is not None:
         raise ValueError(f"{where}: {problem}")
+    if group["flatten"] and group["stacked"]:
+        raise ValueError(
+            f"{where}: flatten=True (every parameter one matrix) and stacked=True (a 3-D parameter a stack of "
+            "matrices) contradict each other; put convolution kernels (flatten=True) and expert stacks "
+            "(stacked=True, flatten=False) in separate groups"
+        )
     for i, p in enumerate(group["params"]):
         label = param_label(group.get("param_names"), index, i, p)
         if not p.is_floating_point():
@@ -140,18 +151,25 @@ def validate_group(group: dict, index: int) -> None:
                     "flatten=True (its memory layout, e.g. channels_last, is not row-major); make it "
                     "contiguous (memory_format=torch.contiguous_format)"
                 )
-        elif p.dim() not in (2, 3):
-            hint = (
-                "put 1-D parameters (biases, norms) in an 'adamw' or 'lion' group"
-                if p.dim() < 2
-                else "pass flatten=True to treat it as a matrix (e.g. conv weights)"
-            )
-            raise ValueError(
-                f"{where}: parameter {label} is "
-                f"{p.dim()}-D, but algorithm {algorithm!r} needs 2-D matrices or 3-D batches of "
-                f"matrices; {hint}"
-            )
+        elif p.dim() == 3 and not group["stacked"]:
+            raise ValueError(f"{where}: parameter {label} {_ambiguous_3d(p.shape)}")
+        elif p.dim() < 2:
+            raise ValueError(f"{where}: parameter {label} is {p.dim()}-D, but algorithm {algorithm!r} orthogonalizes "
+                             "matrices; put 1-D parameters (biases, norms) in an 'adamw' or 'lion' group")
+        elif p.dim() > 3:
+            raise ValueError(f"{where}: parameter {label} is {p.dim()}-D; pass flatten=True to "
+                             f"train it as one {p.shape[0]}×{p.numel() // p.shape[0]} matrix (e.g. a conv weight)")
         _check_blocks(where, label, p, group["flatten"], num_heads, split_sizes)
+
+
+def _ambiguous_3d(shape) -> str:
+    """Why a 3-D parameter of a group with neither flatten nor stacked is refused: its shape does not
+    say whether it is a convolution kernel (out, in, k), one matrix, or E matrices [E, rows, cols]."""
+    first, rows, cols = shape
+    return ("is 3-D: a convolution kernel (out, in, k) or a stack of matrices [E, rows, cols]? "
+            f"Pass flatten=True for a convolution kernel, trained as one {first}×{rows * cols} matrix, or "
+            f"stacked=True for {first} matrices of {rows}×{cols} trained each on its own (expert weights); "
+            "dion3.param_groups(model) tells the two apart by their module")
 
 
 def _momentum_dtype_name(where: str, value) -> Optional[str]:

@@ -52,11 +52,12 @@ def _fraction_text(fraction: float) -> str:
 def _optimizer(v: Variant, params: list):
     from ... import Dion3, Muon, NorMuon
 
+    # the planned weights are linear layers and expert stacks [E, rows, cols] (--experts)
     if v.algorithm == "dion3":
         return Dion3(params, fraction=v.fraction, selection_scope=v.scope, orthogonalizer=v.orthogonalizer,
-                     momentum_dtype=v.momentum_dtype)
+                     momentum_dtype=v.momentum_dtype, stacked=True)
     cls = NorMuon if v.algorithm == "normuon" else Muon
-    return cls(params, orthogonalizer=v.orthogonalizer, momentum_dtype=v.momentum_dtype)
+    return cls(params, orthogonalizer=v.orthogonalizer, momentum_dtype=v.momentum_dtype, stacked=True)
 
 
 @dataclass
