@@ -90,13 +90,12 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(params):
             if id(p) in placed:
                 g, j = placed[id(p)]
-                label = param_label(names, index, i, p)
                 if g != index:
-                    raise ValueError(f"parameter {label} already belongs to parameter group {g}; a parameter "
-                                     "may appear in one group only")
+                    raise ValueError(f"parameter {param_label(names, index, i, p)} already belongs to parameter "
+                                     f"group {g}; a parameter may appear in one group only")
                 also = repr(names[j]) if names is not None else f"at index {j}"
-                raise ValueError(f"parameter {label} appears twice in parameter group {index} (also {also}); "
-                                 "list each parameter once")
+                raise ValueError(f"parameter {param_label(names, None, i, p)} appears twice in parameter group "
+                                 f"{index} (also {also}); list each parameter once")
             placed[id(p)] = (index, i)
         super().add_param_group(group)
         group = self.param_groups[-1]
@@ -227,19 +226,19 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         for key, target in fresh.items():
             if key in state:
-                self._load_into(target, state[key], key, p)
+                self._load_into(target, state[key], key, p, group)
             state[key] = target
         for key in list(state):
             if key not in fresh:
                 del state[key]
         return fresh
 
-    @staticmethod
-    def _load_into(target: Tensor, loaded: Tensor, key: str, p: Tensor) -> None:
+    def _load_into(self, target: Tensor, loaded: Tensor, key: str, p: Tensor, group: dict) -> None:
         if loaded.numel() != target.numel():
+            label = self._param_label(group, next(i for i, q in enumerate(group["params"]) if q is p))
             raise ValueError(
-                f"state {key!r} of parameter with shape {tuple(p.shape)} has shape "
-                f"{tuple(loaded.shape)}; the state dict does not match these parameters"
+                f"state {key!r} of parameter {label} has shape {tuple(loaded.shape)}, expected "
+                f"{tuple(target.shape)}; the state dict does not match these parameters"
             )
         target.copy_(loaded.reshape(target.shape))
 
@@ -270,7 +269,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                 targets["variance"] = (bucket.variance[span], variance_shape(p, group["flatten"]))
             for key, (target, shape) in targets.items():
                 if key in state:
-                    self._load_into(target, state[key], key, p)
+                    self._load_into(target, state[key], key, p, group)
                 state[key] = target.view(shape)
             for key in list(state):
                 if key not in targets:

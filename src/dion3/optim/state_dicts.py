@@ -87,8 +87,8 @@ def _entries(saved: Mapping[str, Any], own: Mapping[str, Any], saved_as: str, wh
         elif key in saved:
             out[key] = saved[key]
         else:
-            raise ValueError(f"convert_state_dict: the state dict has no {key!r} for parameter {where} ({saved_as}); "
-                             "the state dict does not match these parameters")
+            raise ValueError(f"convert_state_dict: the state dict has no {key!r} for parameter {where}, which "
+                             f"{saved_as!r} keeps; the state dict does not match these parameters")
     return out
 
 
