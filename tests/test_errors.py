@@ -71,6 +71,17 @@ def muon_state_into_dion3():
     Dion3([w]).load_state_dict(muon.state_dict())
 
 
+def add_unnamed_group_to_named():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = Dion3(param_groups(model, lm_head=False))  # a matrix group and a bias group, named
+    opt.add_param_group({"params": [param(4, 4)]})
+
+
+def add_named_group_to_unnamed():
+    opt = Dion3([param(4, 4)])
+    opt.add_param_group({"params": [("extra.weight", param(4, 4))]})
+
+
 def shared_param():
     w = param(4, 4)
     Dion3([{"params": [w]}, {"params": [w], "algorithm": "muon"}])
@@ -103,6 +114,15 @@ CASES = [
     ("group-unknown-key", lambda: Dion3([{"params": [param(4, 4)], "fracton": 0.5}]), ValueError,
      "parameter group 0 has an unknown key 'fracton' (did you mean 'fraction'?)"),
     ("group-without-params", lambda: Dion3([{"lr": 0.1}]), ValueError, "parameter group 0 has no 'params' entry"),
+    ("group-without-param-names", add_unnamed_group_to_named, ValueError,
+     "parameter group 2 has no 'param_names', but the other groups carry them (errors name parameters by them): "
+     'add them, as in {"params": [...], "param_names": [...]}'),
+    ("group-param-names-among-unnamed", add_named_group_to_unnamed, ValueError,
+     "parameter group 1 has 'param_names', but the other groups have none"),
+    ("group-param-names-count", lambda: Dion3([{"params": [param(4, 4), param(4, 4)], "param_names": ["a"]}]), ValueError,
+     "parameter group 0 has 1 param_names for 2 parameters"),
+    ("group-mixes-named-and-bare", lambda: Dion3([("a", param(4, 4)), param(4, 4)]), ValueError,
+     "parameter group 0 mixes (name, tensor) pairs and bare tensors"),
     ("parameter-in-two-groups", shared_param, ValueError, "already belongs to parameter group 0"),
     ("parameter-twice-in-a-group", repeated_param, ValueError,
      "parameter 'c.weight' appears twice in parameter group 0 (also 'a.weight')"),

@@ -24,6 +24,7 @@ from .. import distributed, matrix_step, rules
 from ..buckets import Bucket, SkipTally, add_matrix, bucket_subset, matrix_view, momentum_dtype, write_back_subset
 from ..ortho.precision import agree_across_ranks
 from . import scalar
+from .added_groups import check_names, warn_of_defaults
 from .scalar_group import step_group
 from .validation import (
     ALIASES,
@@ -77,13 +78,16 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         check_group_keys(group, len(self.param_groups), self.defaults)  # stricter than torch: a typo is not ignored
         params = group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
-        names = None
-        if params and isinstance(params[0], tuple):  # named parameters
-            names, params = [n for n, _ in params], [p for _, p in params]
-        group["params"] = params
-        if names is not None:  # torch checks that all groups are named or none is
-            group["param_names"] = names
         index = len(self.param_groups)
+        pairs = [isinstance(p, tuple) for p in params]
+        if any(pairs):  # named parameters
+            if not all(pairs):
+                raise ValueError(f"parameter group {index} mixes (name, tensor) pairs and bare tensors in 'params'; "
+                                 "give every parameter a name or none")
+            group["param_names"], params = [n for n, _ in params], [p for _, p in params]
+        group["params"] = params
+        names = group.get("param_names")
+        check_names(group, index, self.param_groups)  # torch's own error would not say what to pass
         # where each parameter already is: (group, position); torch only warns of a repeat in one
         # group, whose step would then update the parameter twice
         placed = {id(p): (g, j) for g, other in enumerate(self.param_groups) for j, p in enumerate(other["params"])}
@@ -104,7 +108,8 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()  # a rejected group must leave the optimizer as it was
             raise
-        if self._ready:
+        if self._ready:  # a group added to a built optimizer (the constructor's groups are the caller's choice)
+            warn_of_defaults(param_group, group, index, self.param_groups[:-1], type(self).__name__)
             self._build_buckets()
 
     @property
