@@ -82,6 +82,16 @@ def add_named_group_to_unnamed():
     opt.add_param_group({"params": [("extra.weight", param(4, 4))]})
 
 
+def torch_state_into_dion3(make, steps=1):
+    """A torch.optim optimizer's state dict (after `steps` steps) loaded into Dion3 on the same, named matrix."""
+    w = param(4, 4)
+    other = make([w])
+    for _ in range(steps):
+        w.grad = torch.randn_like(w)
+        other.step()
+    Dion3([("w", w)]).load_state_dict(other.state_dict())
+
+
 def shared_param():
     w = param(4, 4)
     Dion3([{"params": [w]}, {"params": [w], "algorithm": "muon"}])
@@ -224,6 +234,13 @@ CASES = [
     ("state-dict-other-algorithm", muon_state_into_dion3, ValueError,
      "parameter group 0 of the state dict was saved by algorithm 'muon', but this optimizer runs 'dion3' there"),
     ("state-dict-not-an-optimizer-state", lambda: load_into([(4, 6), (3, 5)], lambda sd: sd.pop("state")), ValueError, "must have 'state' and 'param_groups'"),
+    ("state-dict-from-torch-adamw", lambda: torch_state_into_dion3(torch.optim.AdamW), ValueError,
+     "for parameter 'w' of group 0 it holds exp_avg/exp_avg_sq, as torch.optim.AdamW saves, where this optimizer's "
+     "'dion3' keeps momentum/variance"),
+    ("state-dict-from-torch-sgd", lambda: torch_state_into_dion3(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+     ValueError, "it holds momentum_buffer, as torch.optim.SGD saves"),
+    ("state-dict-from-unstepped-torch-optimizer", lambda: torch_state_into_dion3(torch.optim.AdamW, steps=0), ValueError,
+     "its group 0 holds no state, and settings of torch.optim (lr, betas, eps"),
 ]
 
 

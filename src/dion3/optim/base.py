@@ -25,6 +25,7 @@ from ..buckets import Bucket, SkipTally, add_matrix, bucket_subset, matrix_view,
 from ..ortho.precision import agree_across_ranks
 from . import scalar
 from .added_groups import check_names, warn_of_defaults
+from .foreign_state import check_not_foreign
 from .scalar_group import step_group
 from .validation import (
     ALIASES,
@@ -281,6 +282,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                     del state[key]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_not_foreign(state_dict, self.param_groups)  # another optimizer's (AdamW's, say): convert_state_dict
         check_state_dict(state_dict, self.param_groups)  # before torch mutates anything
         current = [dict(g) for g in self.param_groups]
         super().load_state_dict(state_dict)
