@@ -212,7 +212,7 @@ def test_errors_name_the_argument():
     for bad in (0.0, 0.5):
         with pytest.raises(ValueError, match="floor must lie in"):
             cost_allocated_fractions(shapes, 0.25, floor=bad)
-    with pytest.raises(ValueError, match="shapes is empty"):
+    with pytest.raises(ValueError, match="no matrix shape to allocate fractions to"):
         cost_allocated_fractions([], 0.25)
     for bad in (MatrixShape("a", 0, 8, 1), MatrixShape("a", 8, -1, 1), MatrixShape("a", 8, 8, 0)):
         with pytest.raises(ValueError, match="not a positive integer"):
@@ -294,9 +294,9 @@ def test_fraction_weights_pick_matrices_by_name_and_shape():
         param_groups(model, fraction_allocation="cost", fraction_weights={"a.": 2.0}, **options)
     with pytest.raises(ValueError, match=r"no matrix of the group has \['mlp'\]"):
         param_groups(model, fraction_allocation="cost", fraction_weights={"mlp": 2.0}, **options)
-    with pytest.raises(ValueError, match="the weight of 'b.' must be a positive finite number, got -1"):
+    with pytest.raises(ValueError, match="the fraction weight of 'b.' must be a positive finite number, got -1"):
         param_groups(model, fraction_allocation="cost", fraction_weights={"b.": -1}, **options)
-    with pytest.raises(ValueError, match="matches the weights of"):
+    with pytest.raises(ValueError, match="matches the fraction weights of"):
         param_groups(model, fraction_allocation="cost", fraction_weights={"a.": 2.0, "weight": 2.0}, **options)
     with pytest.raises(ValueError, match="fraction_weights weigh the rows of fraction_allocation='cost'"):
         param_groups(model, fraction_weights={"b.": 2.0}, **options)

@@ -310,7 +310,7 @@ def test_pending_hands_its_buffer_over_once():
     buffer = torch.arange(4.0)
     pending = Pending(None, buffer, lambda t: t.view(2, 2))
     assert pending.wait().data_ptr() == buffer.data_ptr()  # the buffer itself, transformed
-    with pytest.raises(RuntimeError, match="already called"):
+    with pytest.raises(RuntimeError, match="already waited on"):
         pending.wait()
 
 

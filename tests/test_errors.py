@@ -71,6 +71,27 @@ def muon_state_into_dion3():
     Dion3([w]).load_state_dict(muon.state_dict())
 
 
+def add_unnamed_group_to_named():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = Dion3(param_groups(model, lm_head=False))  # a matrix group and a bias group, named
+    opt.add_param_group({"params": [param(4, 4)]})
+
+
+def add_named_group_to_unnamed():
+    opt = Dion3([param(4, 4)])
+    opt.add_param_group({"params": [("extra.weight", param(4, 4))]})
+
+
+def torch_state_into_dion3(make, steps=1):
+    """A torch.optim optimizer's state dict (after `steps` steps) loaded into Dion3 on the same, named matrix."""
+    w = param(4, 4)
+    other = make([w])
+    for _ in range(steps):
+        w.grad = torch.randn_like(w)
+        other.step()
+    Dion3([("w", w)]).load_state_dict(other.state_dict())
+
+
 def shared_param():
     w = param(4, 4)
     Dion3([{"params": [w]}, {"params": [w], "algorithm": "muon"}])
@@ -109,6 +130,15 @@ CASES = [
     ("group-unknown-key", lambda: Dion3([{"params": [param(4, 4)], "fracton": 0.5}]), ValueError,
      "parameter group 0 has an unknown key 'fracton' (did you mean 'fraction'?)"),
     ("group-without-params", lambda: Dion3([{"lr": 0.1}]), ValueError, "parameter group 0 has no 'params' entry"),
+    ("group-without-param-names", add_unnamed_group_to_named, ValueError,
+     "parameter group 2 has no 'param_names', but the other groups carry them (errors name parameters by them): "
+     'add them, as in {"params": [...], "param_names": [...]}'),
+    ("group-param-names-among-unnamed", add_named_group_to_unnamed, ValueError,
+     "parameter group 1 has 'param_names', but the other groups have none"),
+    ("group-param-names-count", lambda: Dion3([{"params": [param(4, 4), param(4, 4)], "param_names": ["a"]}]), ValueError,
+     "parameter group 0 has 1 param_names for 2 parameters"),
+    ("group-mixes-named-and-bare", lambda: Dion3([("a", param(4, 4)), param(4, 4)]), ValueError,
+     "parameter group 0 mixes (name, tensor) pairs and bare tensors"),
     ("parameter-in-two-groups", shared_param, ValueError, "already belongs to parameter group 0"),
     ("parameter-twice-in-a-group", repeated_param, ValueError,
      "parameter 'c.weight' appears twice in parameter group 0 (also 'a.weight')"),
@@ -125,6 +155,9 @@ CASES = [
     ("fraction-allocation-cost-without-fraction",
      lambda: param_groups(torch.nn.Linear(4, 4), lm_head="weight", fraction_allocation="cost"),
      ValueError, "fraction_allocation='cost' needs fraction="),
+    ("fraction-allocation-cost-fraction-zero",
+     lambda: param_groups(torch.nn.Linear(4, 4), lm_head=False, fraction=0, fraction_allocation="cost"),
+     ValueError, "fraction must lie in (0, 1], got 0"),
     ("fraction-weights-without-cost",
      lambda: param_groups(torch.nn.Linear(4, 4), lm_head=False, fraction=0.5, fraction_weights={"weight": 2.0}),
      ValueError, "fraction_weights weigh the rows of fraction_allocation='cost'"),
@@ -193,8 +226,8 @@ CASES = [
     ("inf-gradient-check-finite", lambda: step_with_grad(float("inf")), FloatingPointError, "non-finite gradient in parameter 'w'"),
     ("overflowing-gradient-norm-check-finite", lambda: step_with_grad(1e20), FloatingPointError, "its norm overflows float32"),
     ("sparse-gradient-adamw", sparse_gradient_in("adamw"), ValueError,
-     "parameter 'embed.weight' has a sparse gradient, which an AdamW or Lion group cannot step"),
-    ("sparse-gradient-lion", sparse_gradient_in("lion"), ValueError, "'embed.weight' has a sparse gradient"),
+     "parameter 'embed.weight' of group 0 has a sparse gradient, which an AdamW or Lion group cannot step"),
+    ("sparse-gradient-lion", sparse_gradient_in("lion"), ValueError, "'embed.weight' of group 0 has a sparse gradient"),
     ("orthogonalize-vector", lambda: orthogonalize(torch.randn(4)), ValueError, "needs a [..., rows, cols] tensor"),
     ("orthogonalize-integer", lambda: orthogonalize(torch.ones(4, 4, dtype=torch.int64)), ValueError, "real floating-point tensor"),
     ("orthogonalize-unknown-method", lambda: orthogonalize(torch.randn(4, 4), method="svd"), ValueError, "unknown orthogonalization method 'svd'"),
@@ -207,8 +240,15 @@ CASES = [
     ("state-dict-shape", lambda: load_into([(6, 4), (3, 5)]), ValueError, "has shape (4, 6) in the state dict, expected (6, 4)"),
     ("state-dict-missing-entry", lambda: load_into([(4, 6), (3, 5)], drop_variance), ValueError, "state dict has no 'variance'"),
     ("state-dict-other-algorithm", muon_state_into_dion3, ValueError,
-     "parameter group 0 of the state dict was saved by algorithm 'muon', but this optimizer's group 0 runs 'dion3'"),
+     "parameter group 0 of the state dict was saved by algorithm 'muon', but this optimizer runs 'dion3' there"),
     ("state-dict-not-an-optimizer-state", lambda: load_into([(4, 6), (3, 5)], lambda sd: sd.pop("state")), ValueError, "must have 'state' and 'param_groups'"),
+    ("state-dict-from-torch-adamw", lambda: torch_state_into_dion3(torch.optim.AdamW), ValueError,
+     "for parameter 'w' of group 0 it holds exp_avg/exp_avg_sq, as torch.optim.AdamW saves, where this optimizer's "
+     "'dion3' keeps momentum/variance"),
+    ("state-dict-from-torch-sgd", lambda: torch_state_into_dion3(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+     ValueError, "it holds momentum_buffer, as torch.optim.SGD saves"),
+    ("state-dict-from-unstepped-torch-optimizer", lambda: torch_state_into_dion3(torch.optim.AdamW, steps=0), ValueError,
+     "its group 0 holds no state, and settings of torch.optim (lr, betas, eps"),
 ]
 
 
@@ -217,6 +257,38 @@ def test_bad_input_gets_its_documented_error(action, error, fragment):
     with pytest.raises(error) as caught:
         action()
     assert fragment in str(caught.value)
+
+
+# "name_with_underscore: ...": a function name heading a message. Only what the caller wrote
+# may head one: the public names of dion3 (param_groups, convert_state_dict, ...).
+HEADING_NAME = re.compile(r"\b([A-Za-z]\w*_\w*):")
+
+
+@pytest.mark.parametrize("action, error", [c[1:3] for c in CASES], ids=[c[0] for c in CASES])
+def test_every_message_names_each_group_once_and_no_function_inside(action, error):
+    import dion3
+
+    with pytest.raises(error) as caught:
+        action()
+    message = str(caught.value)
+    # one group per number: "parameter group 0: parameter 0 of group 0" would name group 0 twice
+    named = re.findall(r"\bgroups? (\d+)", message)
+    assert len(named) == len(set(named)), f"a group is named twice: {message}"
+    assert message.count("of group") <= 1, message
+    inside = [name for name in HEADING_NAME.findall(message) if not hasattr(dion3, name)]
+    assert not inside, f"the message names {inside}, which the caller never called: {message}"
+
+
+def test_the_checks_catch_what_they_are_for():
+    """The two patterns above, on messages as they read before they were fixed."""
+    repeated = "parameter group 0: parameter 2 of group 0 (shape (32,)) is 1-D"
+    named = re.findall(r"\bgroups? (\d+)", repeated)
+    assert len(named) != len(set(named))
+    import dion3
+
+    inside = "cost_allocated_fractions: fraction must lie in (0, 1], got 0"
+    assert [n for n in HEADING_NAME.findall(inside) if not hasattr(dion3, n)] == ["cost_allocated_fractions"]
+    assert [n for n in HEADING_NAME.findall("param_groups: lm_head 'x' names no module") if not hasattr(dion3, n)] == []
 
 
 def test_table_has_unique_ids_and_every_row_is_documented():

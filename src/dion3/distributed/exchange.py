@@ -44,7 +44,7 @@ class Pending:
 
     def wait(self) -> Tensor:
         if self._result is None:
-            raise RuntimeError("Pending.wait() was already called")
+            raise RuntimeError("this pending collective was already waited on; wait on each one once")
         if self._work is not None:
             self._work.wait()
         result, self._result, self._work = self._result, None, None

@@ -125,8 +125,8 @@ def classify(param: Tensor, label: str, flatten: bool) -> Axes:
         role = "batch" if dim == batch_dim else "rows" if dim == row_dim else "cols" if dim == col_dim else None
         if role is None or (role == "batch" and param.dim() != 3):
             raise ValueError(
-                f"parameter {label} of shape {tuple(param.shape)} has placements {placements}: sharding "
-                f"tensor dim {dim} is supported only on the experts of a 3-D stack (dim 0), the rows "
+                f"parameter {label} has placements {placements}: sharding dim {dim} of its "
+                f"{param.dim()}-D tensor is supported only on the experts of a 3-D stack (dim 0), the rows "
                 f"(dim {row_dim}) or the columns (dim {col_dim}); reshape it or keep that dim replicated"
             )
         if role == "cols" and isinstance(placement, _StridedShard):

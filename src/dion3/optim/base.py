@@ -24,6 +24,8 @@ from .. import distributed, matrix_step, rules
 from ..buckets import Bucket, SkipTally, add_matrix, bucket_subset, matrix_view, momentum_dtype, write_back_subset
 from ..ortho.precision import agree_across_ranks
 from . import scalar
+from .added_groups import check_names, warn_of_defaults
+from .foreign_state import check_not_foreign
 from .scalar_group import step_group
 from .validation import (
     ALIASES,
@@ -77,26 +79,28 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         check_group_keys(group, len(self.param_groups), self.defaults)  # stricter than torch: a typo is not ignored
         params = group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
-        names = None
-        if params and isinstance(params[0], tuple):  # named parameters
-            names, params = [n for n, _ in params], [p for _, p in params]
-        group["params"] = params
-        if names is not None:  # torch checks that all groups are named or none is
-            group["param_names"] = names
         index = len(self.param_groups)
+        pairs = [isinstance(p, tuple) for p in params]
+        if any(pairs):  # named parameters
+            if not all(pairs):
+                raise ValueError(f"parameter group {index} mixes (name, tensor) pairs and bare tensors in 'params'; "
+                                 "give every parameter a name or none")
+            group["param_names"], params = [n for n, _ in params], [p for _, p in params]
+        group["params"] = params
+        names = group.get("param_names")
+        check_names(group, index, self.param_groups)  # torch's own error would not say what to pass
         # where each parameter already is: (group, position); torch only warns of a repeat in one
         # group, whose step would then update the parameter twice
         placed = {id(p): (g, j) for g, other in enumerate(self.param_groups) for j, p in enumerate(other["params"])}
         for i, p in enumerate(params):
             if id(p) in placed:
                 g, j = placed[id(p)]
-                label = param_label(names, index, i, p)
                 if g != index:
-                    raise ValueError(f"parameter {label} already belongs to parameter group {g}; a parameter "
-                                     "may appear in one group only")
+                    raise ValueError(f"parameter {param_label(names, index, i, p)} already belongs to parameter "
+                                     f"group {g}; a parameter may appear in one group only")
                 also = repr(names[j]) if names is not None else f"at index {j}"
-                raise ValueError(f"parameter {label} appears twice in parameter group {index} (also {also}); "
-                                 "list each parameter once")
+                raise ValueError(f"parameter {param_label(names, None, i, p)} appears twice in parameter group "
+                                 f"{index} (also {also}); list each parameter once")
             placed[id(p)] = (index, i)
         super().add_param_group(group)
         group = self.param_groups[-1]
@@ -105,7 +109,8 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()  # a rejected group must leave the optimizer as it was
             raise
-        if self._ready:
+        if self._ready:  # a group added to a built optimizer (the constructor's groups are the caller's choice)
+            warn_of_defaults(param_group, group, index, self.param_groups[:-1], type(self).__name__)
             self._build_buckets()
 
     @property
@@ -227,19 +232,19 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         for key, target in fresh.items():
             if key in state:
-                self._load_into(target, state[key], key, p)
+                self._load_into(target, state[key], key, p, group)
             state[key] = target
         for key in list(state):
             if key not in fresh:
                 del state[key]
         return fresh
 
-    @staticmethod
-    def _load_into(target: Tensor, loaded: Tensor, key: str, p: Tensor) -> None:
+    def _load_into(self, target: Tensor, loaded: Tensor, key: str, p: Tensor, group: dict) -> None:
         if loaded.numel() != target.numel():
+            label = self._param_label(group, next(i for i, q in enumerate(group["params"]) if q is p))
             raise ValueError(
-                f"state {key!r} of parameter with shape {tuple(p.shape)} has shape "
-                f"{tuple(loaded.shape)}; the state dict does not match these parameters"
+                f"state {key!r} of parameter {label} has shape {tuple(loaded.shape)}, expected "
+                f"{tuple(target.shape)}; the state dict does not match these parameters"
             )
         target.copy_(loaded.reshape(target.shape))
 
@@ -270,13 +275,14 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                 targets["variance"] = (bucket.variance[span], variance_shape(p, group["flatten"]))
             for key, (target, shape) in targets.items():
                 if key in state:
-                    self._load_into(target, state[key], key, p)
+                    self._load_into(target, state[key], key, p, group)
                 state[key] = target.view(shape)
             for key in list(state):
                 if key not in targets:
                     del state[key]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_not_foreign(state_dict, self.param_groups)  # another optimizer's (AdamW's, say): convert_state_dict
         check_state_dict(state_dict, self.param_groups)  # before torch mutates anything
         current = [dict(g) for g in self.param_groups]
         super().load_state_dict(state_dict)

@@ -43,13 +43,12 @@ def modeled_time_cost(method: str = "auto", schedule: Any = "polar_express") -> 
 
 def _check_shapes(shapes: Sequence) -> None:
     if len(shapes) == 0:
-        raise ValueError("cost_allocated_fractions: shapes is empty; give at least one matrix shape")
+        raise ValueError("no matrix shape to allocate fractions to; give at least one")
     for shape in shapes:
         for name in ("rows", "cols", "count"):
             value = getattr(shape, name, None)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"cost_allocated_fractions: shapes holds {shape!r} whose {name} is {value!r}, "
-                                 "not a positive integer")
+                raise ValueError(f"the matrix shape {shape!r} has {name} {value!r}, not a positive integer")
 
 
 def cost_allocated_fractions(
@@ -82,11 +81,11 @@ def cost_allocated_fractions(
     budget with one more row.
     """
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
-        raise ValueError(f"cost_allocated_fractions: fraction must lie in (0, 1], got {fraction!r}")
+        raise ValueError(f"fraction must lie in (0, 1], got {fraction!r}")
     if floor is None:
         floor = fraction / 4
     if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 < floor <= fraction:
-        raise ValueError(f"cost_allocated_fractions: floor must lie in (0, fraction] = (0, {fraction:g}], got {floor!r}")
+        raise ValueError(f"floor must lie in (0, fraction] = (0, {fraction:g}], got {floor!r}")
     _check_shapes(shapes)
     cost = cost or modeled_time_cost(method, schedule)
     weight_of = _shape_weights(shapes, weights)
@@ -129,16 +128,15 @@ def _shape_weights(shapes: Sequence, weights: Optional[Sequence[float]]) -> dict
         return {(shape.rows, shape.cols): 1.0 for shape in shapes}
     weights = list(weights)
     if len(weights) != len(shapes):
-        raise ValueError(f"cost_allocated_fractions: weights has {len(weights)} entries for {len(shapes)} shapes; "
-                         "give one weight per shape")
+        raise ValueError(f"weights has {len(weights)} entries for {len(shapes)} shapes; give one weight per shape")
     out: dict[tuple[int, int], float] = {}
     for shape, weight in zip(shapes, weights):
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0.0 < weight < math.inf:
-            raise ValueError(f"cost_allocated_fractions: the weight of shape {shape.rows}x{shape.cols} must be a "
-                             f"positive finite number, got {weight!r}")
+            raise ValueError(f"the weight of shape {shape.rows}x{shape.cols} must be a positive finite number, "
+                             f"got {weight!r}")
         key = (shape.rows, shape.cols)
         if out.setdefault(key, float(weight)) != float(weight):
-            raise ValueError(f"cost_allocated_fractions: shape {shape.rows}x{shape.cols} is given the weights "
+            raise ValueError(f"shape {shape.rows}x{shape.cols} is given the weights "
                              f"{out[key]:g} and {weight:g}; equal shapes share one fraction, so they need one weight")
     return out
 
@@ -150,7 +148,8 @@ def matrix_shapes(params: Iterable[Tensor], flatten: bool = False) -> list[Matri
     counts: dict[tuple[int, int], int] = {}
     for p in params:
         if p.dim() < 2:
-            raise ValueError(f"matrix_shapes: a parameter of shape {tuple(p.shape)} is not a matrix")
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} is not a matrix; the cost model prices "
+                             "matrices only")
         view = matrix_view(p.detach(), flatten)  # the optimizer's own view rule; a view, no copy
         rows, cols, count = view.shape[-2], view.shape[-1], math.prod(view.shape[:-2])
         counts[(rows, cols)] = counts.get((rows, cols), 0) + count
@@ -176,7 +175,7 @@ def cost_allocated_groups(group: dict, fraction: float, floor: Optional[float] =
     weights: {part of a parameter name: weight} (e.g. {"mlp": 2.0}): the weight of every matrix
     whose name contains that part (1 for the others), handed to cost_allocated_fractions per
     shape; needs the group's param_names."""
-    require_whole_matrices(group, "cost_allocated_groups")
+    require_whole_matrices(group, "fractions by cost")
     params = list(group["params"])
     names = group.get("param_names")
     flatten = bool(group.get("flatten", False))
@@ -203,19 +202,19 @@ def _weights_by_name(params: list, names: Optional[Sequence[str]], weights: Mapp
     """One weight per shape of `shapes` from {name part: weight}: each parameter takes the weight of
     the one part its name contains (1 for none); the parameters of a shape must agree."""
     if names is None:
-        raise ValueError("cost_allocated_groups: weights pick matrices by name, but the group has no param_names "
+        raise ValueError("fraction weights pick matrices by name, but the group has no param_names "
                          "(param_groups(...) writes them)")
     if not weights:
-        raise ValueError("cost_allocated_groups: weights is empty; give {part of a parameter name: weight}")
+        raise ValueError("the fraction weights are empty; give {part of a parameter name: weight}")
     for part, weight in weights.items():
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0.0 < weight < math.inf:
-            raise ValueError(f"cost_allocated_groups: the weight of {part!r} must be a positive finite number, got {weight!r}")
+            raise ValueError(f"the fraction weight of {part!r} must be a positive finite number, got {weight!r}")
     used = set()
     by_shape: dict[tuple[int, int], tuple[float, str]] = {}
     for p, name in zip(params, names):
         matching = [part for part in weights if part in name]
         if len(matching) > 1:
-            raise ValueError(f"cost_allocated_groups: parameter {name!r} matches the weights of {matching}; "
+            raise ValueError(f"parameter {name!r} matches the fraction weights of {matching}; "
                              "give parts that pick each matrix once")
         used.update(matching)
         weight = float(weights[matching[0]]) if matching else 1.0
@@ -223,11 +222,12 @@ def _weights_by_name(params: list, names: Optional[Sequence[str]], weights: Mapp
         key = (shape.rows, shape.cols)
         seen = by_shape.setdefault(key, (weight, name))
         if seen[0] != weight:
-            raise ValueError(f"cost_allocated_groups: {seen[1]!r} (weight {seen[0]:g}) and {name!r} (weight {weight:g}) "
+            raise ValueError(f"{seen[1]!r} (weight {seen[0]:g}) and {name!r} (weight {weight:g}) "
                              f"share the shape {key[0]}x{key[1]}, which gets one fraction: give them one weight")
     unused = [part for part in weights if part not in used]
     if unused:
-        raise ValueError(f"cost_allocated_groups: no matrix of the group has {unused} in its name")
+        raise ValueError(f"no matrix of the group has {unused} in its name; each part given a fraction weight must "
+                         "pick a matrix")
     return [by_shape[(shape.rows, shape.cols)][0] for shape in shapes]
 
 

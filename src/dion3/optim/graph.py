@@ -30,7 +30,7 @@ from torch import Tensor
 from .. import rules
 from ..distributed import is_dtensor
 from .base import OrthogonalOptimizer
-from .validation import SELECTING_ALGORITHMS, check_fractions
+from .validation import SELECTING_ALGORITHMS, check_fractions, param_label
 
 
 def to_device_scalars(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -52,10 +52,9 @@ def stepped_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _label(optimizer: torch.optim.Optimizer, group_index: int, i: int) -> str:
+def _label(optimizer: torch.optim.Optimizer, group_index: int, i: int, with_group: bool = True) -> str:
     group = optimizer.param_groups[group_index]
-    names = group.get("param_names")
-    return repr(names[i]) if names else f"{i} of group {group_index} (shape {tuple(group['params'][i].shape)})"
+    return param_label(group.get("param_names"), group_index if with_group else None, i, group["params"][i])
 
 
 def require_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
@@ -148,7 +147,7 @@ class CapturedStep:
             if group.get("algorithm") in SELECTING_ALGORITHMS and group.get("selection_scope") == "global" \
                     and group["params"]:
                 raise ValueError(
-                    f"parameter group {index} ({group['algorithm']!r}, parameter {_label(optimizer, index, 0)} and "
+                    f"parameter group {index} ({group['algorithm']!r}, parameter {_label(optimizer, index, 0, False)} and "
                     f"{len(group['params']) - 1} more) has selection_scope='global', which exchanges split sizes "
                     "through the host each step and cannot be captured in a CUDA graph; use "
                     "selection_scope='local' for a captured distributed step"

@@ -4,9 +4,10 @@
 the optimizer's group runs: torch.optim replaces each group by the saved one, so a Muon
 checkpoint loaded into Dion3 would quietly train Muon with the saved settings. Switching on
 purpose (start Dion3 from a Muon run's momentum, say) goes through `convert_state_dict`, which
-rewrites the saved state dict into the one the target optimizer would save: a normal state dict
-of the target's algorithms, which `optimizer.load_state_dict` and torch.distributed.checkpoint's
-`set_optimizer_state_dict` (it calls `load_state_dict` with it) load without arguments.
+rewrites the saved state dict (a dion3 optimizer's, or another's such as torch.optim.AdamW's)
+into the one the target optimizer would save: a normal state dict of the target's algorithms,
+which `optimizer.load_state_dict` and torch.distributed.checkpoint's `set_optimizer_state_dict`
+(it calls `load_state_dict` with it) load without arguments.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Union
 
 import torch
 
+from .foreign_state import converted_entries, entry_names, is_foreign
 from .validation import STATE_ENTRIES, saved_algorithm
 
 _STATE, _GROUPS = "state.", "param_groups."  # keys of DCP's flat form (flatten_optimizer_state_dict=True)
@@ -22,9 +24,10 @@ _STATE, _GROUPS = "state.", "param_groups."  # keys of DCP's flat form (flatten_
 
 def convert_state_dict(state_dict: Mapping[str, Any],
                        target: Union[torch.optim.Optimizer, Mapping[str, Any]]) -> dict[str, Any]:
-    """`state_dict`, saved by a dion3 optimizer (any algorithm in any group), rewritten as the
-    state dict that `target` would save, for `target.load_state_dict(...)` (or DCP's
-    `set_optimizer_state_dict`): the switch of algorithm that `load_state_dict` refuses on its own.
+    """`state_dict`, saved by a dion3 optimizer (any algorithm in any group) or by another one
+    (torch.optim.AdamW, Adam, SGD, ...), rewritten as the state dict that `target` would save, for
+    `target.load_state_dict(...)` (or DCP's `set_optimizer_state_dict`): the switch of algorithm
+    that `load_state_dict` refuses on its own.
 
     target: the optimizer that will load the result (its `state_dict()` is the template), or that
         optimizer's own state dict in the form of `state_dict`: for a state dict read through
@@ -42,8 +45,13 @@ def convert_state_dict(state_dict: Mapping[str, Any],
     entries the target does not keep are left out. Everything else is the target's: each group's
     algorithm and settings (lr, fraction, mu, ...), not the saved ones, and in the flat form any
     key outside the optimizer state. Loading casts the momentum to the target's momentum dtype.
-    A group saved before groups named their algorithm counts as the target's. Neither argument
-    is modified: the result's state tensors are the saved ones and new zeros, none of the target's.
+    A group saved before groups named their algorithm counts as the target's. From another
+    optimizer's state (foreign_state): AdamW/Adam's moments and step carry over into an AdamW
+    group as saved, exp_avg into a Lion group, and a matrix's momentum starts at the mean gradient
+    they hold turned into a μ-decayed sum, exp_avg / (1 − β₁ᵗ) / (1 − μ) (SGD's: momentum_buffer ·
+    (1 − momentum) / (1 − dampening) / (1 − μ)); the rest starts at zero. Neither argument is
+    modified: the result's state tensors are the saved ones, new zeros and new tensors computed
+    from the saved ones, none of the target's.
     """
     template = target.state_dict() if isinstance(target, torch.optim.Optimizer) else target
     for name, value in (("state_dict", state_dict), ("target's state dict", template)):
@@ -87,8 +95,8 @@ def _entries(saved: Mapping[str, Any], own: Mapping[str, Any], saved_as: str, wh
         elif key in saved:
             out[key] = saved[key]
         else:
-            raise ValueError(f"convert_state_dict: the state dict has no {key!r} for parameter {where} ({saved_as}); "
-                             "the state dict does not match these parameters")
+            raise ValueError(f"convert_state_dict: the state dict has no {key!r} for parameter {where}, which "
+                             f"{saved_as!r} keeps; the state dict does not match these parameters")
     return out
 
 
@@ -105,8 +113,12 @@ def _convert_structured(state_dict: Mapping[str, Any], template: Mapping[str, An
             raise ValueError(
                 f"convert_state_dict: the state dict's groups hold {counts[0]} parameters but the target's hold "
                 f"{counts[1]}, and without parameter names (`param_groups`, or (name, tensor) pairs) the "
-                "parameters cannot be matched; the state dict does not match these parameters")
+                "parameters cannot be matched: give both optimizers' groups their names (a torch.optim state dict "
+                "saved without them takes them in one line: docs/training.md, \"Switching from AdamW or another "
+                "torch optimizer\")")
         pairs = _pairs_by_name(saved_groups, groups, "param_names")
+    # saved groups of another optimizer (torch.optim.AdamW, say), by identity
+    foreign = {id(g) for g in saved_groups if is_foreign(g, entry_names(state_dict["state"], g["params"]))}
     state: dict[Any, Any] = {}
     for index, (group, members) in enumerate(zip(groups, pairs)):
         target_as = _target_algorithm(group, f"parameter group {index} of the target")
@@ -114,10 +126,14 @@ def _convert_structured(state_dict: Mapping[str, Any], template: Mapping[str, An
         for i, (pid, saved_pid, saved_group) in enumerate(members):
             if pid not in template["state"]:  # no state of its own (not ours: dion3 creates it up front)
                 continue
-            label = repr(pid) if isinstance(pid, str) else repr(names[i]) if names else f"{i} of group {index}"
+            saved = state_dict["state"].get(saved_pid, {})
+            if id(saved_group) in foreign:
+                state[pid] = converted_entries(saved, saved_group, template["state"][pid], group, target_as)
+                continue
+            label = repr(pid) if isinstance(pid, str) else f"{names[i]!r} of group {index}" if names else \
+                f"{i} of group {index}"
             saved_as = saved_algorithm(saved_group.get("algorithm"), f"the state dict's group of parameter {label}")
-            state[pid] = _entries(state_dict["state"].get(saved_pid, {}), template["state"][pid],
-                                  saved_as or target_as, label)
+            state[pid] = _entries(saved, template["state"][pid], saved_as or target_as, label)
     return {"state": state, "param_groups": [dict(g, params=list(g["params"])) for g in groups]}
 
 
@@ -148,21 +164,30 @@ def _split(state_dict: Mapping[str, Any], prefix: str) -> dict[tuple[str, str], 
     return out
 
 
+def _per_fqn(split: dict[tuple[str, str], Any]) -> dict[str, dict[str, Any]]:
+    """{fqn: {name: value}} of _split's {(fqn, name): value}."""
+    out: dict[str, dict[str, Any]] = {}
+    for (fqn, name), value in split.items():
+        out.setdefault(fqn, {})[name] = value
+    return out
+
+
 def _convert_flat(state_dict: Mapping[str, Any], template: Mapping[str, Any]) -> dict[str, Any]:
-    saved_groups, groups = _split(state_dict, _GROUPS), _split(template, _GROUPS)
-    saved_state, own_state = _split(state_dict, _STATE), _split(template, _STATE)
-    saved_fqns = {fqn for fqn, _ in saved_groups}
+    saved_settings, target_settings = _per_fqn(_split(state_dict, _GROUPS)), _per_fqn(_split(template, _GROUPS))
+    saved_entries, by_param = _per_fqn(_split(state_dict, _STATE)), _per_fqn(_split(template, _STATE))
     out = {k: v for k, v in template.items() if not (isinstance(k, str) and k.startswith(_STATE))}
-    by_param: dict[str, dict[str, Any]] = {}
-    for (fqn, name), value in own_state.items():
-        by_param.setdefault(fqn, {})[name] = value
     for fqn, own in by_param.items():
-        if fqn not in saved_fqns:
+        if fqn not in saved_settings:
             raise ValueError(f"convert_state_dict: the state dict has no parameter {fqn!r}; it does not match "
                              "these parameters")
-        target_as = _target_algorithm({"algorithm": groups.get((fqn, "algorithm"))}, f"the target's group of {fqn!r}")
-        saved_as = saved_algorithm(saved_groups.get((fqn, "algorithm")), f"the state dict's group of {fqn!r}") or target_as
-        saved = {name: saved_state[(fqn, name)] for name in own if (fqn, name) in saved_state}
-        for name, value in _entries(saved, own, saved_as, repr(fqn)).items():
+        target_as = _target_algorithm(target_settings.get(fqn, {}), f"the target's group of {fqn!r}")
+        saved = saved_entries.get(fqn, {})
+        if is_foreign(saved_settings[fqn], saved):  # another optimizer's (torch.optim.AdamW, say)
+            entries = converted_entries(saved, saved_settings[fqn], own, target_settings[fqn], target_as)
+        else:
+            saved_as = saved_algorithm(saved_settings[fqn].get("algorithm"), f"the state dict's group of {fqn!r}")
+            entries = _entries({name: saved[name] for name in own if name in saved}, own, saved_as or target_as,
+                               repr(fqn))
+        for name, value in entries.items():
             out[f"{_STATE}{fqn}.{name}"] = value
     return out

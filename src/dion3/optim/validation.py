@@ -72,11 +72,14 @@ def saved_algorithm(name, where: str) -> Optional[str]:
     return name
 
 
-def param_label(names, group_index: int, index: int, param: Tensor) -> str:
-    """How errors name a parameter: its name when named parameters were given."""
+def param_label(names, group_index: Optional[int], index: int, param: Tensor) -> str:
+    """How errors name a parameter: its name when named parameters were given, else its index
+    and shape; with its group ("'w' of group 0", "2 of group 0 (shape (8,))") unless group_index
+    is None, for a message that names the group already."""
+    group = "" if group_index is None else f" of group {group_index}"
     if names is not None:
-        return repr(names[index])
-    return f"{index} of group {group_index} (shape {tuple(param.shape)})"
+        return f"{names[index]!r}{group}"
+    return f"{index}{group} (shape {tuple(param.shape)})"
 
 
 def validate_group(group: dict, index: int) -> None:
@@ -136,7 +139,7 @@ def validate_group(group: dict, index: int) -> None:
             "(stacked=True, flatten=False) in separate groups"
         )
     for i, p in enumerate(group["params"]):
-        label = param_label(group.get("param_names"), index, i, p)
+        label = param_label(group.get("param_names"), None, i, p)  # `where` names the group
         if not p.is_floating_point():
             raise ValueError(
                 f"{where}: parameter {label} has dtype {p.dtype}, but algorithm {algorithm!r} "
@@ -241,7 +244,7 @@ def check_state_dict(state_dict: dict[str, Any], param_groups: list[dict]) -> No
         if saved_as is not None and saved_as != algorithm:  # torch would take the saved group's algorithm
             raise ValueError(
                 f"parameter group {index} of the state dict was saved by algorithm {saved_as!r}, but this "
-                f"optimizer's group {index} runs {algorithm!r}: loading it would train the group with "
+                f"optimizer runs {algorithm!r} there: loading it would train the group with "
                 f"{saved_as!r} and the saved settings. To start {algorithm!r} from this state on purpose, "
                 "load dion3.convert_state_dict(state_dict, optimizer) instead: it carries over the state entries "
                 "both algorithms keep (the momentum), starts the others at zero and takes this optimizer's "
@@ -253,8 +256,8 @@ def check_state_dict(state_dict: dict[str, Any], param_groups: list[dict]) -> No
             for key, shape in expected_state_shapes(algorithm, p, flatten).items():
                 if key not in entry:
                     raise ValueError(
-                        f"state dict has no {key!r} for parameter {param_label(group.get('param_names'), index, i, p)} "
-                        f"of group {index} ({algorithm}); the state dict does not match these parameters"
+                        f"state dict has no {key!r} for parameter {param_label(group.get('param_names'), index, i, p)}, "
+                        f"which {algorithm!r} keeps; the state dict does not match these parameters"
                     )
                 found = tuple(entry[key].shape) if isinstance(entry[key], Tensor) else ()
                 if math.prod(found) != math.prod(shape) or (len(shape) > 0 and found != shape):
