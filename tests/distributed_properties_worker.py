@@ -334,4 +334,5 @@ def worker(rank: int, world: int, out_path: str, counts: dict) -> None:
         with open(f"{out_path}.rank{rank}.json", "w") as f:
             json.dump(report, f, indent=1)
     finally:
-        gloo.stop(f"{out_path}.store")
+        CLUSTER.clear()  # its mesh holds the process group: nothing may keep it past the worker
+        gloo.stop()

@@ -1,20 +1,19 @@
 """Process-group set-up and helpers shared by the spawned distributed tests (gloo on CPU)."""
 import datetime
+import gc
 import json
 import os
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+# Its functions take group.WORLD as a default argument, read when the module is imported: imported
+# inside a live group (DTensor's first tensor imports it), it would hold that group past stop().
+import torch.distributed.nn.functional  # noqa: F401
 
 
 def _log_path(store: str, rank: int) -> str:
     return f"{store}.rank{rank}.log"
-
-
-def _finished_path(store: str, rank: int) -> str:
-    return f"{store}.rank{rank}.finished"
 
 
 def start(rank: int, world: int, store: str) -> None:
@@ -29,35 +28,79 @@ def start(rank: int, world: int, store: str) -> None:
                             timeout=datetime.timedelta(seconds=120))
 
 
-def stop(store: str) -> None:
-    """Leave the group together: tearing gloo down while a peer still talks to it can abort
-    the process ("terminate called without an active exception"). Once every rank reached the
-    barrier (all its work done) this rank is marked finished beside `store`, so that `spawn`
-    can tell a crash in gloo's teardown from one in the work."""
+def stop() -> None:
+    """Leave the group together (tearing gloo down while a peer still talks to it can abort the
+    process), and let destroy_process_group free every group (_leaving_no_group says why): a
+    mesh holds its groups, DTensor's caches hold each mesh they saw, and a flattened mesh and
+    its root refer to each other. The caches are emptied and the cycles collected before the
+    groups are destroyed: done after, the meshes of the (dp, tp) layouts worker stayed alive."""
     try:
         dist.barrier()
-        Path(_finished_path(store, dist.get_rank())).touch()
     finally:
+        _clear_dtensor_caches()
+        gc.collect()
         dist.destroy_process_group()
 
 
+def _leaving_no_group(rank: int, worker, args: tuple) -> None:
+    """worker(rank, *args), then check that no process group outlives it. A group freed while
+    the interpreter runs joins its gloo worker threads; a group still held is freed only in
+    interpreter shutdown, where a worker thread that was late to free a finished collective's
+    tensor takes the GIL, is ended by Python, and aborts the process ("terminate called without
+    an active exception", after every rank finished)."""
+    worker(rank, *args)
+    gc.collect()  # the worker's reference cycles (a flattened mesh and its root) go now, not in shutdown
+    left = _gloo_worker_threads()
+    if left:
+        raise RuntimeError(f"{left} gloo worker threads outlive the worker: something still holds their process "
+                           "groups, which interpreter shutdown would then tear down")
+
+
+def _clear_dtensor_caches() -> None:
+    """Empty DTensor's process-wide caches of sharding decisions and redistribution plans (each
+    keeps the DeviceMeshes of the specs it saw); a torch without one of them has nothing to clear."""
+    try:
+        from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+    except ImportError:
+        return
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    caches = [getattr(propagator, "propagate_op_sharding", None),
+              getattr(propagator, "_propagate_tensor_meta_cached", None),
+              getattr(_redistribute, "_gen_transform_infos", None),
+              getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)]
+    for cache in caches:
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    for clear in (getattr(_redistribute, "clear_redistribute_planner_cache", None),
+                  getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)):
+        if clear is not None:
+            clear()
+
+
+def _gloo_worker_threads() -> int:
+    """How many threads of this process run a gloo group's work queue (torch names them)."""
+    count = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            count += (task / "comm").read_text().strip() == "pt_gloo_runloop"
+        except OSError:  # the thread ended meanwhile
+            pass
+    return count
+
+
 def spawn(worker, args: tuple, world: int, store: str) -> None:
-    """mp.spawn(worker, args, nprocs=world) for workers that start(..., store) and stop(store).
-    A rank killed by a signal after every rank marked itself finished died in process-group
-    teardown, past all the work the tests read: warned, not raised. Any other failure is raised
-    with the tail of every rank's stderr log (the abort message that mp.spawn does not show)."""
+    """mp.spawn(worker, args, nprocs=world) for workers that start(..., store) and stop(). Any
+    rank that fails, in its work, in leaving the group or by leaving a group alive
+    (_leaving_no_group), raises with the tail of every rank's stderr log (the abort message that
+    mp.spawn does not show)."""
     import torch.multiprocessing as mp
-    from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
+    from torch.multiprocessing.spawn import ProcessException
 
     try:
-        mp.spawn(worker, args=args, nprocs=world)
+        mp.spawn(_leaving_no_group, args=(worker, args), nprocs=world)
     except ProcessException as error:
         logs = "\n".join(f"--- rank {rank} stderr (last lines):\n{_tail(_log_path(store, rank))}"
                          for rank in range(world))
-        finished = all(os.path.exists(_finished_path(store, rank)) for rank in range(world))
-        if finished and isinstance(error, ProcessExitedException) and error.signal_name:
-            warnings.warn(f"{error} in process-group teardown, after every rank finished\n{logs}")
-            return
         raise RuntimeError(f"{error}\n{logs}") from error
 
 
@@ -79,7 +122,7 @@ def run_and_report(rank: int, world: int, out_path: str, scenarios) -> None:
             with open(out_path, "w") as handle:
                 json.dump(results, handle, indent=1)
     finally:
-        stop(store)
+        stop()
 
 
 def spawn_and_read(worker, world: int, out_path, *args) -> dict:

@@ -530,7 +530,7 @@ def worker(rank: int, world: int, out_path: str, which: str) -> None:
             with open(out_path, "w") as f:
                 json.dump(results, f, indent=1)
     finally:
-        gloo.stop(f"{out_path}.store")
+        gloo.stop()
 
 
 if __name__ == "__main__":  # manual run: python tests/layouts_worker.py WORLD dp_tp|hsdp_tp|pp_dp_tp OUT.json

@@ -77,7 +77,7 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
             with open(out, "w") as handle:
                 json.dump(results, handle)
     finally:
-        gloo.stop(store)
+        gloo.stop()
 
 
 if __name__ == "__main__":

@@ -329,6 +329,30 @@ def test_groups_of_a_destroyed_default_group_are_not_reused(tmp_path, monkeypatc
     assert groups[0] is groups[1] and groups[2] is groups[3] and groups[0] is not groups[2]
 
 
+def test_groups_are_not_kept_past_destroy_process_group(tmp_path):
+    """The table of groups holds neither the default group nor a group it created once
+    destroy_process_group has let go of them: their gloo worker threads are joined there, not in
+    interpreter shutdown (where a late one aborts the process)."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dion3.distributed import axes_group
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        created = weakref.ref(axes_group(init_device_mesh("cpu", (1, 1)), (0, 1)).group)
+        world = weakref.ref(dist.group.WORLD)
+        assert created() is not None and world() is not None
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    assert created() is None, "the group created for the product of both axes is still alive"
+    assert world() is None, "the destroyed default group is still alive"
+
+
 PIPELINE = [f"{kind}/{given}" for kind in ("muon", "dion3_global") for given in ("sub_mesh", "none")]
 
 

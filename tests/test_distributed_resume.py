@@ -102,7 +102,7 @@ def phase(rank: int, world: int, store: str, load_from: str, save_to: str, out: 
             with open(out, "w") as f:
                 json.dump(errors, f)
     finally:
-        gloo.stop(store)
+        gloo.stop()
 
 
 def resumed_error(kind: str, mesh, world: int, rank: int, checkpoint: str) -> float:

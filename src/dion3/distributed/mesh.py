@@ -8,6 +8,7 @@ parameters' meshes are sub-meshes of, such as the world mesh of FSDP2 + TP), or 
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -164,9 +165,12 @@ def _gathered_members(local: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ..
 # process group they belong to (a destroyed and re-initialized default group starts an empty
 # table). Each parameter of an FSDP2/TP model carries a DeviceMesh object of its own, and meshes
 # made apart (two init_device_mesh calls) hold distinct groups of the same ranks: keyed by
-# object, each would get or use communicators of its own.
-_GROUPS: dict[tuple, "dist.ProcessGroup"] = {}
-_GROUPS_WORLD: list = [None]  # the default group the table's groups belong to
+# object, each would get or use communicators of its own. The table holds its groups and the
+# default group weakly: torch.distributed keeps them alive until destroy_process_group, and
+# nothing here may keep them longer (a gloo group left alive then is torn down in interpreter
+# shutdown, where one of its worker threads can abort the process).
+_GROUPS: "weakref.WeakValueDictionary[tuple, dist.ProcessGroup]" = weakref.WeakValueDictionary()
+_GROUPS_WORLD: list = [None]  # a weak reference to the default group the table's groups belong to
 
 
 def axes_group(mesh: "DeviceMesh", axes: tuple[int, ...]) -> Optional[MeshInfo]:
@@ -184,9 +188,10 @@ def axes_group(mesh: "DeviceMesh", axes: tuple[int, ...]) -> Optional[MeshInfo]:
         return None
     axes = tuple(axes)
     world = dist.group.WORLD
-    if _GROUPS_WORLD[0] is not world:  # a new default group: the old groups are gone
+    known = _GROUPS_WORLD[0]
+    if known is None or known() is not world:  # a new default group: the old groups are gone
         _GROUPS.clear()
-        _GROUPS_WORLD[0] = world
+        _GROUPS_WORLD[0] = weakref.ref(world)
     if len(axes) == 1:  # the mesh's own group: nothing is created, this rank's slice suffices
         own = mesh.get_group(axes[0])
         group = _GROUPS.setdefault((mesh.device_type, dist.get_backend(own), axes_members(mesh, axes)), own)
