@@ -177,7 +177,8 @@ def test_default_list_times_both_recommendations():
     by_cost = {v.name for v in defaults if v.allocation == "cost"}
     assert by_cost == {"dion3-1/2-cost", "dion3-1/4-cost"}
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    usage = readme[readme.index("## Usage"):readme.index("Constructors (names match")]
+    start = readme.index("## Usage")
+    usage = readme[start:readme.index("\n## ", start)]
     recommended = {float(f) for f in re.findall(r'fraction=([\d.]+), fraction_allocation="cost"', usage)}
     assert recommended == {v.fraction for v in defaults if v.allocation == "cost"} == {0.5, 0.25}
 

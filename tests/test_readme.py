@@ -14,7 +14,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def _usage_examples() -> list[str]:
     text = README.read_text()
-    usage = text[text.index("## Usage"):text.index("Constructors (names match")]
+    start = text.index("## Usage")
+    usage = text[start:text.index("\n## ", start)]
     return re.findall(r"```python\n(.*?)```", usage, flags=re.S)
 
 

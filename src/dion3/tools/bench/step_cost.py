@@ -131,7 +131,7 @@ def step_cost(
     return StepCost(int(dense), executed, moved, sent)
 
 
-# The variants of the README table: (label, algorithm, fraction, method, symmetric kernels).
+# The variants priced: (label, algorithm, fraction, method, symmetric kernels).
 TABLE_VARIANTS = (
     ("AdamW", "adamw", None, "auto", False),
     ("Muon (NS, cuBLAS)", "muon", None, "newton_schulz", False),
@@ -144,7 +144,7 @@ TABLE_VARIANTS = (
 
 
 def markdown_table(preset: Preset, world_size: int = 8) -> str:
-    """README table: FLOPs, bytes and the H200 floor for each variant on one preset."""
+    """The cost table: FLOPs, bytes and the H200 floor for each variant on one preset."""
     lines = [
         f"| {preset.name} | dense TFLOP | executed TFLOP | GB moved | floor ms (H200) | GB sent/rank, FSDP W={world_size} |",
         "|---|---|---|---|---|---|",
@@ -159,7 +159,7 @@ def markdown_table(preset: Preset, world_size: int = 8) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Print the README tables: `python -m dion3.tools.bench.step_cost`."""
+    """Print the cost tables: `python -m dion3.tools.bench.step_cost`."""
     for preset in PRESETS.values():
         print(f"{preset.name}: {preset.description}; {preset.matrix_numel / 1e9:.2f} B matrix parameters\n")
         print(markdown_table(preset) + "\n")
