@@ -73,6 +73,10 @@ class Gap:
         """At most one of Muon's seed sds behind Muon's best (the frontier's criterion)."""
         return self.mean <= self.muon_sd
 
+    def verdict(self, seeded: bool) -> str:
+        """"within; " or "outside; " where both bests have seeds (a spread), else nothing."""
+        return f"{'within' if self.within else 'outside'}; " if seeded else ""
+
 
 def gap(point: Point, muon: Point) -> Gap:
     shared = sorted(set(point.seeds) & set(muon.seeds))
@@ -113,11 +117,11 @@ def regime_gaps(records: Sequence[dict], compiled: bool = True, min_seeds: int =
 def regime_table(table: dict[Regime, RegimeRow]) -> str:
     """Markdown: Muon's best loss, then a row per setting; a column per regime."""
     variants = sorted({v for row in table.values() for v in row.gaps}, key=_variant_order)
-    head = ["setting"] + [f"{g.label} ({g.tokens_per_step / 1e3:g} k tokens a step, {g.tokens_per_parameter:.2g} tokens "
+    head = ["setting"] + [f"{g.label} ({g.tokens_per_step:,} tokens a step, {g.tokens_per_parameter:.2g} tokens "
                           f"per parameter)" for g in table]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines.append("| Muon's best (loss, lr, μ) | " + " | ".join(
-        f"{row.muon.mean:.4f} ± {row.muon.sd:.4f} (lr {row.muon.lr:g}, μ {row.muon.mu:g}; {len(row.muon.losses)} seeds)"
+        f"{row.muon.mean:.4f} ± {row.muon.sd:.4f} (lr {row.muon.lr:g}, μ {row.muon.mu:g}; {_seeds(row.muon)})"
         for row in table.values()) + " |")
     for variant in variants:
         cells = []
@@ -126,10 +130,15 @@ def regime_table(table: dict[Regime, RegimeRow]) -> str:
                 cells.append("—")
                 continue
             point, g = row.gaps[variant]
-            cells.append(f"{g.mean:+.4f} ± {g.sd:.4f} ({'within' if g.within else 'outside'}; lr {point.lr:g}"
-                         + (f", μ {point.mu:g}" if variant.optimizer != "adamw" else "") + f"; {len(point.losses)} seeds)")
+            seeded = min(len(point.losses), len(row.muon.losses)) > 1
+            cells.append(f"{g.mean:+.4f} ± {g.sd:.4f} ({g.verdict(seeded)}lr {point.lr:g}"
+                         + (f", μ {point.mu:g}" if variant.optimizer != "adamw" else "") + f"; {_seeds(point)})")
         lines.append(f"| {variant.label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _seeds(point: Point) -> str:
+    return f"{len(point.losses)} seed{'s' if len(point.losses) > 1 else ''}"
 
 
 def _variant_order(variant: Variant) -> tuple:
@@ -149,7 +158,7 @@ def regime_picture(table: dict[Regime, RegimeRow], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    figure, axes = plt.subplots(1, 2, figsize=(14, 5.2))
     markers = dict(zip(sorted({g.model for g in table}), "osD^vP*X"))
     colours = plt.get_cmap("tab10")
     # on the batch axis a line joins one model's regimes of one horizon; across tokens per
@@ -165,9 +174,8 @@ def regime_picture(table: dict[Regime, RegimeRow], path: Path) -> bool:
             for key, series in lines.items():
                 series.sort(key=lambda item: item[0])
                 gaps = [g for _, g in series]
-                label = f"{variant.label} ({key[0]})" if name == panels[1][0] else None
                 axis.errorbar([x for x, _ in series], [g.mean for g in gaps], yerr=[g.sd for g in gaps],
-                              marker=markers[key[0]], color=colours(index), capsize=3, linewidth=1.2, label=label)
+                              marker=markers[key[0]], color=colours(index), capsize=3, linewidth=1.2)
         axis.axhline(0.0, color="tab:red", linestyle="--", linewidth=1)
         axis.set_xscale("log")
         axis.set_xlabel(name)
@@ -175,8 +183,13 @@ def regime_picture(table: dict[Regime, RegimeRow], path: Path) -> bool:
         axis.grid(alpha=0.3)
     axes[0].set_title("gap to Muon's best against tokens per step")
     axes[1].set_title("against tokens per parameter")
-    axes[1].legend(fontsize=7, loc="best")
-    figure.tight_layout()
+    # one legend entry per setting (colour) and per model (marker), beside the panels
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=colours(i), linewidth=2, label=v.label) for i, v in enumerate(variants)]
+    handles += [Line2D([], [], color="black", marker=m, linestyle="none", label=model) for model, m in markers.items()]
+    figure.legend(handles=handles, fontsize=8, loc="center right")
+    figure.subplots_adjust(left=0.06, right=0.82, wspace=0.25)
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return True
@@ -200,7 +213,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sections = ["# Gap to Muon's best by regime", "",
                 "Command: `python -m dion3.tools.study.regime " + " ".join(sys.argv[1:] if argv is None else argv) + "`", "",
                 "Each cell: the setting's best mean final validation loss minus Muon's best, ± the sd of the per-seed "
-                "differences (paired by seed) or of both spreads combined; “within”: at most Muon's seed sd behind.", ""]
+                "differences (paired by seed) or of both spreads combined; “within”: at most Muon's seed sd behind (judged "
+                "only where both have two or more seeds).", ""]
     if not table:
         sections.append(f"No regime has Muon's best with {args.min_seeds} or more seeds.")
     else:
