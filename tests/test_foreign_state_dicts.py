@@ -71,6 +71,18 @@ def set_by_hand(reference, adamw_state_of):
                     reference.state[p][key].copy_(saved[key])
 
 
+def state_set_by_hand(net, twin, dion, adamw):
+    """A Dion3 on `twin` (a copy of `net`) whose state is set from `adamw`'s by the documented
+    formula; `dion`'s converted state must equal it entry for entry. Returns it."""
+    reference = target(twin)
+    by_twin = dict(zip(twin.parameters(), net.parameters()))
+    set_by_hand(reference, lambda q: adamw.state[by_twin[q]])
+    for p, q in zip(net.parameters(), twin.parameters()):
+        for key, value in reference.state[q].items():
+            assert torch.equal(dion.state[p][key], value), key
+    return reference
+
+
 @pytest.mark.parametrize("route", ["same-groups", "named", "unnamed-with-names-added"])
 def test_an_adamw_trained_state_converts_and_steps_as_the_documented_state(route):
     net = model()
@@ -90,12 +102,7 @@ def test_an_adamw_trained_state_converts_and_steps_as_the_documented_state(route
     assert all(torch.equal(v, kept["state"][pid][k]) for pid, e in saved["state"].items() for k, v in e.items())
     assert [(g["algorithm"], g["lr"]) for g in dion.param_groups] == [("dion3", 0.02), ("adamw", 0.02)]
 
-    reference = target(twin)
-    by_twin = dict(zip(twin.parameters(), net.parameters()))
-    set_by_hand(reference, lambda q: adamw.state[by_twin[q]])
-    for p, q in zip(net.parameters(), twin.parameters()):
-        for key, value in reference.state[q].items():
-            assert torch.equal(dion.state[p][key], value), key
+    reference = state_set_by_hand(net, twin, dion, adamw)
     weights, _ = weights_and_biases(net)
     for w in weights:  # the scaling happened: neither zero nor AdamW's raw exp_avg
         assert torch.count_nonzero(dion.state[w]["momentum"]) > 0
@@ -118,12 +125,7 @@ def test_an_adamw_state_converts_through_torch_distributed_checkpoint(flat):
                                    get_optimizer_state_dict(net, dion, options=options))
     set_optimizer_state_dict(net, dion, converted, options=options)
     twin = copy.deepcopy(net)
-    reference = target(twin)
-    by_twin = dict(zip(twin.parameters(), net.parameters()))
-    set_by_hand(reference, lambda q: adamw.state[by_twin[q]])
-    for p, q in zip(net.parameters(), twin.parameters()):
-        for key, value in reference.state[q].items():
-            assert torch.equal(dion.state[p][key], value), key
+    reference = state_set_by_hand(net, twin, dion, adamw)
 
 
 def test_sgd_momentum_without_dampening_is_muon_momentum_of_the_same_mu():

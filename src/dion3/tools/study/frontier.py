@@ -327,6 +327,13 @@ def frontier_picture(panels: Sequence[tuple[str, Sequence[Point]]], axis: tuple,
     return [model for model, _, _ in panels]
 
 
+def write_report(path: Path, sections: Sequence[str]) -> None:
+    """A report's markdown file, also printed (the study tools' outputs)."""
+    text = "\n".join(sections)
+    path.write_text(text)
+    print(text)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dion3.tools.study.frontier", description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, nargs="+", required=True, help="study folders or results.jsonl files")
@@ -361,8 +368,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sections += [summary, ""]
     if presets and frontier_picture(panels, (presets[0], "eager"), args.out / f"{args.name}.png"):
         sections += [f"![loss against step time, a panel per model]({args.name}.png)", ""]
-    (args.out / f"{args.name}.md").write_text("\n".join(sections))
-    print("\n".join(sections))
+    write_report(args.out / f"{args.name}.md", sections)
     return 0
 
 

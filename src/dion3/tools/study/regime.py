@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .frontier import Point, Variant, best_points
+from .frontier import Point, Variant, best_points, write_report
 from .launch import read_results
 from .runs import MODELS, ModelSpec
 
@@ -221,8 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sections += [regime_table(table), ""]
         if regime_picture(table, args.out / f"{args.name}.png"):
             sections += [f"![gap to Muon's best against tokens per step and per parameter]({args.name}.png)", ""]
-    (args.out / f"{args.name}.md").write_text("\n".join(sections))
-    print("\n".join(sections))
+    write_report(args.out / f"{args.name}.md", sections)
     return 0
 
 
