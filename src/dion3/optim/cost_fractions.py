@@ -16,7 +16,7 @@ device a run trains on, so every rank and every run allocates alike. FLOP counts
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from torch import Tensor
 
@@ -166,42 +166,56 @@ def require_whole_matrices(group: dict, where: str) -> None:
                          "the cost model counts whole matrices")
 
 
-def cost_allocated_groups(group: dict, fraction: float, floor: Optional[float] = None,
+def cost_allocated_groups(group: Union[dict, Sequence[dict]], fraction: float, floor: Optional[float] = None,
                           cost: Optional[Cost] = None, weights: Optional[Mapping[str, float]] = None) -> list[dict]:
     """`group` (a Dion3 parameter group) split into one group per matrix shape, each with its
     fraction from cost_allocated_fractions at the uniform `fraction`, costed with `cost` or else
     the modeled time of the group's orthogonalizer and ns_coefficients (defaults where it names
     none). Other settings are copied.
+    Several groups (a list; e.g. flattened convolution kernels beside the other matrices) share
+    one budget: each matrix is viewed by its own group's rule, a shape gets one fraction whichever
+    group its matrices are in, and each group is split by shape (shapes in first-seen order,
+    then groups in order); the cost is the first group's.
     weights: {part of a parameter name: weight} (e.g. {"mlp": 2.0}): the weight of every matrix
     whose name contains that part (1 for the others), handed to cost_allocated_fractions per
-    shape; needs the group's param_names."""
-    require_whole_matrices(group, "fractions by cost")
-    params = list(group["params"])
-    names = group.get("param_names")
-    flatten = bool(group.get("flatten", False))
-    shapes = matrix_shapes(params, flatten)
-    cost = cost or modeled_time_cost(group.get("orthogonalizer", "auto"), group.get("ns_coefficients", "polar_express"))
-    shape_weights = None if weights is None else _weights_by_name(params, names, weights, flatten, shapes)
-    fractions = cost_allocated_fractions(shapes, fraction, floor, cost=cost, weights=shape_weights)
-    by_shape = {(s.rows, s.cols): f for s, f in zip(shapes, fractions)}
-    members: dict[tuple[int, int], list[int]] = {key: [] for key in by_shape}
-    for i, p in enumerate(params):
-        (shape,) = matrix_shapes([p], flatten)
-        members[(shape.rows, shape.cols)].append(i)
+    shape; needs the groups' param_names."""
+    groups = [group] if isinstance(group, dict) else list(group)
+    members = []  # (group index, parameter index, its matrices' (rows, cols), their count)
+    for g, each in enumerate(groups):
+        require_whole_matrices(each, "fractions by cost")
+        for i, p in enumerate(each["params"]):
+            (shape,) = matrix_shapes([p], bool(each.get("flatten", False)))
+            members.append((g, i, (shape.rows, shape.cols), shape.count))
+    counts: dict[tuple[int, int], int] = {}
+    for _, _, key, count in members:
+        counts[key] = counts.get(key, 0) + count
+    shapes = [MatrixShape(f"{rows}x{cols}", rows, cols, count) for (rows, cols), count in counts.items()]
+    first = groups[0] if groups else {}
+    cost = cost or modeled_time_cost(first.get("orthogonalizer", "auto"), first.get("ns_coefficients", "polar_express"))
+    shape_weights = None
+    if weights is not None:
+        named = [(None if groups[g].get("param_names") is None else groups[g]["param_names"][i], key)
+                 for g, i, key, _ in members]
+        shape_weights = _weights_by_name(named, weights, shapes)
+    fractions = dict(zip(counts, cost_allocated_fractions(shapes, fraction, floor, cost=cost, weights=shape_weights)))
     out = []
-    for key in by_shape:
-        split = dict(group, params=[params[i] for i in members[key]], fraction=by_shape[key])
-        if names is not None:  # each parameter keeps its name
-            split["param_names"] = [names[i] for i in members[key]]
-        out.append(split)
+    for key in counts:
+        for g, each in enumerate(groups):
+            mine = [i for owner, i, at, _ in members if owner == g and at == key]
+            if mine:
+                split = dict(each, params=[each["params"][i] for i in mine], fraction=fractions[key])
+                if each.get("param_names") is not None:  # each parameter keeps its name
+                    split["param_names"] = [each["param_names"][i] for i in mine]
+                out.append(split)
     return out
 
 
-def _weights_by_name(params: list, names: Optional[Sequence[str]], weights: Mapping[str, float], flatten: bool,
+def _weights_by_name(named: Sequence[tuple[Optional[str], tuple[int, int]]], weights: Mapping[str, float],
                      shapes: Sequence[MatrixShape]) -> list[float]:
-    """One weight per shape of `shapes` from {name part: weight}: each parameter takes the weight of
-    the one part its name contains (1 for none); the parameters of a shape must agree."""
-    if names is None:
+    """One weight per shape of `shapes` from {name part: weight}: each parameter ((name, its
+    matrices' (rows, cols)) in `named`) takes the weight of the one part its name contains (1 for
+    none); the parameters of a shape must agree."""
+    if any(name is None for name, _ in named):
         raise ValueError("fraction weights pick matrices by name, but the group has no param_names "
                          "(param_groups(...) writes them)")
     if not weights:
@@ -211,15 +225,13 @@ def _weights_by_name(params: list, names: Optional[Sequence[str]], weights: Mapp
             raise ValueError(f"the fraction weight of {part!r} must be a positive finite number, got {weight!r}")
     used = set()
     by_shape: dict[tuple[int, int], tuple[float, str]] = {}
-    for p, name in zip(params, names):
+    for name, key in named:
         matching = [part for part in weights if part in name]
         if len(matching) > 1:
             raise ValueError(f"parameter {name!r} matches the fraction weights of {matching}; "
                              "give parts that pick each matrix once")
         used.update(matching)
         weight = float(weights[matching[0]]) if matching else 1.0
-        (shape,) = matrix_shapes([p], flatten)
-        key = (shape.rows, shape.cols)
         seen = by_shape.setdefault(key, (weight, name))
         if seen[0] != weight:
             raise ValueError(f"{seen[1]!r} (weight {seen[0]:g}) and {name!r} (weight {weight:g}) "

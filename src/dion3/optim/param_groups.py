@@ -24,10 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Union
 
-import torch
 from torch import nn
 
-from ..buckets import matrix_view
 from .validation import ALIASES, MATRIX_ALGORITHMS, MATRIX_SETTINGS, SCALAR_ALGORITHMS
 from .cost_fractions import cost_allocated_groups
 
@@ -160,7 +158,8 @@ def param_groups(
     matrix_groups = [group(buckets["matrix"], **settings), group(buckets["conv"], **conv_settings)]
     matrix_groups = [g for g in matrix_groups if g["params"]]
     if fraction_allocation == "cost" and matrix_groups:
-        matrix_groups = _allocated_by_cost(matrix_groups, options["fraction"], fraction_weights)
+        # one budget over the kernels and the other matrices: one fraction per shape
+        matrix_groups = cost_allocated_groups(matrix_groups, options["fraction"], weights=fraction_weights)
     groups = [
         *matrix_groups,
         group(buckets["head"], algorithm=scalar_algorithm, lr=head_lr),
@@ -176,31 +175,6 @@ def plain_name(name: str) -> str:
     (OptimizedModule, at the root or at a compiled submodule) adds `_orig_mod.`, which
     torch.distributed.checkpoint's FQNs leave out as well."""
     return ".".join(part for part in name.split(".") if part != COMPILE_WRAPPER)
-
-
-def _allocated_by_cost(groups: list[dict], fraction: float, weights: Optional[Mapping[str, float]]) -> list[dict]:
-    """The matrix groups (the flattened convolutions' beside the others) split by matrix shape,
-    with fractions by cost over all their matrices at once: one budget, and one fraction per shape
-    whichever group a matrix is in. Stand-ins on the meta device with each parameter's matrices
-    ([B, rows, cols], as the step views them) go through cost_allocated_groups."""
-    stand_ins, owners = [], []  # owners: (group index, parameter index) of each stand-in
-    for g, group in enumerate(groups):
-        for i, p in enumerate(group["params"]):
-            like = torch.empty(tuple(p.shape), device="meta")  # the global shape; no shard is read
-            stand_ins.append(matrix_view(like, bool(group.get("flatten", False))))
-            owners.append((g, i))
-    names = [name for group in groups for name in group["param_names"]]
-    slot = {id(s): n for n, s in enumerate(stand_ins)}
-    everything = dict(groups[0], params=stand_ins, param_names=names, flatten=False)
-    out = []
-    for part in cost_allocated_groups(everything, fraction, weights=weights):  # one part per shape
-        members = [owners[slot[id(s)]] for s in part["params"]]
-        for g, group in enumerate(groups):
-            mine = [i for owner, i in members if owner == g]
-            if mine:
-                out.append(dict(group, params=[group["params"][i] for i in mine],
-                                param_names=[group["param_names"][i] for i in mine], fraction=part["fraction"]))
-    return out
 
 
 def _head_parameter_ids(model: nn.Module, lm_head: Optional[Union[str, nn.Module, bool]]) -> set[int]:
