@@ -31,11 +31,11 @@ import math
 import statistics
 import sys
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 from typing import Optional, Sequence
 
 from ..bench.step_time import parse_variant
+from ..setting_names import fraction_text
 from .launch import read_results
 from .runs import MODELS, best_on_shared_seeds, selection_label
 
@@ -54,7 +54,7 @@ class Variant:
     def label(self) -> str:
         if self.optimizer != "dion3":
             return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[self.optimizer]
-        text = str(Fraction(self.fraction).limit_denominator(64)).replace("/", "⁄")
+        text = fraction_text(self.fraction).replace("/", "⁄")  # the fraction slash, for prose
         return (f"Dion3 {text}" + (" by cost" if self.allocation == "cost" else " on every matrix")
                 + selection_label(self.row_score, self.weights))
 
