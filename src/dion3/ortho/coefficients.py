@@ -55,7 +55,36 @@ YOU = Schedule(
     band=(0.8, 1.1),
 )
 
-SCHEDULES = {s.name: s for s in (POLAR_EXPRESS, JORDAN, YOU)}
+# Fewer steps, for rules that normalize rows after orthogonalizing (NorMuon, Dion3): our greedy
+# minimax constructions from [1e-3, 1] (dion3.ortho.minimax: safety 1e-2, cushion 0.02; both are
+# the first steps of the same construction at 5 steps). A rule change under study, not a default.
+# Bands: the images of singular values ≥ 1e-3·‖X‖_F (every image, for the upper end), widened by
+# 0.01 and rounded outwards; exact images [0.4257, 1.5660] and [0.1307, 1.8667]. Polar Express cut
+# to 4 or 3 steps lands in [0.4084, 1.5755] and [0.1257, 1.8692].
+POLAR_EXPRESS_4 = Schedule(
+    "polar_express_4",
+    (
+        (8.31968561540051, -23.859450318966733, 17.531445041810255),
+        (4.082607978632795, -2.893404675268208, 0.525393190567182),
+        (3.926967032968569, -2.856177578676787, 0.5322515290423173),
+        (3.2997972929539743, -2.4289094183776627, 0.4878788037480626),
+    ),
+    norm_scale=1.02,
+    band=(0.415, 1.576),
+)
+
+POLAR_EXPRESS_3 = Schedule(
+    "polar_express_3",
+    (
+        (8.31968561540051, -23.859450318966733, 17.531445041810255),
+        (4.082607978632795, -2.893404675268208, 0.525393190567182),
+        (3.926967032968569, -2.856177578676787, 0.5322515290423173),
+    ),
+    norm_scale=1.02,
+    band=(0.12, 1.877),
+)
+
+SCHEDULES = {s.name: s for s in (POLAR_EXPRESS, JORDAN, YOU, POLAR_EXPRESS_4, POLAR_EXPRESS_3)}
 
 CoefficientSpec = Union[str, Schedule, Sequence[Sequence[float]]]
 
