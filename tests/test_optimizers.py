@@ -381,6 +381,51 @@ def test_l2_row_score_selects_by_each_rows_l2_norm(exact_orthogonalizer):
     assert exact_orthogonalizer["count"] > 0
 
 
+def newton_schulz_reference(steps, norm_scale):
+    """Standard Newton–Schulz written out here from a schedule's constants, in float64, for the
+    reference's orthogonalizer ([1, rows, cols] in, same out): X/(norm_scale·‖X‖_F + 1e-7), wide
+    orientation, X ← aX + (bA + cA²)X with A = XXᵀ per (a, b, c)."""
+    def orthogonalize(u):
+        x = u[0].double()
+        tall = x.shape[0] > x.shape[1]
+        x = x.T if tall else x
+        x = x / (norm_scale * x.norm() + 1e-7)
+        for a, b, c in steps:
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        return (x.T if tall else x)[None]
+    return orthogonalize
+
+
+@pytest.mark.parametrize("cls, algorithm", [(Dion3, "dion3"), (NorMuon, "normuon"), (Muon, "muon")])
+@pytest.mark.parametrize("method", ["newton_schulz", "gram"])
+def test_a_four_step_schedule_reaches_the_step_by_name(cls, algorithm, method):
+    """ns_coefficients="polar_express_4" through the optimizer: one step on float64 parameters
+    (orthogonalized in float64) matches the float64 reference orthogonalizing with 4 NS steps of
+    the schedule's constants, and differs from the default 5-step step."""
+    from dion3.ortho import SCHEDULES
+
+    schedule = SCHEDULES["polar_express_4"]
+    shapes = [(8, 24), (24, 8), (16, 16)]
+    params = make_params(shapes, dtype=torch.float64)
+    default = [p.detach().clone().requires_grad_() for p in params]
+    hyper = dict(lr=0.05, mu=0.9, weight_decay=0.01, **({"fraction": 0.5} if algorithm == "dion3" else {}))
+    opt = cls(params, ns_coefficients="polar_express_4", orthogonalizer=method, **hyper)
+    five = cls(default, orthogonalizer=method, **hyper)
+    ref = ReferenceOptimizer(params, algorithm, orthogonalizer=newton_schulz_reference(schedule.steps, schedule.norm_scale),
+                             **hyper)
+    grads = [torch.randn(*s, dtype=torch.float64) for s in shapes]
+    set_grads(params, grads)
+    set_grads(default, grads)
+    ref.step(grads)
+    opt.step()
+    five.step()
+    for p, expected, other in zip(params, ref.params, default):
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-10, atol=1e-12)
+        assert (p - other).abs().max() > 1e-4  # 4 steps are not the default 5
+    assert opt.param_groups[0]["ns_coefficients"] == "polar_express_4"
+
+
 @pytest.mark.parametrize("cls", [Dion3, Muon, NorMuon])
 def test_parameters_without_grad_are_skipped(cls):
     """b has no gradient in a bucket shared with a and c: b and its state stay untouched

@@ -229,7 +229,8 @@ def orthogonalize(
     """Approximate polar factor of x ([..., rows, cols]), returned in x's dtype.
 
     method: "auto" (Gram NS for clearly non-square inputs), "newton_schulz" or "gram".
-    coefficients: "polar_express", "jordan", "you" or an explicit list of (a, b, c).
+    coefficients: a name of ortho.SCHEDULES ("polar_express", "jordan", "you", "polar_express_4",
+        "polar_express_3") or an explicit list of (a, b, c).
     restarts: Gram NS restart positions (steps after which to restart); None picks the
     autotuned default for the schedule (one restart).
     dtype: compute dtype; None means bf16 (NS) / fp16 (Gram) on CUDA; on CPU float32, or bf16
