@@ -342,6 +342,38 @@ def test_command_line_errors():
     assert "adamw" not in [v.name for v in args.variants] and not args.graph
 
 
+def test_ns_coefficients_reach_every_orthogonalizing_variant_and_its_cost(tmp_path, capsys):
+    """--ns-coefficients polar_express_4: every Muon/NorMuon/Dion3 variant (the baseline too) builds
+    its groups with the schedule and is priced at 4 steps; AdamW keeps none; the report and the
+    header name it; an unknown name is refused."""
+    argv = ["--device", "cpu", "--no-graph", "--shapes", "16x64:2,64x16", "--optimizers",
+            "adamw,muon,normuon,dion3-1/4,dion3-1/2-cost"]
+    four = step.parse_args(argv + ["--ns-coefficients", "polar_express_4"])
+    assert [v.ns_coefficients for v in four.variants] == ["polar_express"] + ["polar_express_4"] * 4
+    default = step.parse_args(argv)
+    assert all(v.ns_coefficients == "polar_express" for v in default.variants)
+    device = torch.device("cpu")
+    for variant, five in zip(four.variants[1:], default.variants[1:]):
+        matrices, scalars = step.make_parameters(four.source, device, False)
+        optimizer = step.make_optimizer(variant, matrices, scalars, device, False)
+        assert {g["ns_coefficients"] for g in optimizer.param_groups} == {"polar_express_4"}
+        flops_four = step.cost_of(variant, four.source, device, False).dense_flops
+        flops_five = step.cost_of(five, default.source, device, False).dense_flops
+        if variant.orthogonalizer == "newton_schulz":  # the baseline: 4 of 5 equal steps
+            assert flops_four * 5 == flops_five * 4
+        elif variant.allocation == "uniform":  # Gram NS: 4 steps, one restart, fewer products
+            assert flops_four < flops_five
+    out = tmp_path / "four.json"
+    assert step.main(argv[:-2] + ["--optimizers", "muon", "--steps", "1", "--warmup", "1",
+                                  "--ns-coefficients", "polar_express_4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["ns_coefficients"] == "polar_express_4"
+    assert report["results"][0]["variant"]["ns_coefficients"] == "polar_express_4"
+    assert "Newton–Schulz polar_express_4 (4 steps)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        step.parse_args(argv + ["--ns-coefficients", "fast"])
+
+
 def test_only_the_cublas_baseline_runs_with_kernels_off(monkeypatch):
     from dion3 import kernels
 

@@ -8,6 +8,9 @@ ms (time for the step call to return), kernel launches per step (CUDA), first st
 first step, including compilation and autotuning), ready s (to the end of warm-up, capture
 included), effective TFLOP/s and GB/s from the cost model in flops.py, bytes sent per step,
 speedup vs the baseline.
+
+--ns-coefficients NAME runs every Muon, NorMuon and Dion3 variant (the baseline too) with that
+Newton–Schulz schedule, e.g. polar_express_4 (4 steps): compare two runs, one per schedule.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch
 from ... import kernels
 from ...optim import Dion3, Muon, NorMuon
 from ...optim.cost_fractions import cost_allocated_fractions, cost_allocated_groups
+from ...ortho.coefficients import SCHEDULES, get_schedule
 from . import step_cost as flops
 from .launches import launches_per_step
 from .report import Progress, format_table
@@ -53,6 +57,7 @@ class Variant:
     # documented schedule); every step of the warm-up is timed and the row reports their mean
     warmup_steps: Optional[int] = None
     momentum_dtype: Optional[str] = None  # the matrix groups' momentum_dtype (NAME:bf16 variants)
+    ns_coefficients: str = "polar_express"  # the Newton–Schulz schedule (--ns-coefficients), not AdamW's
 
 
 NAMED_VARIANTS = {
@@ -110,10 +115,12 @@ def make_optimizer(variant: Variant, matrices, scalars, device: torch.device, gr
         return torch.optim.AdamW(matrices + scalars, lr=1e-3, weight_decay=0.01, capturable=graph, **mode)
     groups = [{"params": matrices}]
     if variant.allocation == "cost":  # one group per shape, each with its fraction by cost
-        groups = cost_allocated_groups({"params": matrices, "orthogonalizer": variant.orthogonalizer}, variant.fraction)
+        groups = cost_allocated_groups({"params": matrices, "orthogonalizer": variant.orthogonalizer,
+                                        "ns_coefficients": variant.ns_coefficients}, variant.fraction)
     if scalars:
         groups.append({"params": scalars, "algorithm": "adamw", "lr": 1e-3})
-    common = dict(lr=0.01, weight_decay=0.01, orthogonalizer=variant.orthogonalizer, momentum_dtype=variant.momentum_dtype)
+    common = dict(lr=0.01, weight_decay=0.01, orthogonalizer=variant.orthogonalizer, momentum_dtype=variant.momentum_dtype,
+                  ns_coefficients=variant.ns_coefficients)
     if variant.algorithm == "dion3":
         return Dion3(groups, fraction=variant.fraction, **common)
     return (Muon if variant.algorithm == "muon" else NorMuon)(groups, **common)
@@ -223,7 +230,8 @@ def shape_fractions(variant: Variant, preset: Preset):
     of preset.matrices, as make_optimizer's cost_allocated_groups gives them to its groups (chosen
     under the H200 dispatch of dion3.optim.cost_fractions, as for training, whatever the bench's device)."""
     if variant.allocation == "cost":
-        return cost_allocated_fractions(preset.matrices, variant.fraction, method=variant.orthogonalizer)
+        return cost_allocated_fractions(preset.matrices, variant.fraction, method=variant.orthogonalizer,
+                                        schedule=variant.ns_coefficients)
     if variant.warmup_steps:  # the warm-up's mean step: priced at its mean fraction
         return (1.0 + variant.fraction) / 2
     return variant.fraction
@@ -236,6 +244,7 @@ def cost_of(variant: Variant, preset: Preset, device: torch.device, with_scalars
     return flops.step_cost(
         preset.matrices, variant.algorithm, shape_fractions(variant, preset), variant.orthogonalizer, symmetric,
         scalar_numel=preset.scalar_numel if with_scalars else 0, momentum_bytes=2 if variant.momentum_dtype else 4,
+        schedule=variant.ns_coefficients,
     )
 
 
@@ -279,6 +288,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "dion3-F-cost (e.g. dion3-1/4-cost) fractions per matrix shape within dion3-F's modeled "
                         "H200 step time (dion3.ortho.cost.modeled_seconds), dion3-F-warmupN the fraction warmed up "
                         "from 1 over N steps; `dion3 compare` names the same settings alike")
+    parser.add_argument("--ns-coefficients", default="polar_express", metavar="NAME",
+                        help="the Newton–Schulz schedule of every Muon, NorMuon and Dion3 variant, the muon baseline "
+                             f"included (one of {', '.join(SCHEDULES)}; default polar_express); fractions by cost and "
+                             "the FLOP model follow its steps")
     parser.add_argument("--skip", default="", help="comma list of optimizers to leave out (e.g. adamw on llama-8b)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run (median reported; default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first, the first step included (default 5)")
@@ -297,7 +310,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.source = parse_shapes(args.shapes) if args.shapes else get_preset(args.preset)
         skip = {canonical_name(name.strip()) for name in args.skip.split(",") if name.strip()}
         given = [n.strip() for n in args.optimizers.split(",") if n.strip() and canonical_name(n.strip()) not in skip]
+        if args.ns_coefficients not in SCHEDULES:
+            raise ValueError(f"--ns-coefficients: unknown schedule {args.ns_coefficients!r}; expected one of "
+                             f"{sorted(SCHEDULES)}")
         args.variants = [parse_variant(name) for name in given]
+        args.variants = [v if v.algorithm == "adamw" else dataclasses.replace(v, ns_coefficients=args.ns_coefficients)
+                         for v in args.variants]
         for name, variant in zip(given, args.variants):
             if variant.name != name:  # another spelling of the setting: tables and records use its name
                 print(f"note: {name} is written {variant.name}", file=sys.stderr)
@@ -335,6 +353,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = {
         "command": "dion3 bench " + shlex.join(argv), "environment": environment(args.device),
         "source": asdict(args.source), "steps": args.steps, "warmup": args.warmup, "scalars": args.scalars,
+        "ns_coefficients": args.ns_coefficients,
         "results": [],
     }
     progress = Progress(len(runs))
@@ -347,8 +366,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.json:  # rewritten after every run so a crash keeps what was measured
             with open(args.json, "w") as handle:
                 json.dump(report, handle, indent=1)
+    schedule = get_schedule(args.ns_coefficients)
     print(f"{args.source.name}: {args.source.description}; {args.source.matrix_numel:,} matrix params, "
-          f"fp32, {args.steps} timed steps, device {report['environment'].get('device_name', args.device)}")
+          f"fp32, {args.steps} timed steps, Newton–Schulz {schedule.name} ({len(schedule)} steps), "
+          f"device {report['environment'].get('device_name', args.device)}")
     print(format_table(report["results"]))
     return 1 if all("error" in r for r in report["results"]) and runs else 0
 
