@@ -194,6 +194,40 @@ def test_an_l2_row_score_is_its_own_point_timed_as_the_l1_rule(tmp_path):
 
 
 
+def test_a_four_step_schedule_is_its_own_point_timed_by_its_own_bench_rows(tmp_path):
+    """Runs with ns_coefficients polar_express_4 are their own points, labelled with their step
+    count and timed by the rows of `dion3 bench --ns-coefficients polar_express_4` (a second report
+    of the same preset: one column); Muon's best stays the default schedule's, the reference of
+    the gaps and picks, even where a 4-step Muon has the lower loss."""
+    four = dict(ns_coefficients="polar_express_4")
+    records = RECORDS + [record("muon", 0.01, 0.8, s, 0.690 + s / 1000, **four) for s in (0, 1, 2)]
+    records += [record("dion3", 0.02, 0.6, s, 0.7000 + s / 1000, 0.375, "cost", **four) for s in (0, 1)]
+    best = frontier.best_points(records, "tiny", 100, compiled=True)
+    muon4, dion4 = frontier.Variant("muon", ns_coefficients="polar_express_4"), frontier.Variant("dion3", 0.375, "cost", **four)
+    assert best[frontier.Variant("muon")].mean == pytest.approx(0.700) and best[muon4].mean == pytest.approx(0.691)
+    assert muon4.label == "Muon, 4 NS steps" and dion4.label == "Dion3 3⁄8 by cost, 4 NS steps"
+    fewer = bench_report("llama-8b", {("muon", None, "uniform", "auto"): (500.0, 499.0),
+                                      ("dion3", 0.375, "cost", "auto"): (200.0, 199.0)})
+    for row in fewer["results"]:
+        row["variant"]["ns_coefficients"] = "polar_express_4"
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps([bench_report("llama-8b", TIMES), fewer]))
+    presets, times = frontier.read_steps([steps])
+    assert presets == ["llama-8b"] and times[dion4][("llama-8b", "eager")] == 200.0
+    assert times[frontier.Variant("dion3", 0.375, "cost")][("llama-8b", "eager")] == 240.0
+    results = tmp_path / "study"
+    results.mkdir()
+    (results / "results.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    out = tmp_path / "out"
+    assert frontier.main(["--results", str(results), "--steps", str(steps), "--out", str(out), "--horizon", "100"]) == 0
+    text = (out / "frontier.md").read_text()
+    assert text.count("llama-8b ms (eager / graph)") == 1
+    assert "| Muon, 4 NS steps | 0.01 | 0.8 | 3 | 0.6910 ± 0.0010 | -0.0090 | 500.0 / 499.0 | 0.83 |" in text
+    assert "| Dion3 3⁄8 by cost, 4 NS steps | 0.02 | 0.6 | 2 | 0.7005 ± 0.0007 | +0.0005 | 200.0 / 199.0 | 0.33 |" in text
+    assert "- muon quality: Dion3 3⁄8 by cost, 4 NS steps (lr 0.02, μ 0.6), 0.7005 ± 0.0007, +0.0005 against Muon's best" \
+        in text
+
+
 def test_a_train_step_report_beside_the_bench_reports_adds_the_models_whole_step(tmp_path):
     """train_step's rows join their settings (dion3-3/8-cost is the 3/8-by-cost point), only in the
     table of the model they timed; the bench reports' columns are unchanged."""

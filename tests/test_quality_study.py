@@ -76,13 +76,14 @@ def test_cost_allocation_runs_beside_uniform_ones_with_fixed_fractions_only(stud
     # a uniform eager float32 run's key is the hash of its settings without the allocation, compile
     # and momentum-dtype fields, as before those fields existed
     fields = {k: v for k, v in json.loads(json.dumps(runs[0].__dict__)).items()
-              if k not in ("fraction_allocation", "compiled", "momentum_dtype", "cost_rule", "row_score", "fraction_weights")}
+              if k not in ("fraction_allocation", "compiled", "momentum_dtype", "cost_rule", "row_score", "fraction_weights",
+                           "ns_coefficients")}
     assert runs[0].key == hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     # fractions by cost spend modeled time now; a record of the earlier FLOP rule (config without
     # cost_rule) keeps its key and reads back as another setting, labelled as such
     assert runs[1].cost_rule == "time"
     earlier = {k: v for k, v in json.loads(json.dumps(runs[1].__dict__)).items()
-               if k not in ("cost_rule", "row_score", "fraction_weights")}
+               if k not in ("cost_rule", "row_score", "fraction_weights", "ns_coefficients")}
     old = study.Run(**earlier)
     assert old.label == "dion3-1/4-cost-flops lr=0.04 mu=0.3 h=100 seed=0"
     assert old.key == hashlib.sha1(json.dumps({k: v for k, v in earlier.items() if k not in ("compiled", "momentum_dtype")},
@@ -240,6 +241,77 @@ def test_fraction_weights_are_their_own_settings_and_reach_the_allocation(study)
             study.plan_runs(study.parse_args(args + ["--fraction-weights", bad]))
     with pytest.raises(SystemExit, match="use it with --fraction-allocation cost alone"):
         study.plan_runs(study.parse_args(args[:-1] + ["uniform", "--fraction-weights", "mlp.=2"]))
+
+
+def test_ns_schedules_are_their_own_settings_and_the_default_keeps_the_recorded_keys(study):
+    from dion3.tools.train import trainer
+    from dion3.tools.train.model import GPTConfig
+
+    args = ["--horizons", "100", "--seeds", "0", "--optimizers", "adamw,muon,normuon,dion3", "--muon-mu", "0.8",
+            "--normuon-mu", "0.6", "--fraction", "0.5", "--dion3-lr", "0.015", "--dion3-mu", "0.6", "--fraction-warmup", "0",
+            "--fraction-allocation", "cost"]
+    plain = study.plan_runs(study.parse_args(args))
+    both = study.plan_runs(study.parse_args(args + ["--ns-coefficients", "polar_express,polar_express_4"]))
+    # AdamW orthogonalizes nothing: it runs once; every other setting once per schedule
+    assert [(r.optimizer, r.ns_coefficients) for r in both] == [
+        ("adamw", "polar_express"), ("muon", "polar_express"), ("muon", "polar_express_4"), ("normuon", "polar_express"),
+        ("normuon", "polar_express_4"), ("dion3", "polar_express"), ("dion3", "polar_express_4")]
+    default = [r for r in both if r.ns_coefficients == "polar_express"]
+    assert [r.key for r in default] == [r.key for r in plain] and [r.label for r in default] == [r.label for r in plain]
+    for four, five in zip(both[2::2], both[1::2]):
+        assert four.key != five.key and four.setting != five.setting
+        assert four.label == five.label.replace(" lr=", "-polar_express_4 lr=", 1)
+    assert "ns_coefficients" not in study.Run(**{**json.loads(json.dumps(plain[1].__dict__)), "data": None}).key
+    rows = study.summary_table([{**_record(study, r.optimizer, 1.5, 0, r.fraction), "config": json.loads(json.dumps(r.__dict__))}
+                                for r in both[1:]])
+    assert "| Muon, 4 NS steps | — |" in rows and "| NorMuon, 4 NS steps | — |" in rows
+    assert "| Dion3, 4 NS steps | 1/2 by cost |" in rows and "| Muon | — |" in rows and "| Dion3 | 1/2 by cost |" in rows
+    with pytest.raises(SystemExit, match="--ns-coefficients expects some of"):
+        study.plan_runs(study.parse_args(args + ["--ns-coefficients", "polar_express_6"]))
+    # a run recorded before the option (no ns_coefficients in its config) keeps its key
+    recorded = Path(__file__).parent.parent / "benchmarks/results/frontier/results.jsonl"
+    record = next(map(json.loads, recorded.read_text().splitlines()))
+    assert "ns_coefficients" not in record["config"] and study.Run(**{**record["config"], "data": None}).key == record["key"]
+    # the schedule reaches every matrix group the trainer builds (Dion3 by cost: one group per shape)
+    config = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=64)
+    for algorithm, fraction, allocation in (("muon", None, "uniform"), ("dion3", 0.5, "cost")):
+        spec = trainer.RunSpec("d", algorithm, 0.02, fraction, fraction_allocation=allocation, ns_coefficients="polar_express_4")
+        groups = trainer.build_optimizer(trainer.GPT(config), spec).param_groups
+        matrix_groups = [g for g in groups if g.get("algorithm", "dion3") == algorithm]
+        assert len(matrix_groups) >= 1 and {g["ns_coefficients"] for g in matrix_groups} == {"polar_express_4"}
+
+
+def test_the_best_setting_is_judged_per_schedule(study):
+    def record(optimizer, lr, loss, schedule="polar_express"):
+        run = study.Run("llama-384", optimizer, lr, 0.8, None, 0, 1500, 0, 32, 50, 0.3, 16, None, compiled=True,
+                        ns_coefficients=schedule)
+        return {"config": json.loads(json.dumps(run.__dict__)), "final_val_loss": loss}
+
+    records = [record("muon", 0.01, 1.0), record("muon", 0.02, 1.1), record("muon", 0.01, 1.3, "polar_express_4"),
+               record("muon", 0.02, 1.2, "polar_express_4"), record("muon", 0.04, 0.5, "polar_express_3")]
+    argv = ["--model", "llama-384", "--optimizers", "muon", "--compile", "--horizons", "6000", "--seeds", "0"]
+    rerun = study.plan_best_runs(study.parse_args(argv + ["--ns-coefficients", "polar_express,polar_express_4"]), records)
+    assert sorted((r.ns_coefficients, r.lr, r.horizon) for r in rerun) == [("polar_express", 0.01, 6000),
+                                                                           ("polar_express_4", 0.02, 6000)]
+    assert [(r.ns_coefficients, r.lr) for r in study.plan_best_runs(study.parse_args(argv), records)] == [("polar_express", 0.01)]
+
+
+@pytest.mark.slow
+def test_smoke_study_runs_with_a_four_step_schedule(study, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = (ROOT / "src" / "dion3" / "rules.py").read_bytes()
+    for i in range(12):
+        (corpus / f"f{i}.py").write_bytes(text[i * 500:(i + 1) * 500 + 2000])
+    out = tmp_path / "study"
+    assert study.main(["--smoke", "--seeds", "0", "--fraction-warmup", "0", "--ns-coefficients", "polar_express_4",
+                       "--data", str(corpus), "--out", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["config"]["optimizer"] for r in records) == ["dion3", "normuon"]
+    assert all(r["config"]["ns_coefficients"] == "polar_express_4" and math.isfinite(r["final_val_loss"])
+               and r["optimizer_tflop"] > 0 and not r["nonfinite_updates"] for r in records)
+    summary = (out / "summary.md").read_text()
+    assert "| NorMuon, 4 NS steps |" in summary and "| Dion3, 4 NS steps | 1/4 on every matrix |" in summary
 
 
 def test_summary_names_cost_allocation_and_averages_optimizer_flops(study):

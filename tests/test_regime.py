@@ -97,6 +97,19 @@ def test_regimes_keep_batch_sizes_apart():
     assert frontier.best_points(RECORDS, "llama-384", 1500, True)[frontier.Variant("muon")].mean == pytest.approx(0.70)
 
 
+def test_another_schedules_muon_is_a_row_against_the_default_muon():
+    four = [record("llama-384", 32, "muon", 0.01, 0.8, s, 0.69 + s / 1000) for s in (0, 1, 2)]
+    for r in four:
+        r["config"]["ns_coefficients"] = "polar_express_4"
+    table = regime.regime_gaps(RECORDS + four)
+    row = table[regime.Regime("llama-384", 32, 1500)]
+    muon4 = frontier.Variant("muon", ns_coefficients="polar_express_4")
+    assert row.muon.variant == frontier.Variant("muon") and row.muon.mean == pytest.approx(0.70)
+    assert row.gaps[muon4][1].mean == pytest.approx(-0.009)
+    text = regime.regime_table(table)
+    assert text.index("| Muon, 4 NS steps |") < text.index("| Dion3 1⁄2 by cost |")  # Muon's own rows first
+
+
 def test_main_writes_the_table_and_the_picture(tmp_path):
     import json
 

@@ -35,6 +35,11 @@ cost within the modeled step time of the uniform --fraction (dion3.optim.cost_fr
 fractions only). Records from before 2026-12-03 allocated by executed FLOPs instead: their
 config has no `cost_rule`, and they are labelled `-cost-flops`. Every record carries `optimizer_tflop`, the executed orthogonalization FLOPs of
 its steps, so settings can be compared at equal optimizer FLOPs as well as at equal steps.
+
+`--ns-coefficients polar_express,polar_express_4` runs every Muon, NorMuon and Dion3 setting once
+per Newton–Schulz schedule (names of dion3.ortho.SCHEDULES; polar_express_4 and polar_express_3
+take 4 and 3 steps). Runs of the default schedule keep their keys; the others are their own
+settings, labelled with their step count ("Dion3, 4 NS steps") in the summary, frontier and regime.
 """
 from __future__ import annotations
 

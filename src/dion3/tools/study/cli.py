@@ -45,6 +45,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="with --fraction-allocation cost: weights of the rows by parameter name, each SPEC "
                              "part=weight pairs (e.g. mlp=2 or q_proj=2,o_proj=2) or none; each Dion3 setting runs "
                              "with each (param_groups' fraction_weights)")
+    parser.add_argument("--ns-coefficients", default="polar_express", metavar="NAMES",
+                        help="Newton–Schulz schedules, comma-separated names of dion3.ortho.SCHEDULES (default "
+                             "polar_express, 5 steps; polar_express_4 and polar_express_3 take 4 and 3); each Muon, "
+                             "NorMuon and Dion3 setting runs with each")
     parser.add_argument("--momentum-dtype", default="float32",
                         help="the matrix momentum's dtype, comma-separated: float32 (default) and/or bfloat16; each "
                              "Muon, NorMuon and Dion3 setting runs with each (AdamW keeps its own state)")

@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 from ..bench.step_time import parse_variant
 from ..setting_names import fraction_text
 from .launch import read_results
-from .runs import MODELS, best_on_shared_seeds, selection_label
+from .runs import DEFAULT_NS, MODELS, best_on_shared_seeds, schedule_label, selection_label
 
 
 @dataclass(frozen=True)
@@ -49,14 +49,20 @@ class Variant:
     allocation: str = "uniform"
     row_score: str = "l1"  # Dion3's selection score (dion3.rules.ROW_SCORES)
     weights: Optional[str] = None  # by cost: the rows' weights by parameter name (the study's fraction_weights)
+    ns_coefficients: str = DEFAULT_NS  # the Newton–Schulz schedule (the study's --ns-coefficients)
 
     @property
     def label(self) -> str:
         if self.optimizer != "dion3":
-            return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[self.optimizer]
+            family = {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[self.optimizer]
+            return family + schedule_label(self.ns_coefficients)
         text = fraction_text(self.fraction).replace("/", "⁄")  # the fraction slash, for prose
         return (f"Dion3 {text}" + (" by cost" if self.allocation == "cost" else " on every matrix")
-                + selection_label(self.row_score, self.weights))
+                + selection_label(self.row_score, self.weights) + schedule_label(self.ns_coefficients))
+
+
+# the references every other point is compared with: Muon and NorMuon with the default schedule
+MUON, NORMUON = Variant("muon"), Variant("normuon")
 
 
 @dataclass
@@ -102,7 +108,8 @@ def best_points(records: Sequence[dict], model: str, horizon: int, compiled: boo
         dion3 = config["optimizer"] == "dion3"
         variant = Variant(config["optimizer"], config["fraction"] if dion3 else None, allocation if dion3 else "uniform",
                           config.get("row_score", "l1") if dion3 else "l1",
-                          config.get("fraction_weights") if dion3 else None)
+                          config.get("fraction_weights") if dion3 else None,
+                          config.get("ns_coefficients", DEFAULT_NS) if config["optimizer"] != "adamw" else DEFAULT_NS)
         key = (variant, config["lr"], config["mu"])
         settings.setdefault(key, (variant, config["lr"], config["mu"], {}))[3][record["seed"]] = record["final_val_loss"]
     by_variant: dict[Variant, list[tuple[float, float, dict[int, float]]]] = {}
@@ -121,15 +128,19 @@ def best_points(records: Sequence[dict], model: str, horizon: int, compiled: boo
 
 def bench_variant(row: dict) -> Optional[Variant]:
     """The frontier variant a `dion3 bench` row times, if any (the default Muon, NorMuon, AdamW,
-    fixed-fraction Dion3 in float32 momentum)."""
+    fixed-fraction Dion3 in float32 momentum; with the row's Newton–Schulz schedule, `dion3 bench
+    --ns-coefficients`)."""
     spec = row.get("variant", {})
     if spec.get("momentum_dtype") or spec.get("warmup_steps"):
         return None
     if spec.get("algorithm") == "muon" and spec.get("orthogonalizer", "auto") != "auto":
         return None  # the standard-NS baseline, not the Muon users get
+    schedule = spec.get("ns_coefficients", DEFAULT_NS)
     if spec.get("algorithm") == "dion3":
-        return Variant("dion3", spec["fraction"], spec.get("allocation", "uniform"))
-    return Variant(spec["algorithm"]) if spec.get("algorithm") in ("adamw", "muon", "normuon") else None
+        return Variant("dion3", spec["fraction"], spec.get("allocation", "uniform"), ns_coefficients=schedule)
+    if spec.get("algorithm") == "adamw":
+        return Variant("adamw")
+    return Variant(spec["algorithm"], ns_coefficients=schedule) if spec.get("algorithm") in ("muon", "normuon") else None
 
 
 def _reports(paths: Sequence[Path]) -> list[dict]:
@@ -153,7 +164,8 @@ def read_steps(paths: Sequence[Path]) -> tuple[list[str], dict[Variant, dict]]:
         if _is_train_step(report):
             continue
         preset = report["source"]["name"]
-        presets.append(preset)
+        if preset not in presets:  # a preset benched twice (e.g. once per Newton–Schulz schedule): one column
+            presets.append(preset)
         for row in report["results"]:
             variant = bench_variant(row)
             if variant is not None and "device_ms" in row:
@@ -184,15 +196,16 @@ def read_whole_steps(paths: Sequence[Path]) -> dict[str, dict[Variant, dict]]:
 def _rounded(variant: Variant) -> Variant:
     """The variant whose `dion3 bench` row times this one: fractions compared to 1e-9 (0.375
     written as 3/8 or 0.375); an L2 selection score is timed as the L1 rule (the momentum pass
-    measures the squared row norms either way, and the selection costs the same)."""
+    measures the squared row norms either way, and the selection costs the same); the schedule is
+    kept (fewer Newton–Schulz steps are what such a row times)."""
     fraction = None if variant.fraction is None else round(variant.fraction, 9)
-    return Variant(variant.optimizer, fraction, variant.allocation)
+    return Variant(variant.optimizer, fraction, variant.allocation, ns_coefficients=variant.ns_coefficients)
 
 
 def picks(points: Sequence[Point], axis: tuple) -> dict[str, Optional[Point]]:
     """"muon quality" and "fastest" among the Dion3 points timed on `axis` (preset, mode)."""
     timed = sorted((p for p in points if p.variant.optimizer == "dion3" and axis in p.step_ms), key=lambda p: p.step_ms[axis])
-    muon = next((p for p in points if p.variant.optimizer == "muon"), None)
+    muon = next((p for p in points if p.variant == MUON), None)
     quality = None
     if muon is not None:
         quality = next((p for p in timed if p.mean <= muon.mean + muon.sd), None)
@@ -203,7 +216,7 @@ def frontier_table(model: str, points: Sequence[Point], presets: Sequence[str],
                    whole: Optional[dict[Variant, dict]] = None) -> str:
     """The model's table: one row per point; whole (read_whole_steps' entry for the model), when
     given, adds the model's own whole training step."""
-    muon = next((p for p in points if p.variant.optimizer == "muon"), None)
+    muon = next((p for p in points if p.variant == MUON), None)
     reference = (presets[0], "eager") if presets else None
     muon_ms = muon.step_ms.get(reference) if muon and reference else None
     head = ["setting", "lr", "μ", "seeds", "final val loss", "vs Muon's best"]
@@ -243,17 +256,18 @@ def frontier_table(model: str, points: Sequence[Point], presets: Sequence[str],
 
 
 def across_sizes(panels: Sequence[tuple[str, Sequence[Point]]], axis: tuple) -> str:
-    """The frontier's question over every model at once: for each Dion3 variant (and NorMuon) timed on `axis`,
-    its gap to Muon's best on each model where both have seeds (a spread), marked "within" when
+    """The frontier's question over every model at once: for each Dion3 variant (and NorMuon, and Muon
+    or NorMuon with another Newton–Schulz schedule) timed on `axis`, its gap to Muon's best on each model where both have seeds (a spread), marked "within" when
     its mean is at most Muon's mean plus Muon's sd; and the pick "Muon quality at every size": the
     shortest step among the variants within at every such model where they were measured, with
     the models it was not measured on named (a pick is only as wide as its models)."""
     seeded = []
     for model, points in panels:
-        muon = next((p for p in points if p.variant.optimizer == "muon"), None)
+        muon = next((p for p in points if p.variant == MUON), None)
         if muon is not None and len(muon.losses) > 1:
             seeded.append((model, muon, {p.variant: p for p in points if len(p.losses) > 1}))
-    variants = sorted({v for _, _, by in seeded for v, p in by.items() if v.optimizer in ("dion3", "normuon") and axis in p.step_ms},
+    variants = sorted({v for _, _, by in seeded for v, p in by.items()
+                       if v != MUON and v.optimizer != "adamw" and axis in p.step_ms},
                       key=lambda v: next(p.step_ms[axis] for _, _, by in seeded for w, p in by.items() if w == v))
     if not seeded or not variants:
         return ""
@@ -310,10 +324,10 @@ def frontier_picture(panels: Sequence[tuple[str, Sequence[Point]]], axis: tuple,
             ax.annotate(f"{point.variant.label} ({len(point.losses)})", (x, point.mean), textcoords="offset points",
                         xytext=(6, 5 if index % 2 else -11), fontsize=8)
         for point in points:
-            if point.variant.optimizer in ("muon", "normuon"):  # the references, drawn across the panel
+            if point.variant in (MUON, NORMUON):  # the references, drawn across the panel
                 _, colour = styles[point.variant.optimizer]
                 ax.axhline(point.mean, color=colour, linestyle="--", linewidth=1, label=f"{point.variant.label} best")
-                if point.variant.optimizer == "muon" and point.sd:
+                if point.variant == MUON and point.sd:
                     ax.axhspan(point.mean - point.sd, point.mean + point.sd, color=colour, alpha=0.1, label="Muon best ± sd")
         ax.set_xlabel(f"optimizer step on {axis[0]} shapes, one H200 ({axis[1]}), ms")
         ax.set_ylabel("final validation loss, nats per byte")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .frontier import Point, Variant, best_points, write_report
+from .frontier import MUON, Point, Variant, best_points, write_report
 from .launch import read_results
 from .runs import MODELS, ModelSpec
 
@@ -106,11 +106,11 @@ def regime_gaps(records: Sequence[dict], compiled: bool = True, min_seeds: int =
     table = {}
     for regime in regimes(records, compiled):
         points = best_points(records, regime.model, regime.horizon, compiled, regime.batch_size)
-        muon = points.get(Variant("muon"))
+        muon = points.get(MUON)
         if muon is None or len(muon.losses) < min_seeds:
             continue
         table[regime] = RegimeRow(muon, {v: (p, gap(p, muon)) for v, p in points.items()
-                                         if v.optimizer != "muon" and len(p.losses) >= min_seeds})
+                                         if v != MUON and len(p.losses) >= min_seeds})
     return table
 
 
@@ -142,8 +142,9 @@ def _seeds(point: Point) -> str:
 
 
 def _variant_order(variant: Variant) -> tuple:
-    rank = {"normuon": 0, "dion3": 1, "adamw": 2}[variant.optimizer]
-    return (rank, -(variant.fraction or 0.0), variant.allocation, variant.row_score, variant.weights or "")
+    rank = {"muon": 0, "normuon": 1, "dion3": 2, "adamw": 3}[variant.optimizer]  # Muon: another schedule
+    return (rank, -(variant.fraction or 0.0), variant.allocation, variant.row_score, variant.weights or "",
+            variant.ns_coefficients)
 
 
 def regime_picture(table: dict[Regime, RegimeRow], path: Path) -> bool:

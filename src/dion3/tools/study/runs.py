@@ -13,6 +13,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ...ortho.coefficients import SCHEDULES
 from ...rules import ROW_SCORES
 from ..setting_names import Dion3Setting
 
@@ -43,6 +44,7 @@ MODELS = {
 # family → (lr flag default, μ flag default or None where the family has no μ)
 FAMILIES = {"adamw": ("0.003", None), "muon": ("0.02", "0.95"), "normuon": ("0.02", "0.6,0.8"), "dion3": ("0.04,0.08", "0.3,0.6")}
 FRACTION_ALLOCATIONS = ("uniform", "cost")  # Dion3's fractions: dion3.optim.param_groups.FRACTION_ALLOCATIONS
+DEFAULT_NS = "polar_express"  # the optimizers' Newton–Schulz schedule (ns_coefficients)
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,9 @@ class Run:
     # dion3 by cost only: the rows' weights by parameter name, "part=w,part=w" (fraction_weights_spec;
     # param_groups' fraction_weights); None: every matrix's rows count once
     fraction_weights: Optional[str] = None
+    # Muon/NorMuon/Dion3: the Newton–Schulz schedule, a name of dion3.ortho.SCHEDULES (e.g.
+    # polar_express_4, 4 steps); AdamW runs keep the default
+    ns_coefficients: str = DEFAULT_NS
 
     @property
     def setting(self) -> tuple:
@@ -80,7 +85,7 @@ class Run:
         last, so that a larger batch of the same optimizer is its own setting."""
         return (self.model, self.horizon, self.optimizer, self.fraction, self.fraction_warmup, self.lr, self.mu,
                 self.fraction_allocation, self.compiled, self.momentum_dtype, self.cost_rule, self.row_score,
-                self.fraction_weights, self.batch_size)
+                self.fraction_weights, self.ns_coefficients, self.batch_size)
 
     @property
     def key(self) -> str:
@@ -98,6 +103,8 @@ class Run:
             del fields["row_score"]
         if fields["fraction_weights"] is None:
             del fields["fraction_weights"]
+        if fields["ns_coefficients"] == DEFAULT_NS:
+            del fields["ns_coefficients"]
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
@@ -111,6 +118,8 @@ class Run:
                     + (f"-weights[{self.fraction_weights}]" if self.fraction_weights else ""))
         if self.momentum_dtype:
             name += f"-momentum-{self.momentum_dtype}"
+        if self.ns_coefficients != DEFAULT_NS:
+            name += f"-{self.ns_coefficients}"
         return f"{name} lr={self.lr:g} mu={self.mu:g} h={self.horizon} seed={self.seed}" + (f" #{self.repeat}" if self.repeat else "")
 
 
@@ -199,6 +208,32 @@ def selection_label(row_score: str, fraction_weights: Optional[str]) -> str:
             + (f", rows weighted {fraction_weights}" if fraction_weights else ""))
 
 
+def schedule_label(ns_coefficients: str) -> str:
+    """What a setting changes of the Newton–Schulz schedule, for tables and plots: "" for the
+    default; ", 4 NS steps" for a Polar Express construction of another length; else the name."""
+    if ns_coefficients == DEFAULT_NS:
+        return ""
+    steps = len(SCHEDULES[ns_coefficients])
+    return f", {steps} NS steps" if ns_coefficients.startswith(DEFAULT_NS) else f", NS {ns_coefficients} ({steps} steps)"
+
+
+def ns_schedules(text: str) -> list[str]:
+    """--ns-coefficients → the schedule names, each a name of dion3.ortho.SCHEDULES, in order."""
+    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    if not names or any(name not in SCHEDULES for name in names):
+        raise SystemExit(f"quality_study: --ns-coefficients expects some of {tuple(SCHEDULES)}, got {text!r}")
+    return names
+
+
+def with_ns_schedules(runs: Sequence[Run], names: Sequence[str]) -> list[Run]:
+    """Each run once per Newton–Schulz schedule; AdamW runs once (it orthogonalizes nothing)."""
+    out = []
+    for run in runs:
+        for name in (names if run.optimizer != "adamw" else [DEFAULT_NS]):
+            out.append(dataclasses.replace(run, ns_coefficients=name))
+    return list(dict.fromkeys(out))
+
+
 def parse_fraction_weights(spec: Optional[str]) -> Optional[tuple[tuple[str, float], ...]]:
     """The Run field → trainer.RunSpec's fraction_weights."""
     if spec is None:
@@ -277,6 +312,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
                                 horizon=horizon, seed=seed, fraction_allocation=allocation,
                                 cost_rule="time" if allocation == "cost" else None, row_score=score,
                                 fraction_weights=weighting, **common))
+    runs = with_ns_schedules(runs, ns_schedules(args.ns_coefficients))
     runs = with_momentum_dtypes(runs, momentum_dtypes(args.momentum_dtype))
     return [dataclasses.replace(run, repeat=r) for run in runs for r in range(args.repeats)]
 
@@ -298,19 +334,22 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
     --horizons with --seeds; every other field (lr, μ, batch, schedules, data) is the best run's
     own. Best: the lowest mean final validation loss over the seeds that every setting of the
     variant has (a seed-0 sweep whose winner then ran more seeds is judged on seed 0), or over
-    each setting's own seeds when they share none. Families: --optimizers; Dion3 variants: those
-    of --fraction, --fraction-warmup (in steps), --fraction-allocation and --row-score."""
+    each setting's own seeds when they share none. Families: --optimizers, each once per schedule
+    of --ns-coefficients; Dion3 variants: those of --fraction, --fraction-warmup (in steps),
+    --fraction-allocation and --row-score."""
     families = [f.strip() for f in args.optimizers.split(",") if f.strip()]
     fractions = set(_floats(args.fraction, "--fraction"))
     warmups = set(_ints(args.fraction_warmup, "--fraction-warmup"))
     allocations = {a.strip() for a in args.fraction_allocation.split(",") if a.strip()}
     scores = {s.strip() for s in args.row_score.split(",") if s.strip()}
+    schedules = set(ns_schedules(args.ns_coefficients))
     by_setting: dict[tuple, tuple[Run, dict[int, float]]] = {}  # setting → (a run of it, loss per seed)
     for record in records:
         run = Run(**{**record["config"], "data": tuple(record["config"]["data"]) if record["config"]["data"] else None})
         if (run.model != args.model or run.horizon != args.best_at or run.optimizer not in families
                 or run.compiled != args.compile or run.momentum_dtype is not None  # best judged in float32
-                or run.batch_size != (args.batch_size or MODELS[args.model].batch_size)):  # and at the batch asked for
+                or run.batch_size != (args.batch_size or MODELS[args.model].batch_size)  # and at the batch asked for
+                or (run.optimizer != "adamw" and run.ns_coefficients not in schedules)):
             continue
         if run.optimizer == "dion3" and (run.fraction not in fractions or run.fraction_warmup not in warmups
                                          or run.fraction_allocation not in allocations or run.row_score not in scores):
@@ -320,7 +359,7 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
     variants: dict[tuple, list[tuple[Run, dict[int, float]]]] = {}
     for run, losses in by_setting.values():
         variant = (run.optimizer, run.fraction, run.fraction_warmup, run.fraction_allocation, run.row_score,
-                   run.fraction_weights)
+                   run.fraction_weights, run.ns_coefficients)
         variants.setdefault(variant, []).append((run, losses))
     best: dict[tuple, tuple[float, Run]] = {}
     for variant, settings in variants.items():

@@ -47,6 +47,8 @@ class RunSpec:
     # Dion3 with fraction_allocation "cost" only: ((part of a parameter name, weight), ...), param_groups'
     # fraction_weights; None: every matrix's rows count once
     fraction_weights: Optional[tuple[tuple[str, float], ...]] = None
+    # Muon/NorMuon/Dion3: the Newton–Schulz schedule's name (ns_coefficients); None keeps the optimizer's
+    ns_coefficients: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,8 @@ def build_optimizer(model: GPT, spec: RunSpec) -> Dion3:
         raise ValueError("fraction_allocation 'cost' needs a fixed fraction (fraction_warmup 0): a fraction "
                          "warm-up sets one fraction on every group, which would undo the per-shape fractions")
     options = {key: value for key, value in (("fraction", spec.fraction), ("mu", spec.mu),
-                                             ("momentum_dtype", spec.momentum_dtype), ("row_score", spec.row_score))
+                                             ("momentum_dtype", spec.momentum_dtype), ("row_score", spec.row_score),
+                                             ("ns_coefficients", spec.ns_coefficients))
                if value is not None}
     weights = None if spec.fraction_weights is None else dict(spec.fraction_weights)
     return Dion3(param_groups(model, lm_head=model.lm_head, algorithm=spec.algorithm, lr=spec.lr,
