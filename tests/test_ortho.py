@@ -299,6 +299,10 @@ def test_the_cost_model_counts_the_short_schedules_steps(name):
     assert orthogonalize_flops(n, m, "newton_schulz", False, name)[0] * 5 == five * steps
     assert orthogonalize_flops(m, n, "gram", False, name)[0] == sum(p.flops for p in gram_products(n, m, steps, (2,)))
     assert orthogonalize_flops(n, m, "gram", False, name)[0] < orthogonalize_flops(n, m, "gram", False)[0]
+    # with one restart after step 2, Gram NS still wins from m/n > 1.5 with dense products (choose_method's rule)
+    for ratio in (1.4, 1.6):
+        gram, standard = (orthogonalize_flops(100, int(100 * ratio), method, False, name)[0] for method in ("gram", "newton_schulz"))
+        assert (gram < standard) == (ratio > 1.5)
 
 
 # ---------------------------------------------------------------- interface
