@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import platform
 import shutil
 import statistics
 import subprocess
@@ -138,6 +139,8 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
         # whatever the device: AdamW 0, Muon/NorMuon every row, Dion3 ⌈f·rows⌉ rows per matrix
         "optimizer_tflop": result.optimizer_flops / 1e12,
         "device": str(device), "torch": torch.__version__, "data": data.description,
+        # quality is compared within one card kind: the record names the card that ran it
+        "card": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         # the first step whose training loss was not finite (None: every step finite)
         "first_nonfinite_step": next((i for i, v in enumerate(result.train_losses) if not math.isfinite(v)), None),
         "nonfinite_updates": result.nonfinite_updates,
