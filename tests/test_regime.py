@@ -122,6 +122,16 @@ def test_main_writes_the_table_and_the_picture(tmp_path):
     assert (tmp_path / "out" / "regime.png").stat().st_size > 0
 
 
+def test_each_regime_names_the_cards_of_its_runs():
+    records = [dict(r) for r in RECORDS]
+    for r in [r for r in records if r["config"]["batch_size"] == 128][:2]:
+        r["card"] = "NVIDIA H100 80GB HBM3"
+    text = regime.regime_cards(records, regime.Regime("llama-384", 128, 1500))
+    assert text == "not recorded × 6, NVIDIA H100 80GB HBM3 × 2"  # eight runs at batch 128, most first
+    assert regime.regime_cards(records, regime.Regime("llama-384", 32, 1500)) == "not recorded × 6"
+    assert regime.regime_cards(records, regime.Regime("llama-384", 16, 1500)) == ""
+
+
 def test_a_larger_batch_is_its_own_setting_in_the_summary():
     from dion3.tools.study.summary import summary_table
 

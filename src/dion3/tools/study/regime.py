@@ -114,6 +114,19 @@ def regime_gaps(records: Sequence[dict], compiled: bool = True, min_seeds: int =
     return table
 
 
+def regime_cards(records: Sequence[dict], regime: Regime, compiled: bool = True) -> str:
+    """The cards that ran a regime's runs and how many each ("not recorded" before records named
+    them): settings are compared within one card kind, so a mixed regime says so."""
+    counts: dict[str, int] = {}
+    for r in records:
+        config = r["config"]
+        if (Regime(config["model"], config["batch_size"], config["horizon"]) == regime
+                and config.get("compiled", False) == compiled):
+            card = r.get("card") or "not recorded"
+            counts[card] = counts.get(card, 0) + 1
+    return ", ".join(f"{card} × {n}" for card, n in sorted(counts.items(), key=lambda item: -item[1]))
+
+
 def regime_table(table: dict[Regime, RegimeRow]) -> str:
     """Markdown: Muon's best loss, then a row per setting; a column per regime."""
     variants = sorted({v for row in table.values() for v in row.gaps}, key=_variant_order)
@@ -219,7 +232,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not table:
         sections.append(f"No regime has Muon's best with {args.min_seeds} or more seeds.")
     else:
-        sections += [regime_table(table), ""]
+        sections += [regime_table(table), "", "Cards that ran each regime's runs (“not recorded”: a record that does not name its card):", ""]
+        sections += [f"- {regime.label}: {regime_cards(records, regime, not args.eager)}" for regime in table] + [""]
         if regime_picture(table, args.out / f"{args.name}.png"):
             sections += [f"![gap to Muon's best against tokens per step and per parameter]({args.name}.png)", ""]
     write_report(args.out / f"{args.name}.md", sections)
