@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The regime study's GPU jobs by name (benchmarks/results/frontier/README.md, "The regime study:
+# jobs in order"). A job starts its runs at once, one study process, folder and log each under
+# $WORK, and waits; then prints each finished run's final loss. Run it inside gpu_job.sh:
+#
+#   bash benchmarks/gpu_job.sh $OUT/JOB.tgz 'bash benchmarks/regime_jobs.sh JOB'
+#   bash benchmarks/regime_jobs.sh --dry-run JOB   # its runs, planned without training (no GPU needed)
+#   bash benchmarks/regime_jobs.sh --dry-run all   # every job's runs
+#
+# Land a job: tar -xzf JOB.tgz -C DIR; cat DIR/*/results.jsonl >> benchmarks/results/frontier/results.jsonl
+# (every record names its card; rerunning a study skips the runs its folder already holds).
+# The seed jobs pick each family's and fraction's best from the landed records (--best-from), so
+# the grid jobs of a batch size land before its seeds run.
+set -u
+STUDY="python -m dion3.tools.study --model llama-384 --lr-warmup 50 --cooldown 0.3 --compile --horizons 1500"
+DION3="--optimizers dion3 --fraction-warmup 0 --fraction-allocation cost --dion3-mu 0.6"
+# the same 512 validation windows at every batch size
+declare -A EVAL=([16]="--eval-batches 32" [128]="--eval-batches 4" [256]="--eval-batches 2")
+RECORDS=benchmarks/results/frontier
+dry=""
+pids=()
+WORK=${WORK:-$(mktemp -d)}; mkdir -p "$WORK"
+
+# run NAME BATCH STUDY-FLAGS...: one study in the background, its folder and log under $WORK
+run() {
+  local name=$1 batch=$2; shift 2
+  if [ -n "$dry" ]; then
+    $STUDY --batch-size "$batch" ${EVAL[$batch]} "$@" --out "$WORK/$name" --dry-run | grep -v "^[0-9]* runs," | sed "s/^/$name (batch $batch): /"
+  else
+    $STUDY --batch-size "$batch" ${EVAL[$batch]} "$@" --out "$WORK/$name" > "$WORK/$name.log" 2>&1 &
+    pids+=($!)
+  fi
+}
+muon() { echo --optimizers muon --muon-lr "$1" --muon-mu "${2:-0.8}"; }
+normuon() { echo --optimizers normuon --normuon-lr "$1" --normuon-mu 0.6; }
+fraction() { echo $DION3 --fraction "$1" --dion3-lr "$2"; }
+# seeds of every best at BATCH: Muon, NorMuon, ½, ⅜ and ¼ by cost, five runs
+best_seed() {
+  run "b$1-best-seed$2" "$1" --best-from $RECORDS --seeds "$2" --optimizers muon,normuon,dion3 --fraction 0.5,0.375,0.25 \
+    --fraction-allocation cost --fraction-warmup 0 --jobs 5
+}
+
+job() {
+  case $1 in
+    b128-edges)  # the batch-128 grids' open edges (seed 0) and Muon's μ beside its best
+      run b128-three8-0.015 128 $(fraction 0.375 0.015) --seeds 0
+      run b128-quarter-0.02 128 $(fraction 0.25 0.02) --seeds 0
+      run b128-half-0.02 128 $(fraction 0.5 0.02) --seeds 0
+      run b128-normuon-0.01 128 $(normuon 0.01) --seeds 0
+      run b128-muon-0.02-mu0.9 128 $(muon 0.02 0.9) --seeds 0 ;;
+    b128-seed1) best_seed 128 1 ;;
+    b128-seed2) best_seed 128 2 ;;
+    b16-grid)  # batch 16, seed 0, around the batch-32 bests (host-bound runs: eight at once)
+      run b16-muon-0.005 16 $(muon 0.005) --seeds 0
+      run b16-muon-0.02 16 $(muon 0.02) --seeds 0
+      run b16-normuon-0.01 16 $(normuon 0.01) --seeds 0
+      run b16-normuon-0.02 16 $(normuon 0.02) --seeds 0
+      run b16-half-0.01 16 $(fraction 0.5 0.01) --seeds 0
+      run b16-half-0.02 16 $(fraction 0.5 0.02) --seeds 0
+      run b16-three8-0.02 16 $(fraction 0.375 0.02) --seeds 0
+      run b16-quarter-0.02 16 $(fraction 0.25 0.02) --seeds 0 ;;
+    b16-seeds)  # seeds 1 and 2 of every batch-16 best, ten runs
+      best_seed 16 1; best_seed 16 2 ;;
+    b256-grid)  # batch 256 (10.4 tokens per parameter): the batch-128 bests and one step up, three runs
+      run b256-muon-0.02 256 $(muon 0.02) --seeds 0
+      run b256-muon-0.04 256 $(muon 0.04) --seeds 0
+      run b256-half-0.03 256 $(fraction 0.5 0.03) --seeds 0 ;;
+    b128-ns4)  # 4 Newton–Schulz steps before the row normalization, at the 5-step bests' lrs (seed 0)
+      run b128-half-ns4 128 $(fraction 0.5 0.03) --ns-coefficients polar_express_4 --seeds 0
+      run b128-three8-ns4 128 $(fraction 0.375 0.02) --ns-coefficients polar_express_4 --seeds 0
+      run b128-normuon-ns4 128 $(normuon 0.02) --ns-coefficients polar_express_4 --seeds 0 ;;
+    *) echo "regime_jobs: unknown job '$1' (jobs: $JOBS)" >&2; return 2 ;;
+  esac
+}
+
+JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4"
+case ${1:-} in
+  --dry-run) dry=1; for j in $([ "${2:?JOB or all}" = all ] && echo $JOBS || echo "$2"); do echo "### $j"; job "$j" || exit $?; done; exit 0 ;;
+  "") echo "usage: regime_jobs.sh JOB | --dry-run JOB|all (jobs: $JOBS)" >&2; exit 2 ;;
+esac
+job "$1" || exit $?
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done  # a failed run fails the job (its log says why)
+for results in "$WORK"/*/results.jsonl; do
+  [ -f "$results" ] && python -c "import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line); c = r['config']
+    print(f\"{c['optimizer']:8} fraction {c['fraction']} lr {c['lr']:g} mu {c['mu']:g} batch {c['batch_size']} seed {r['seed']}: \"
+          f\"{r['final_val_loss']:.4f} ({r.get('card')}; skipped steps {r['skipped_update_steps'][:5]})\")" "$results"
+done
+exit $status
