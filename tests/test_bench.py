@@ -485,3 +485,55 @@ def test_gpu_job_keeps_the_compile_cache_for_the_next_machine(tmp_path):
     status, packed = job("second", 'cp "$TORCHINDUCTOR_CACHE_DIR/k.bin" "$WORK/found.txt"', COMPILE_CACHE_FROM=str(cache))
     assert status == 0 and packed.extractfile("./found.txt").read() == b"kernel\n"
     assert f"compile cache: from {cache}" in packed.extractfile("./machine.txt").read().decode()
+
+
+def test_regime_jobs_plan_their_runs_through_the_study(tmp_path):
+    """benchmarks/regime_jobs.sh --dry-run: the study itself plans each run of a named job (the
+    flags parse, the settings are the ones the job names); an unknown job is refused naming the jobs."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**__import__("os").environ, "WORK": str(tmp_path)}
+    done = subprocess.run(["bash", "benchmarks/regime_jobs.sh", "--dry-run", "b128-edges"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    planned = sorted(line.split("to run  ", 1)[1] for line in done.stdout.splitlines() if "to run  " in line)
+    assert planned == sorted([
+        "dion3-3/8-cost lr=0.015 mu=0.6 h=1500 seed=0", "dion3-1/4-cost lr=0.02 mu=0.6 h=1500 seed=0",
+        "dion3-1/2-cost lr=0.02 mu=0.6 h=1500 seed=0", "normuon lr=0.01 mu=0.6 h=1500 seed=0",
+        "muon lr=0.02 mu=0.9 h=1500 seed=0"])
+    assert all("(batch 128)" in line for line in done.stdout.splitlines() if "to run" in line)
+    refused = subprocess.run(["bash", "benchmarks/regime_jobs.sh", "b512"], cwd=root, env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2 and "unknown job 'b512'" in refused.stderr and "b128-edges" in refused.stderr
+
+
+def test_a_failed_run_fails_its_regime_job(tmp_path):
+    """Outside --dry-run a job starts every run at once and waits for all: with a stand-in `python`
+    whose study fails for one run, the job still waits for the others and exits 1; each run gets its
+    batch's validation windows (--eval-batches 2 at batch 256) and its own folder under $WORK."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python").write_text(
+        "#!/bin/bash\n"
+        'if [ "$2" = dion3.tools.study ]; then\n'
+        '  echo "$@" >> "$WORK/calls.txt"\n'
+        '  case "$*" in *--muon-lr\\ 0.04*) exit 1 ;; esac\n'
+        "  exit 0\n"
+        "fi\n"
+        f'exec {sys.executable} "$@"\n')
+    (shim / "python").chmod(0o755)
+    work = tmp_path / "work"
+    env = {**os.environ, "WORK": str(work), "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "benchmarks/regime_jobs.sh", "b256-grid"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    calls = (work / "calls.txt").read_text().splitlines()
+    assert len(calls) == 3 and all("--batch-size 256 --eval-batches 2" in call for call in calls)
+    assert sorted(call.split("--out ")[1] for call in calls) == sorted(
+        str(work / name) for name in ("b256-muon-0.02", "b256-muon-0.04", "b256-half-0.03"))
