@@ -24,10 +24,11 @@ WORK=${WORK:-$(mktemp -d)}; mkdir -p "$WORK"
 # run NAME BATCH STUDY-FLAGS...: one study in the background, its folder and log under $WORK
 run() {
   local name=$1 batch=$2; shift 2
+  local study=($STUDY --batch-size "$batch" ${EVAL[$batch]} "$@" --out "$WORK/$name")
   if [ -n "$dry" ]; then
-    $STUDY --batch-size "$batch" ${EVAL[$batch]} "$@" --out "$WORK/$name" --dry-run | grep -v "^[0-9]* runs," | sed "s/^/$name (batch $batch): /"
+    "${study[@]}" --dry-run | grep -v "^[0-9]* runs," | sed "s/^/$name (batch $batch): /"
   else
-    $STUDY --batch-size "$batch" ${EVAL[$batch]} "$@" --out "$WORK/$name" > "$WORK/$name.log" 2>&1 &
+    "${study[@]}" > "$WORK/$name.log" 2>&1 &
     pids+=($!)
   fi
 }

@@ -20,6 +20,7 @@ import argparse
 import math
 import statistics
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -87,10 +88,18 @@ def gap(point: Point, muon: Point) -> Gap:
     return Gap(point.mean - muon.mean, math.hypot(point.sd, muon.sd), 0, muon.sd)
 
 
+def regime_of(record: dict, compiled: bool = True) -> Optional[Regime]:
+    """The regime a run belongs to; None for a run of the other kind (eager or compiled) or of a
+    model the study no longer builds."""
+    config = record["config"]
+    if config.get("compiled", False) != compiled or config["model"] not in MODELS:
+        return None
+    return Regime(config["model"], config["batch_size"], config["horizon"])
+
+
 def regimes(records: Sequence[dict], compiled: bool = True) -> list[Regime]:
     """Every regime the records hold, smallest tokens per step first."""
-    found = {Regime(r["config"]["model"], r["config"]["batch_size"], r["config"]["horizon"]) for r in records
-             if r["config"].get("compiled", False) == compiled and r["config"]["model"] in MODELS}
+    found = {regime_of(r, compiled) for r in records} - {None}
     return sorted(found, key=lambda g: (g.model, g.tokens_per_step, g.horizon))
 
 
@@ -117,13 +126,7 @@ def regime_gaps(records: Sequence[dict], compiled: bool = True, min_seeds: int =
 def regime_cards(records: Sequence[dict], regime: Regime, compiled: bool = True) -> str:
     """The cards that ran a regime's runs and how many each ("not recorded" before records named
     them): settings are compared within one card kind, so a mixed regime says so."""
-    counts: dict[str, int] = {}
-    for r in records:
-        config = r["config"]
-        if (Regime(config["model"], config["batch_size"], config["horizon"]) == regime
-                and config.get("compiled", False) == compiled):
-            card = r.get("card") or "not recorded"
-            counts[card] = counts.get(card, 0) + 1
+    counts = Counter(r.get("card") or "not recorded" for r in records if regime_of(r, compiled) == regime)
     return ", ".join(f"{card} × {n}" for card, n in sorted(counts.items(), key=lambda item: -item[1]))
 
 
