@@ -41,6 +41,23 @@ best_seed() {
     --fraction-allocation cost --fraction-warmup 0 --jobs 5
 }
 
+# the step-efficiency runs of SEED in three parts of 5250-6750 steps (two 3000-step runs at most, so
+# each part fits a 10-minute job on a fresh machine); seed 0's Muon 1000/3000 and ½ 3000 are landed
+long_part() {
+  local part=$1 seed=$2
+  case $part in
+    a) run "b128-normuon-3000-s$seed" 128 $(normuon 0.02) --horizons 3000 --seeds "$seed"
+       run "b128-quarter-3000-s$seed" 128 $(fraction 0.25 0.02) --horizons 3000 --seeds "$seed"
+       run "b128-muon-750-s$seed" 128 $(muon 0.02) --horizons 750 --seeds "$seed" ;;
+    b) run "b128-three8-3000-s$seed" 128 $(fraction 0.375 0.02) --horizons 3000 --seeds "$seed"
+       run "b128-muon-2250-s$seed" 128 $(muon 0.02) --horizons 2250 --seeds "$seed"
+       [ "$seed" = 0 ] || run "b128-muon-1000-s$seed" 128 $(muon 0.02) --horizons 1000 --seeds "$seed" ;;
+    c) [ "$seed" != 0 ] || { echo "regime_jobs: b128-long-c-s0 is landed (Muon and ½ by cost at 3000, seed 0)" >&2; return 2; }
+       run "b128-half-3000-s$seed" 128 $(fraction 0.5 0.02) --horizons 3000 --seeds "$seed"
+       run "b128-muon-3000-s$seed" 128 $(muon 0.02) --horizons 3000 --seeds "$seed" ;;
+  esac
+}
+
 job() {
   case $1 in
     b128-edges)  # the batch-128 grids' open edges (seed 0) and Muon's μ beside its best
@@ -70,11 +87,13 @@ job() {
       run b128-half-ns4 128 $(fraction 0.5 0.03) --ns-coefficients polar_express_4 --seeds 0
       run b128-three8-ns4 128 $(fraction 0.375 0.02) --ns-coefficients polar_express_4 --seeds 0
       run b128-normuon-ns4 128 $(normuon 0.02) --ns-coefficients polar_express_4 --seeds 0 ;;
+    b128-long-[abc]-s[0-2])  # step-efficiency: each setting at 3000 steps and Muon's curve (750-3000), one seed
+      long_part "${1:10:1}" "${1: -1}" ;;
     *) echo "regime_jobs: unknown job '$1' (jobs: $JOBS)" >&2; return 2 ;;
   esac
 }
 
-JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4"
+JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4 b128-long-a-s0 b128-long-b-s0 b128-long-a-s1 b128-long-b-s1 b128-long-c-s1 b128-long-a-s2 b128-long-b-s2 b128-long-c-s2"
 case ${1:-} in
   --dry-run) dry=1; for j in $([ "${2:?JOB or all}" = all ] && echo $JOBS || echo "$2"); do echo "### $j"; job "$j" || exit $?; done; exit 0 ;;
   "") echo "usage: regime_jobs.sh JOB | --dry-run JOB|all (jobs: $JOBS)" >&2; exit 2 ;;
