@@ -225,8 +225,9 @@ def test_fraction_weights_are_their_own_settings_and_reach_the_allocation(study)
     assert runs[1].label.startswith("dion3-1/4-cost-weights[mlp.=4] ")
     rows = study.summary_table([{**_record(study, "dion3", 1.5, 0, 0.25), "config": json.loads(json.dumps(runs[1].__dict__))}])
     assert "| Dion3, rows weighted mlp.=4 | 1/4 by cost |" in rows
-    # the weights reach param_groups: on this model a weight on the MLP moves rows there
-    config = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=64)
+    # the weights reach param_groups: on this model a weight on the MLP moves rows there (at d = 64
+    # the cheapest allocation gives every matrix but fc all its rows, weighted or not)
+    config = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=128)
 
     def fractions(weights):
         spec = trainer.RunSpec("d", "dion3", 0.02, 0.25, fraction_allocation="cost",
@@ -235,7 +236,7 @@ def test_fraction_weights_are_their_own_settings_and_reach_the_allocation(study)
         return {tuple(p.shape): g["fraction"] for g in groups if g.get("algorithm", "dion3") == "dion3" for p in g["params"]}
 
     plain_fractions, weighted = fractions(None), fractions("mlp.=4")
-    assert weighted[(256, 64)] > plain_fractions[(256, 64)] and weighted[(64, 64)] < plain_fractions[(64, 64)]
+    assert weighted[(512, 128)] > plain_fractions[(512, 128)] and weighted[(128, 128)] < plain_fractions[(128, 128)]
     for bad in ("mlp", "mlp=0", "=2"):
         with pytest.raises(SystemExit, match="--fraction-weights expects part=weight pairs"):
             study.plan_runs(study.parse_args(args + ["--fraction-weights", bad]))

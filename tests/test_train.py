@@ -399,7 +399,8 @@ def test_compare_table_states_the_budget_and_each_matrix_fraction():
         model = GPT(GPTConfig(**{**TINY.__dict__, "vocab_size": padded_vocab(256)}))
     allocated = [g["fraction"] for g in param_groups(model, lm_head=model.lm_head, fraction=0.25,
                                                      fraction_allocation="cost") if g.get("algorithm") != "adamw"]
-    assert len(allocated) > 1 and min(allocated) < 0.25 < max(allocated)  # the shapes get different fractions
+    # the shapes get different fractions (at d = 32 every k pads to 128 rows, so ¼'s time buys most rows)
+    assert len(allocated) > 1 and min(allocated) < max(allocated)
     cost = rows["dion3-1/4-cost"]
     assert cost["fraction budget"] == "1/4 by cost"
     assert cost["fraction per matrix"] == f"{min(allocated):.3g}–{max(allocated):.3g}"

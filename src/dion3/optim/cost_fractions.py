@@ -51,6 +51,21 @@ def _check_shapes(shapes: Sequence) -> None:
                 raise ValueError(f"the matrix shape {shape!r} has {name} {value!r}, not a positive integer")
 
 
+def efficient_rows(cost: Cost, cols: int, low: int, rows: int) -> list[tuple[int, float]]:
+    """(k, cost(k, cols)) for each k in [low, rows] that every larger k up to rows costs strictly
+    more than, k and cost ascending, ending at rows: the first is the cheapest way to select at
+    least `low` rows, and after each entry the next is the cheapest way to select at least one
+    row more (a larger count at no more cost is the better buy, so the most rows of a price)."""
+    points, cheapest = [], math.inf
+    for k in range(rows, low - 1, -1):
+        price = float(cost(k, cols))
+        if price < cheapest:
+            points.append((k, price))
+            cheapest = price
+    points.reverse()
+    return points
+
+
 def cost_allocated_fractions(
     shapes: Sequence[MatrixShape], fraction: float, floor: Optional[float] = None, method: str = "auto",
     schedule: Any = "polar_express", cost: Optional[Cost] = None, weights: Optional[Sequence[float]] = None,
@@ -68,17 +83,25 @@ def cost_allocated_fractions(
         times, so its cost is divided by w when the rows are handed out (a shape whose rows matter
         more for the loss gets more of them within the same budget). Equal shapes need equal weights.
 
-    Rule (water-filling by cost): every shape starts at ⌈floor·rows⌉ rows; then, again and again,
-    the shape whose next row costs the least (cost(k + 1) − cost(k), divided by the shape's
-    weight; first in input order among equals) gets one more row on each of its matrices, among
-    the shapes below all their rows whose additions still fit the budget, until none fits. Orthogonalizing k rows costs about k²·cols,
+    Rule (water-filling by cost on the cheapest way to at least k rows): more rows can cost less
+    (the modeled time of a 192×64 matrix is lower at k = 96 than at k = 24: the orthogonalizer
+    and the padded tile change with k), so k rows are priced at min over k' ≥ k of cost(k'), and
+    a shape that pays that price selects the most rows k' it buys (efficient_rows). Every shape
+    starts at the cheapest way to ⌈floor·rows⌉ rows; then, again and again, the shape whose next
+    row costs the least (that price's rise, divided by the shape's weight; first in input order
+    among equals) gets it on each of its matrices, among the shapes below all their rows whose
+    additions still fit the budget, until none fits. Orthogonalizing k rows costs about k²·cols,
     so a row is cheap where k and cols are small: short matrices (k/v projections) and narrow ones
     get their rows first, and the budget they leave keeps a small fraction on the wide MLP
-    matrices. The modeled time is a step function of k (the GPU computes k at its next multiple
-    of 128): after each step up, the rows up to the next one cost nothing and are taken, so a
-    shape ends on a multiple of 128 (or all its rows), and one uniform shape can get more than
-    `fraction` (k = 96 of 384 rows computes 128 anyway). Any shape below 1 would then exceed the
-    budget with one more row.
+    matrices. The modeled time steps up where k passes a multiple of 128 (the GPU computes k at
+    its next multiple): after each step up, the rows up to the next one cost only their own
+    traffic and are taken, so a shape mostly ends on a multiple of 128 (or all its rows), and one
+    uniform shape can get more than `fraction` (k = 96 of 384 rows computes 128 anyway).
+    So the result never costs more than the budget (the floor's rows cost no more than
+    `fraction`'s at these prices), no shape's next row fits it, and no other allocation selects
+    as many rows of every shape in no more time: each shape's k costs less than any larger k.
+    Where cost never falls as k grows, the price of a row is cost(k + 1) − cost(k) and the rows
+    are those of the per-row water-filling that came before this envelope, row for row.
     """
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must lie in (0, 1], got {fraction!r}")
@@ -104,20 +127,24 @@ def cost_allocated_fractions(
 
     budget = sum(merged[(rows, cols)] * flops(selected_row_count(rows, fraction), cols) for rows, cols in keys)
     limit = budget * (1 + BUDGET_TOLERANCE)
-    k = [selected_row_count(rows, floor) for rows, _ in keys]
-    total = sum(merged[key] * flops(k[i], key[1]) for i, key in enumerate(keys))
+    # each shape steps along its efficient row counts, starting at the cheapest way to its floor's rows
+    points = [efficient_rows(flops, cols, selected_row_count(rows, floor), rows) for rows, cols in keys]
+    at = [0] * len(keys)  # shape i selects points[i][at[i]] rows
+    total = sum(merged[key] * points[i][0][1] for i, key in enumerate(keys))
     while True:
         best, best_step = None, math.inf
-        for i, (rows, cols) in enumerate(keys):
-            if k[i] >= rows:
-                continue
-            step = flops(k[i] + 1, cols) - flops(k[i], cols)  # per row: each of the shape's matrices gets one
-            if total + merged[(rows, cols)] * step <= limit and step / weight_of[(rows, cols)] < best_step:
-                best, best_step = i, step / weight_of[(rows, cols)]
+        for i, key in enumerate(keys):
+            if at[i] + 1 == len(points[i]):
+                continue  # all its rows
+            # the price of one more row: the cheapest way to select at least one more (each of its matrices)
+            step = points[i][at[i] + 1][1] - points[i][at[i]][1]
+            if total + merged[key] * step <= limit and step / weight_of[key] < best_step:
+                best, best_step = i, step / weight_of[key]
         if best is None:
             break
-        total += merged[keys[best]] * (flops(k[best] + 1, keys[best][1]) - flops(k[best], keys[best][1]))
-        k[best] += 1
+        total += merged[keys[best]] * (points[best][at[best] + 1][1] - points[best][at[best]][1])
+        at[best] += 1
+    k = [points[i][at[i]][0] for i in range(len(keys))]
     chosen = {key: k[i] / key[0] for i, key in enumerate(keys)}
     return [chosen[(shape.rows, shape.cols)] for shape in shapes]
 
