@@ -149,9 +149,11 @@ def test_momentum_dtypes_are_their_own_settings_and_float32_keeps_the_old_keys(s
 
 
 def test_best_of_each_family_is_judged_on_shared_seeds_and_rerun_with_its_own_fields(study):
-    def record(optimizer, lr, seed, loss, allocation="uniform", compiled=True, fraction=None, horizon=1500):
+    def record(optimizer, lr, seed, loss, allocation="uniform", compiled=True, fraction=None, horizon=1500,
+               cost_rule="time"):
         run = study.Run("llama-384", optimizer, lr, 0.6, fraction, 0, horizon, seed, 32, 50, 0.3, 16, None,
-                        fraction_allocation=allocation, compiled=compiled)
+                        fraction_allocation=allocation, compiled=compiled,
+                        cost_rule=cost_rule if allocation == "cost" else None)
         return {"config": json.loads(json.dumps(run.__dict__)), "final_val_loss": loss}
 
     records = [
@@ -162,8 +164,10 @@ def test_best_of_each_family_is_judged_on_shared_seeds_and_rerun_with_its_own_fi
         # Dion3: one best per allocation; a non-finite run never counts
         record("dion3", 0.03, 0, 1.20, fraction=0.25), record("dion3", 0.06, 0, float("nan"), fraction=0.25),
         record("dion3", 0.03, 0, 1.30, "cost", fraction=0.25), record("dion3", 0.06, 0, 1.25, "cost", fraction=0.25),
-        # another horizon, and an eager run, are not candidates
+        # another horizon, an eager run, and a run by cost of the FLOP rule (no cost_rule: rerun now,
+        # it would allocate by modeled time) are not candidates
         record("normuon", 0.04, 0, 0.10, horizon=400), record("normuon", 0.08, 0, 0.10, compiled=False),
+        record("dion3", 0.12, 0, 0.10, "cost", fraction=0.25, cost_rule=None),
     ]
     args = study.parse_args(["--model", "llama-384", "--optimizers", "normuon,dion3", "--fraction-warmup", "0",
                              "--fraction-allocation", "uniform,cost", "--horizons", "6000", "--seeds", "0,1", "--compile"])
@@ -172,6 +176,7 @@ def test_best_of_each_family_is_judged_on_shared_seeds_and_rerun_with_its_own_fi
         ("normuon", 0.01, "uniform", 6000, 0), ("dion3", 0.03, "uniform", 6000, 0), ("dion3", 0.06, "cost", 6000, 0),
         ("normuon", 0.01, "uniform", 6000, 1), ("dion3", 0.03, "uniform", 6000, 1), ("dion3", 0.06, "cost", 6000, 1)]
     assert all(r.compiled and r.batch_size == 32 and r.lr_warmup == 50 and r.cooldown == 0.3 for r in runs)
+    assert {r.cost_rule for r in runs if r.fraction_allocation == "cost"} == {study.runs.COST_RULE}
     # without --compile only eager runs are candidates: the eager NorMuon alone
     eager = study.parse_args(["--model", "llama-384", "--optimizers", "normuon", "--horizons", "1500", "--seeds", "1"])
     assert [(r.lr, r.compiled) for r in study.plan_best_runs(eager, records)] == [(0.08, False)]

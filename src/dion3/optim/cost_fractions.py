@@ -27,6 +27,10 @@ from ..rules import selected_row_count
 
 # cost(k, cols): what selecting k rows of one k × cols matrix costs a step (seconds, FLOPs, ...)
 Cost = Callable[[int, int], float]
+# The name study records give this rule (dion3.tools.study.runs.Run.cost_rule; records without one
+# allocated by FLOPs). A change that moves a study model's or preset's allocation needs a new name,
+# so that records of the old and new rule never count as one setting.
+COST_RULE = "time"
 BUDGET_TOLERANCE = 1e-9  # relative: sums of the same FLOPs in another order may differ in the last bits
 
 

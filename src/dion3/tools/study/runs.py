@@ -13,6 +13,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ...optim.cost_fractions import COST_RULE
 from ...ortho.coefficients import SCHEDULES
 from ...rules import ROW_SCORES
 from ..setting_names import Dion3Setting
@@ -68,8 +69,10 @@ class Run:
     fraction_allocation: str = "uniform"  # dion3 only: "uniform" or "cost" (per matrix shape, trainer.RunSpec)
     compiled: bool = False  # forward and backward through torch.compile (trainer.train)
     momentum_dtype: Optional[str] = None  # Muon/NorMuon/Dion3: the matrix momentum's dtype; None: float32
-    # fractions by cost: "time" (modeled step time, the rule since 2026-12-03); None in the records
-    # of earlier runs, which allocated by executed FLOPs (and in every uniform run)
+    # fractions by cost: the rule's name, COST_RULE ("time": modeled step time, since 2026-12-03;
+    # from 2026-12-06 priced on the cheapest way to at least k rows, which moved no study model's
+    # allocation but the smoke model gpt-tiny's); None in the records of earlier runs, which
+    # allocated by executed FLOPs (and in every uniform run)
     cost_rule: Optional[str] = None
     row_score: str = "l1"  # dion3 only: the selection score, dion3.rules.ROW_SCORES
     # dion3 by cost only: the rows' weights by parameter name, "part=w,part=w" (fraction_weights_spec;
@@ -310,7 +313,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
                     dict.fromkeys(warmups), allocations, row_scores, weightings):
                 runs.append(Run(optimizer="dion3", lr=lr, mu=mu, fraction=fraction, fraction_warmup=warm,
                                 horizon=horizon, seed=seed, fraction_allocation=allocation,
-                                cost_rule="time" if allocation == "cost" else None, row_score=score,
+                                cost_rule=COST_RULE if allocation == "cost" else None, row_score=score,
                                 fraction_weights=weighting, **common))
     runs = with_ns_schedules(runs, ns_schedules(args.ns_coefficients))
     runs = with_momentum_dtypes(runs, momentum_dtypes(args.momentum_dtype))
@@ -336,7 +339,8 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
     variant has (a seed-0 sweep whose winner then ran more seeds is judged on seed 0), or over
     each setting's own seeds when they share none. Families: --optimizers, each once per schedule
     of --ns-coefficients; Dion3 variants: those of --fraction, --fraction-warmup (in steps),
-    --fraction-allocation and --row-score."""
+    --fraction-allocation and --row-score. Runs by cost of another rule than COST_RULE (the FLOP
+    rule's, cost_rule None) are left out: rerun now, they would allocate by COST_RULE."""
     families = [f.strip() for f in args.optimizers.split(",") if f.strip()]
     fractions = set(_floats(args.fraction, "--fraction"))
     warmups = set(_ints(args.fraction_warmup, "--fraction-warmup"))
@@ -354,6 +358,8 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
         if run.optimizer == "dion3" and (run.fraction not in fractions or run.fraction_warmup not in warmups
                                          or run.fraction_allocation not in allocations or run.row_score not in scores):
             continue
+        if run.fraction_allocation == "cost" and run.cost_rule != COST_RULE:
+            continue  # another rule's fractions: this code would rerun it under COST_RULE, another setting
         if math.isfinite(record["final_val_loss"]) and not record.get("nonfinite_parameters"):
             by_setting.setdefault(run.setting, (run, {}))[1][run.seed] = record["final_val_loss"]
     variants: dict[tuple, list[tuple[Run, dict[int, float]]]] = {}
