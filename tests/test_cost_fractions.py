@@ -343,9 +343,6 @@ def test_training_run_counts_its_optimizer_flops():
     assert run["cost"].optimizer_flops > 0
     adamw = trainer.train(trainer.RunSpec("a", "adamw", 0.01), config, schedule, corpus, torch.device("cpu"))
     assert adamw.optimizer_flops == 0.0
-    with pytest.raises(ValueError, match="fixed fraction"):
-        trainer.build_optimizer(trainer.GPT(config), trainer.RunSpec("d", "dion3", 0.04, 0.25, fraction_warmup=5,
-                                                                     fraction_allocation="cost"))
 
 
 def _table(text: str) -> list[dict]:
