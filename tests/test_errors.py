@@ -63,6 +63,14 @@ def fraction_set_between_steps():
     opt.step()
 
 
+def schedule_by_cost_beside(extra):
+    """A FractionScheduler over groups by cost (budget 0.5: a 32×64 and a 128×32 matrix, groups 0
+    and 1) and the named groups `extra` returns after them."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 128, bias=False))
+    groups = param_groups(model, lm_head=False, fraction=0.5, fraction_allocation="cost")
+    FractionScheduler(Dion3(groups + extra()), lambda step: 0.5)
+
+
 def muon_state_into_dion3():
     w = param(4, 4)
     muon = Muon([w])
@@ -150,6 +158,15 @@ CASES = [
      lambda: FractionScheduler(Dion3([{"params": [param(4, 4)], "fraction": 0.5}, {"params": [param(8, 4)], "fraction": 0.25}]),
                                lambda step: 0.5),
      ValueError, "the Dion3 groups hold different fractions (group 0: 0.5, group 1: 0.25)"),
+    ("fraction-schedule-by-cost-beside-a-fraction",
+     lambda: schedule_by_cost_beside(lambda: [{"params": [param(8, 4)], "param_names": ["extra.weight"], "fraction": 0.25}]),
+     ValueError, "FractionScheduler: groups 0, 1 hold fractions by cost (param_groups(..., fraction_allocation='cost')) "
+     "and group 2 a fraction of its own"),
+    ("fraction-schedule-by-cost-two-budgets",
+     lambda: schedule_by_cost_beside(lambda: param_groups(torch.nn.Linear(16, 8, bias=False), lm_head=False, fraction=0.25,
+                                                          fraction_allocation="cost")),
+     ValueError, "FractionScheduler: the groups by cost were allocated apart (groups 0, 1: budget 0.5; group 2: budget "
+     "0.25), and a schedule sets one budget; build one FractionScheduler per allocation"),
     ("fraction-allocation-unknown", lambda: param_groups(torch.nn.Linear(4, 4), lm_head="weight", fraction_allocation="cheap"),
      ValueError, "fraction_allocation must be one of ('uniform', 'cost')"),
     ("fraction-allocation-cost-without-fraction",

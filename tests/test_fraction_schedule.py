@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import copy
 import io
+import pathlib
 
 import pytest
 import torch
 
+import dion3
 import gloo
-from dion3 import Dion3, FractionScheduler, FractionWarmup
-from dion3.optim.graph import CapturedStep, to_device_scalars
+from dion3 import Dion3, FractionScheduler, FractionWarmup, param_groups
+from dion3.optim.cost_fractions import cost_allocated_fractions, matrix_shapes
+from dion3.optim.graph import CapturedStep, selection_key, to_device_scalars
+from dion3.tools.train.model import GPT, GPTConfig
 from graph_standin import CPUCapturedStep
 from reference import ReferenceOptimizer, selected_count
 
 SHAPES = [(16, 12), (16, 12), (20, 8), (2, 12, 10)]  # a 3-D stack: stacked=True
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
 def make_params(shapes=SHAPES, dtype=torch.float32, device="cpu", seed=0):
@@ -155,23 +160,16 @@ def test_fraction_outside_range_raises_naming_the_group():
 
 
 def test_groups_of_different_fractions_are_scheduled_only_when_named():
-    """Per-shape fractions (param_groups(fraction_allocation="cost")) would all be replaced by one
-    schedule: the default group choice refuses them, an explicit `groups` schedules on purpose."""
-    from dion3 import param_groups
-
-    # 32×64 and 128×32 matrices: large enough for the modeled time to tell their rows apart
-    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 128, bias=False),
-                                torch.nn.Linear(128, 32, bias=False))
-    opt = Dion3(param_groups(model, lm_head="2", fraction=0.5, fraction_allocation="cost"))
-    fractions = [g["fraction"] for g in opt.param_groups[:2]]
-    assert len(set(fractions)) == 2
-    with pytest.raises(ValueError, match=r"different fractions \(group 0: .*, group 1: .*\).*groups=\[\.\.\.\]"):
+    """Fractions set per group by hand would all be replaced by one schedule: the default group
+    choice refuses them, an explicit `groups` schedules on purpose."""
+    params = make_params([(16, 12), (20, 8)])
+    opt = Dion3([dict(params=params[:1], fraction=0.5), dict(params=params[1:], fraction=0.25)])
+    with pytest.raises(ValueError, match=r"different fractions \(group 0: 0.5, group 1: 0.25\).*groups=\[\.\.\.\].*"
+                                         r"fraction_allocation='cost'"):
         FractionScheduler(opt, FractionWarmup(0.5, 4))
-    assert [g["fraction"] for g in opt.param_groups[:2]] == fractions  # the refused scheduler set nothing
+    assert [g["fraction"] for g in opt.param_groups] == [0.5, 0.25]  # the refused scheduler set nothing
     scheduler = FractionScheduler(opt, FractionWarmup(0.5, 4), groups=[1])
-    assert scheduler.get_last_fraction() == [1.0] and opt.param_groups[0]["fraction"] == fractions[0]
-    # equal fractions (one fraction on every group) are scheduled as before
-    FractionScheduler(Dion3(param_groups(model, lm_head="2", fraction=0.5)), FractionWarmup(0.5, 4))
+    assert scheduler.get_last_fraction() == [1.0] and opt.param_groups[0]["fraction"] == 0.5
 
 
 def _build(params):
@@ -233,6 +231,113 @@ def test_scheduler_state_dict_is_checked():
         sched.load_state_dict({"last_step": 2, "groups": [3]})
 
 
+# ------------------------------------------------------------------------- groups by cost: a budget
+def _readme_fastest_line() -> str:
+    """The README's "fastest" line, as written there."""
+    lines = README.read_text().splitlines()
+    return lines[next(i for i, line in enumerate(lines) if line.startswith('# "fastest"')) + 1]
+
+
+def _allocated(groups, budget):
+    """The fraction by cost of each group's shape at `budget`, from the allocation itself (every
+    group by cost holds one shape); every row at budget 1."""
+    shapes = [shape for g in groups for shape in matrix_shapes(g["params"], g.get("flatten", False))]
+    assert len(shapes) == len(groups)
+    return [1.0] * len(groups) if budget == 1.0 else cost_allocated_fractions(shapes, budget)
+
+
+def test_the_readme_fastest_line_warms_up_its_budget_by_cost():
+    """The README's "fastest" groups under a fraction warm-up: the schedule is the budget, and at
+    each step every group holds the fraction that the allocation by cost gives its shape at the
+    scheduled budget (1 at the start, the README's fractions of ¼ at the end)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=128, vocab_size=256))
+    namespace = {"dion3": dion3, "model": model}
+    exec(_readme_fastest_line(), namespace)
+    optimizer = namespace["optimizer"]
+    costed = [g for g in optimizer.param_groups if g["algorithm"] == "dion3"]
+    given = [g["fraction"] for g in costed]
+    assert len(set(given)) > 1 and given == _allocated(costed, 0.25)
+    warmup = FractionWarmup(0.25, steps=6)
+    scheduler = FractionScheduler(optimizer, warmup)
+    tokens = torch.randint(0, 256, (4, 16))
+    losses, seen = [], []
+    for step in range(9):
+        budget = warmup(step)
+        assert [g["fraction"] for g in costed] == _allocated(costed, budget), step
+        assert all(g["fraction_budget"] == budget for g in costed)
+        seen.append(tuple(g["fraction"] for g in costed))
+        loss = model(tokens, tokens)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert seen[0] == (1.0,) * len(costed) and list(seen[-1]) == given and len(set(seen)) > 2
+    assert losses[-1] < losses[0] - 0.1, losses
+    assert all(torch.isfinite(t).all() for p in model.parameters() for t in optimizer.state[p].values())
+    assert len(scheduler._allocation._cache) == len({warmup(step) for step in range(9)})  # one allocation per budget
+
+
+def test_a_budget_schedule_resumes_from_its_checkpoint():
+    """The optimizer's saved groups carry the fractions and budget of the saved step; a fresh
+    optimizer and scheduler loaded from them (either order) hold the same."""
+    def build():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=128, vocab_size=256))
+        optimizer = Dion3(param_groups(model, lm_head="lm_head", fraction=0.25, fraction_allocation="cost"))
+        return optimizer, FractionScheduler(optimizer, FractionWarmup(0.25, steps=4))
+
+    optimizer, scheduler = build()
+    for _ in range(2):
+        scheduler.step()
+    saved = copy.deepcopy((optimizer.state_dict(), scheduler.state_dict()))
+    for optimizer_first in (True, False):
+        resumed, resumed_scheduler = build()
+        loads = [lambda: resumed.load_state_dict(saved[0]), lambda: resumed_scheduler.load_state_dict(saved[1])]
+        for load in loads if optimizer_first else loads[::-1]:
+            load()
+        for a, b in zip(optimizer.param_groups, resumed.param_groups):
+            assert (a["fraction"], a.get("fraction_budget")) == (b["fraction"], b.get("fraction_budget"))
+    assert optimizer.param_groups[0]["fraction_budget"] == FractionWarmup(0.25, steps=4)(2)
+
+
+def _linears(*sizes):
+    return torch.nn.Sequential(*[torch.nn.Linear(a, b, bias=False) for a, b in zip(sizes, sizes[1:])])
+
+
+@pytest.mark.parametrize("groups, fragment", [
+    # by cost beside a fraction of its own: a budget and a fraction are two schedules
+    (lambda a, b: param_groups(a, lm_head=False, fraction=0.25, fraction_allocation="cost")
+     + [dict(params=list(b.parameters()), param_names=["b.0", "b.1"], fraction=0.25)],
+     "groups 0, 1, 2 hold fractions by cost (param_groups(..., fraction_allocation='cost')) and group 3 a fraction "
+     "of its own; a schedule sets the budget of the first and the fraction of the others, so one scheduler cannot "
+     "take both: build one for each, FractionScheduler(optimizer, schedule, groups=[0, 1, 2]) and another with groups=[3]"),
+    # two budgets
+    (lambda a, b: param_groups(a, lm_head=False, fraction=0.25, fraction_allocation="cost")
+     + param_groups(b, lm_head=False, fraction=0.5, fraction_allocation="cost"),
+     "the groups by cost were allocated apart (groups 0, 1, 2: budget 0.25; groups 3, 4: budget 0.5)"),
+    # two allocations of one budget: together they would allocate otherwise
+    (lambda a, b: param_groups(a, lm_head=False, fraction=0.25, fraction_allocation="cost")
+     + param_groups(b, lm_head=False, fraction=0.25, fraction_allocation="cost"),
+     "but the allocation by cost of budget 0.25 over the scheduled groups gives it"),
+], ids=["mixed", "two-budgets", "two-allocations"])
+def test_a_budget_schedule_refuses_groups_it_cannot_allocate_together(groups, fragment):
+    a, b = _linears(64, 256, 512, 256), _linears(64, 256, 384)
+    opt = Dion3(groups(a, b))
+    held = [g["fraction"] for g in opt.param_groups]
+    with pytest.raises(ValueError) as caught:
+        FractionScheduler(opt, FractionWarmup(0.25, 4))
+    assert fragment in str(caught.value)
+    assert [g["fraction"] for g in opt.param_groups] == held  # the refused scheduler set nothing
+    costed = [i for i, g in enumerate(opt.param_groups) if "fraction_budget" in g]
+    allocations = [costed[:3], costed[3:]]  # each allocation, named, is scheduled on its own
+    FractionScheduler(opt, FractionWarmup(0.25, 4), groups=allocations[0])
+    if allocations[1]:
+        FractionScheduler(opt, FractionWarmup(0.25, 4), groups=allocations[1])
+    assert all(opt.param_groups[i]["fraction"] == 1.0 for i in costed)
+
+
 # ------------------------------------------------------------------------- captured step bookkeeping
 def test_captured_step_keeps_one_graph_per_k_and_drops_the_least_recent():
     """warmup_steps=2, max_graphs=2, 16/20-row matrices: fractions 1 (k 16, 20), 0.625 (10, 13),
@@ -270,6 +375,36 @@ def test_captured_step_keeps_one_graph_per_k_and_drops_the_least_recent():
     assert step.captures == 4 and list(step.graphs) == [low, full]  # mid was dropped for full
     assert step.eager_calls == {full: 2, mid: 2, low: 2}
     assert step.graph is step.graphs[full] and step.calls == 16
+    for a, b in zip(params, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_captured_step_keeps_one_graph_per_level_of_a_budget_by_cost():
+    """A budget warm-up with levels=3 over groups by cost: each level's allocation is one set of
+    k, so the step warms up and captures once per level; it equals the plain eager run."""
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = _linears(64, 256, 512, 256)
+        opt = Dion3(param_groups(model, lm_head=False, lr=0.02, fraction=0.25, fraction_allocation="cost"))
+        runs.append((list(model.parameters()), opt, FractionScheduler(opt, FractionWarmup(0.25, 12, levels=3))))
+    (params, opt, scheduler), (plain, opt_plain, plain_scheduler) = runs
+    step = CPUCapturedStep(opt, warmup_steps=2)
+    keys = []
+    for i in range(14):  # 3 steps at budget 1, 6 at 0.625, 5 at 0.25
+        keys.append(selection_key(opt))
+        shapes = [tuple(p.shape) for p in params]
+        for p, g in zip(params, grads_at(i, shapes)):
+            p.grad = g.clone()
+        set_grads(plain, grads_at(i, shapes))
+        step()
+        opt_plain.step()
+        scheduler.step()
+        plain_scheduler.step()
+    levels = list(dict.fromkeys(keys))
+    assert len(levels) == 3 and levels[0] == (256, 512, 256)  # every row at budget 1
+    assert step.captures == 3 and step.eager_calls == {key: 2 for key in levels}
+    assert [kind for kind, _ in step.log].count("eager") == 6
     for a, b in zip(params, plain):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -67,7 +67,7 @@ def test_the_edges_of_each_range_are_accepted(study):
     assert all(r.cooldown == 1.0 and r.lr_warmup == 0 and r.batch_size == 1 for r in runs)
 
 
-def test_cost_allocation_runs_beside_uniform_ones_with_fixed_fractions_only(study):
+def test_cost_allocation_runs_beside_uniform_ones_and_warms_its_budget_up(study):
     args = ["--horizons", "100", "--seeds", "0", "--optimizers", "dion3", "--dion3-lr", "0.04", "--dion3-mu", "0.3"]
     runs = study.plan_runs(study.parse_args(args + ["--fraction-warmup", "0", "--fraction-allocation", "uniform,cost"]))
     assert [(r.fraction_allocation, r.label) for r in runs] == [
@@ -89,8 +89,11 @@ def test_cost_allocation_runs_beside_uniform_ones_with_fixed_fractions_only(stud
     assert old.key == hashlib.sha1(json.dumps({k: v for k, v in earlier.items() if k not in ("compiled", "momentum_dtype")},
                                               sort_keys=True).encode()).hexdigest()[:16]
     assert old.key != runs[1].key and old.setting != runs[1].setting
-    with pytest.raises(SystemExit, match="--fraction-warmup 0"):
-        study.plan_runs(study.parse_args(args + ["--fraction-warmup", "0,50", "--fraction-allocation", "cost"]))
+    # a warm-up of the budget by cost: its own setting, key and label beside the fixed one
+    warm = study.plan_runs(study.parse_args(args + ["--fraction-warmup", "0,50", "--fraction-allocation", "cost"]))
+    assert [(r.fraction_warmup, r.label) for r in warm] == [
+        (0, "dion3-1/4-cost lr=0.04 mu=0.3 h=100 seed=0"), (50, "dion3-1/4-cost-warmup50 lr=0.04 mu=0.3 h=100 seed=0")]
+    assert warm[0].key == runs[1].key and warm[1].key != warm[0].key and warm[1].setting != warm[0].setting
     with pytest.raises(SystemExit, match="--fraction-allocation"):
         study.plan_runs(study.parse_args(args + ["--fraction-allocation", "cheap"]))
 
@@ -333,6 +336,33 @@ def test_summary_names_cost_allocation_and_averages_optimizer_flops(study):
     assert "| Dion3 | 1/4 by cost |" in cost and cost.endswith("| 2.5 |")
     assert "| Dion3 | 1/4 by cost (FLOP rule) |" in old and old.endswith("| 5 |")
     assert "| Dion3 | 1/4 on every matrix |" in fixed and fixed.endswith("| — |")  # one of its two records has no count
+
+
+def test_a_budget_warmed_up_by_cost_trains_from_every_row_to_its_fractions(study):
+    """A study run of fractions by cost with a warm-up (trainer.train, as the study's child runs
+    it): the first step selects every row, the last the fractions by cost of the budget; the
+    summary names the setting apart from the fixed one."""
+    import dataclasses
+
+    import torch
+
+    from dion3.tools.train import data, trainer
+    from dion3.tools.train.model import GPTConfig
+
+    config = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=64)
+    tokens = torch.tensor(list((b"def f(x):\n    return x + 1\n" * 200)[:3000]))
+    corpus = data.TokenData(tokens[:2500], tokens[2500:], 256, "periodic")
+    spec = trainer.RunSpec("d", "dion3", 0.02, 0.25, 0.6, fraction_warmup=4, fraction_allocation="cost")
+    result = trainer.train(spec, config, trainer.Schedule(steps=6, batch_size=2, eval_every=6, eval_batches=1), corpus,
+                           torch.device("cpu"))
+    fixed = trainer.build_optimizer(trainer.GPT(dataclasses.replace(config, vocab_size=256)),
+                                    dataclasses.replace(spec, fraction_warmup=0)).param_groups
+    by_cost = [g["fraction"] for g in fixed if g["algorithm"] == "dion3"]
+    assert len(set(by_cost)) > 1 and result.fraction_range == (min(by_cost), 1.0)
+    assert all(math.isfinite(loss) for loss in result.val_losses)
+    record = _record(study, "dion3", 1.5, 0, 0.25, 50, allocation="cost")
+    record["config"]["cost_rule"] = "time"
+    assert "| Dion3 | 1 → 1/4 by cost over 50 steps |" in study.summary_table([record])
 
 
 def test_summary_is_mean_and_standard_deviation_over_seeds(study):

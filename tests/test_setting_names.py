@@ -29,6 +29,8 @@ SPELLINGS = [
     ("dion3-1/4-warmup200", "dion3-1/4-warmup200", 0.25, "uniform", 200),
     ("dion3-f0.25-warm200", "dion3-1/4-warmup200", 0.25, "uniform", 200),  # the old warm-up suffix
     ("dion3-f0.25-warmup50", "dion3-1/4-warmup50", 0.25, "uniform", 50),
+    ("dion3-1/4-cost-warmup200", "dion3-1/4-cost-warmup200", 0.25, "cost", 200),  # the budget warms up
+    ("dion3-0.5-cost-warmup8", "dion3-1/2-cost-warmup8", 0.5, "cost", 8),
     ("dion3-1", "dion3-1", 1.0, "uniform", 0),
     ("dion3-1.0-cost", "dion3-1-cost", 1.0, "cost", 0),
     ("dion3-0.3", "dion3-3/10", 0.3, "uniform", 0),
@@ -82,6 +84,17 @@ def test_budgets_say_what_the_fraction_spends():
     assert Dion3Setting(0.25, "cost").budget == "1/4 by cost"
     assert Dion3Setting(0.5).budget == "1/2 on every matrix"
     assert Dion3Setting(0.25, warmup_steps=200).budget == "1 → 1/4 over 200 steps"
+    assert Dion3Setting(0.25, "cost", 200).budget == "1 → 1/4 by cost over 200 steps"
+
+
+def test_a_warmup_by_cost_is_trained_not_benched():
+    """compare trains dion3-F-cost-warmupN (a FractionScheduler over the groups by cost); the bench,
+    which prices fixed fractions by cost, refuses it and names the warm-up's end."""
+    spec = compare.run_spec("dion3-1/4-cost-warmup200", compare.PRESETS["cpu-tiny"], {}, {})
+    assert (spec.label, spec.fraction, spec.fraction_allocation, spec.fraction_warmup) == (
+        "dion3-1/4-cost-warmup200", 0.25, "cost", 200)
+    with pytest.raises(ValueError, match="bench the warm-up's end, dion3-1/4-cost, or train the warm-up"):
+        step_time.parse_variant("dion3-1/4-cost-warmup200")
 
 
 @pytest.mark.parametrize("spelling", ["dion3-0.375-cost", "dion3-f0.375-cost", "dion3-3/8-cost"])

@@ -10,10 +10,13 @@ like `lr`, and `FractionScheduler` sets it from a function of the step count.
         optimizer.zero_grad()
 
 The k of each matrix is max(1, ⌈f·rows⌉) with the fraction current at that step; nothing else in
-the step depends on the fraction. Under DDP/FSDP2 every rank must select the same k: the schedule
-is a deterministic function of the step count, and the scheduler checks once, when it is built
-and when its state is loaded (one small all-reduce), that every rank has the same position and
-the same schedule values; the steps themselves add no collective.
+the step depends on the fraction. Over groups by cost the schedule gives their budget, and each
+group's fraction is that budget's allocation by cost (budget_schedule).
+
+Under DDP/FSDP2 every rank must select the same k: the schedule is a deterministic function of the
+step count (and the allocation by cost a pure function of the shapes and the budget), and the
+scheduler checks once, when it is built and when its state is loaded (one small all-reduce), that
+every rank has the same position and the same schedule values; the steps add no collective.
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.mesh import local_tensor
-from .validation import SELECTING_ALGORITHMS, check_range
+from .budget_schedule import budget_allocation
+from .validation import BUDGET_KEY, SELECTING_ALGORITHMS, check_range
 
 # Steps ahead of the current one at which ranks compare their schedules (one collective, once).
 PROBE_OFFSETS = (0, 1, 10, 100, 1000, 10000, 100000)
@@ -65,12 +69,29 @@ class FractionWarmup:
         return self.start + (self.target - self.start) * progress
 
 
+def _check_one_fraction(optimizer: torch.optim.Optimizer, groups: Sequence[int]) -> None:
+    """The groups a scheduler picks itself must hold one fraction: one schedule would replace theirs."""
+    held = {i: optimizer.param_groups[i].get("fraction") for i in groups}
+    if len(set(held.values())) > 1:
+        listed = ", ".join(f"group {i}: {f}" for i, f in held.items())
+        raise ValueError(f"FractionScheduler: the Dion3 groups hold different fractions ({listed}); a schedule sets "
+                         "one fraction on every group it schedules and would replace them. Pass groups=[...] to "
+                         "schedule chosen groups on purpose; for fractions per shape under a schedule, build the "
+                         "groups with param_groups(..., fraction_allocation='cost'), whose budget a schedule sets")
+
+
 class FractionScheduler:
-    """Set the `fraction` of Dion3 groups from `schedule(step)` (the fraction itself, in (0, 1]).
+    """Set the `fraction` of Dion3 groups from `schedule(step)` (the fraction itself, in (0, 1];
+    over groups by cost, their budget).
 
     Like torch.optim.lr_scheduler: building it applies schedule(0); each `step()` (called after
     `optimizer.step()`) advances the count and applies the next value. groups: indices of the
-    parameter groups to schedule (default: every group whose algorithm is "dion3" or "dion2").
+    parameter groups to schedule (default: every group whose algorithm is "dion3" or "dion2",
+    which must hold one fraction unless they are by cost).
+
+    Groups by cost (param_groups(..., fraction_allocation="cost")): schedule(step) is their
+    budget, and each group gets the fraction that the allocation by cost gives its shape at that
+    budget (budget_schedule); the scheduled groups must then all be by cost, from one budget.
 
     Checkpoints: save `scheduler.state_dict()` with the optimizer's; to resume, build the
     optimizer and the scheduler as before, then `optimizer.load_state_dict(...)` and
@@ -84,18 +105,11 @@ class FractionScheduler:
             raise TypeError(f"FractionScheduler needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not callable(schedule):
             raise TypeError(f"FractionScheduler: schedule must be a callable of the step count, got {type(schedule).__name__}")
-        if groups is None:
+        chosen = groups is None
+        if chosen:
             groups = [i for i, g in enumerate(optimizer.param_groups) if g.get("algorithm") in SELECTING_ALGORITHMS]
             if not groups:
                 raise ValueError("FractionScheduler: the optimizer has no parameter group with algorithm 'dion3' or 'dion2'")
-            # one schedule for groups built with different fractions (e.g. per shape by cost) would erase them
-            held = {i: optimizer.param_groups[i].get("fraction") for i in groups}
-            if len(set(held.values())) > 1:
-                listed = ", ".join(f"group {i}: {f}" for i, f in held.items())
-                raise ValueError(f"FractionScheduler: the Dion3 groups hold different fractions ({listed}); a schedule "
-                                 "sets one fraction on every group it schedules and would replace them (per-shape "
-                                 "fractions such as param_groups(fraction_allocation='cost') are fixed). Pass "
-                                 "groups=[...] to schedule chosen groups on purpose")
         groups = list(groups)
         for index in groups:
             if not isinstance(index, int) or not 0 <= index < len(optimizer.param_groups):
@@ -105,6 +119,10 @@ class FractionScheduler:
             if algorithm not in SELECTING_ALGORITHMS:
                 raise ValueError(f"FractionScheduler: parameter group {index} has algorithm {algorithm!r}; "
                                  "only 'dion3' and 'dion2' groups have a fraction")
+        # groups by cost: the schedule gives their budget, and the allocation each group's fraction
+        self._allocation = budget_allocation(optimizer, groups)
+        if self._allocation is None and chosen:
+            _check_one_fraction(optimizer, groups)
         self.optimizer = optimizer
         self.schedule = schedule
         self.groups = groups
@@ -124,8 +142,13 @@ class FractionScheduler:
 
     def _apply(self) -> None:
         value = self.fraction_at(self.last_step)
-        for index in self.groups:
-            self.optimizer.param_groups[index]["fraction"] = value
+        if self._allocation is None:
+            for index in self.groups:
+                self.optimizer.param_groups[index]["fraction"] = value
+            return
+        for index, fraction in zip(self.groups, self._allocation.fractions(value)):
+            group = self.optimizer.param_groups[index]
+            group["fraction"], group[BUDGET_KEY] = fraction, value
 
     def step(self) -> None:
         self.last_step += 1

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Optional, Union
 
 from torch import nn
 
-from .validation import ALIASES, MATRIX_ALGORITHMS, MATRIX_SETTINGS, SCALAR_ALGORITHMS
+from .validation import ALIASES, BUDGET_KEY, MATRIX_ALGORITHMS, MATRIX_SETTINGS, SCALAR_ALGORITHMS, WEIGHTS_KEY
 from .cost_fractions import cost_allocated_groups
 
 FRACTION_ALLOCATIONS = ("uniform", "cost")  # param_groups(fraction_allocation=...)
@@ -79,8 +79,9 @@ def param_groups(
         (dion3.optim.cost_fractions.cost_allocated_fractions): short and narrow matrices (k/v
         projections) keep more of their rows, wide MLP matrices fewer. Needs `fraction`, a Dion3 or
         Dion2 group (or `algorithm` None with the Dion3 class) and whole matrices (no num_heads or
-        split_sizes). The fractions are fixed: a FractionScheduler sets one fraction on every
-        group it schedules, so it refuses these groups unless `groups=` names them.
+        split_sizes). Each of these groups records the budget `fraction` ("fraction_budget") and
+        the `fraction_weights` given: a FractionScheduler over them schedules the budget, and
+        every group's fraction follows the allocation of the scheduled budget (budget_schedule).
     fraction_weights: with fraction_allocation="cost", {part of a parameter name: weight}: the
         matrices whose names contain that part count their rows `weight` times when the budget
         is handed out (e.g. {"mlp": 2.0} moves rows to the MLP matrices within the same modeled
@@ -160,6 +161,10 @@ def param_groups(
     if fraction_allocation == "cost" and matrix_groups:
         # one budget over the kernels and the other matrices: one fraction per shape
         matrix_groups = cost_allocated_groups(matrix_groups, options["fraction"], weights=fraction_weights)
+        for each in matrix_groups:  # what a schedule needs to allocate another budget alike
+            each[BUDGET_KEY] = float(options["fraction"])
+            if fraction_weights is not None:
+                each[WEIGHTS_KEY] = dict(fraction_weights)
     groups = [
         *matrix_groups,
         group(buckets["head"], algorithm=scalar_algorithm, lr=head_lr),

@@ -5,6 +5,9 @@
     dion3-1/4-cost          fractions per matrix shape within the modeled H200 step time of ¼ on
                             every matrix (param_groups' fraction_allocation="cost")
     dion3-1/4-warmup200     the fraction warmed up from 1 to ¼ over 200 steps
+    dion3-1/4-cost-warmup200
+                            fractions by cost whose budget warms up from 1 to ¼ over 200 steps
+                            (a FractionScheduler over groups by cost)
 
 The fraction is written p/q where a denominator up to 64 gives it exactly (1/2, 3/8, 1, 3/10),
 else as a decimal (0.333). Read back as well: any fraction spelling (dion3-0.25), and the old
@@ -18,7 +21,7 @@ from fractions import Fraction
 from typing import Optional
 
 PREFIX = "dion3-"
-GRAMMAR = "dion3-F (F in (0, 1], e.g. dion3-1/4), dion3-F-cost or dion3-F-warmupN"
+GRAMMAR = "dion3-F (F in (0, 1], e.g. dion3-1/4), dion3-F-cost, dion3-F-warmupN or dion3-F-cost-warmupN"
 _DENOMINATOR = 64  # the largest denominator a fraction is written with (as the frontier's labels)
 
 
@@ -43,7 +46,7 @@ def parse_fraction(text: str) -> float:
 @dataclass(frozen=True)
 class Dion3Setting:
     """A Dion3 setting as the commands name it: a fraction, spent on every matrix or by cost,
-    fixed or warmed up from 1."""
+    fixed or warmed up from 1 (by cost: the budget warms up)."""
 
     fraction: float
     allocation: str = "uniform"  # "uniform" (the fraction on every matrix) or "cost" (per matrix shape)
@@ -51,19 +54,18 @@ class Dion3Setting:
 
     @property
     def name(self) -> str:
-        suffix = "-cost" if self.allocation == "cost" else f"-warmup{self.warmup_steps}" if self.warmup_steps else ""
+        suffix = ("-cost" if self.allocation == "cost" else "") + (f"-warmup{self.warmup_steps}" if self.warmup_steps else "")
         return f"{PREFIX}{fraction_text(self.fraction)}{suffix}"
 
     @property
     def budget(self) -> str:
         """What the fraction spends, in words: "1/4 by cost", "1/4 on every matrix",
-        "1 → 1/4 over 200 steps"."""
+        "1 → 1/4 over 200 steps", "1 → 1/4 by cost over 200 steps"."""
         text = fraction_text(self.fraction)
-        if self.allocation == "cost":
-            return f"{text} by cost"
+        by_cost = " by cost" if self.allocation == "cost" else ""
         if self.warmup_steps:
-            return f"1 → {text} over {self.warmup_steps} step{'s' if self.warmup_steps > 1 else ''}"
-        return f"{text} on every matrix"
+            return f"1 → {text}{by_cost} over {self.warmup_steps} step{'s' if self.warmup_steps > 1 else ''}"
+        return f"{text}{by_cost}" if by_cost else f"{text} on every matrix"
 
 
 def parse_dion3(name: str) -> Optional[Dion3Setting]:
@@ -82,7 +84,9 @@ def parse_dion3(name: str) -> Optional[Dion3Setting]:
             rest, _, warmup_text = rest.partition(marker)
             break
     if warmup_text is not None and allocation == "cost":
-        raise ValueError("fractions by cost are fixed: they take no warm-up")
+        raise ValueError("a warm-up by cost is spelled with the warm-up last: dion3-F-cost-warmupN")
+    if warmup_text is not None and rest.endswith("-cost"):  # dion3-F-cost-warmupN
+        rest, allocation = rest[: -len("-cost")], "cost"
     if warmup_text is not None and not (warmup_text.isdigit() and int(warmup_text) > 0):
         raise ValueError("the warm-up needs a positive number of steps, e.g. dion3-1/4-warmup200")
     return Dion3Setting(parse_fraction(rest), allocation, int(warmup_text) if warmup_text else 0)

@@ -37,7 +37,7 @@ from . import step_cost as flops
 from .launches import launches_per_step
 from .report import Progress, format_table
 from .presets import PRESETS, Preset, get_preset, parse_shapes
-from ..setting_names import GRAMMAR, canonical_name, parse_dion3
+from ..setting_names import GRAMMAR, Dion3Setting, canonical_name, parse_dion3
 
 GRAPH_WARMUP = 3  # eager steps CapturedStep runs before capturing
 BASELINE = "muon"
@@ -92,6 +92,9 @@ def parse_variant(name: str) -> Variant:
     if setting is None:
         raise ValueError(f"--optimizers: unknown optimizer {name!r}; expected one of {sorted(NAMED_VARIANTS)} "
                          f"or {GRAMMAR}, each also with :bf16 (bf16 momentum)")
+    if setting.allocation == "cost" and setting.warmup_steps:  # its steps' fractions are not priced here
+        raise ValueError(f"--optimizers: {name!r}: the bench times fractions by cost fixed; bench the warm-up's "
+                         f"end, {Dion3Setting(setting.fraction, 'cost').name}, or train the warm-up (dion3 compare)")
     return Variant(setting.name, "dion3", fraction=setting.fraction, allocation=setting.allocation,
                    warmup_steps=setting.warmup_steps or None)
 

@@ -31,8 +31,8 @@ with bf16 autocast on CUDA, an lr warm-up (--lr-warmup) and a linear decay to ze
 share of the steps (--cooldown).
 
 `--fraction-allocation uniform,cost` adds Dion3 runs whose fraction is chosen per matrix shape by
-cost within the modeled step time of the uniform --fraction (dion3.optim.cost_fractions; fixed
-fractions only). Records from before 2026-12-03 allocated by executed FLOPs instead: their
+cost within the modeled step time of the uniform --fraction (dion3.optim.cost_fractions); with a
+--fraction-warmup that budget warms up from 1 (labelled -cost-warmupN). Records from before 2026-12-03 allocated by executed FLOPs instead: their
 config has no `cost_rule`, and they are labelled `-cost-flops`. Every record carries `optimizer_tflop`, the executed orthogonalization FLOPs of
 its steps, so settings can be compared at equal optimizer FLOPs as well as at equal steps.
 

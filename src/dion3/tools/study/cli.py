@@ -37,7 +37,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--fraction-allocation", default="uniform",
                         help="Dion3 fractions, comma-separated: uniform (--fraction on every matrix) and/or cost (per "
                              "matrix shape, within the uniform fraction's modeled H200 step time, dion3.ortho.cost.modeled_seconds; "
-                             "needs --fraction-warmup 0)")
+                             "a --fraction-warmup warms that budget up)")
     parser.add_argument("--row-score", default="l1",
                         help="Dion3's selection score, comma-separated: l1 (each momentum row's L1 norm, the rule) "
                              "and/or l2 (its L2 norm); each Dion3 setting runs with each")

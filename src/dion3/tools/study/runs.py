@@ -55,7 +55,7 @@ class Run:
     lr: float
     mu: float
     fraction: Optional[float]  # dion3 only
-    fraction_warmup: int  # dion3 only: steps of the linear warm-up from 1 (0: fixed fraction)
+    fraction_warmup: int  # dion3 only: steps of the linear warm-up from 1 (0: fixed fraction; by cost: the budget's)
     horizon: int
     seed: int
     batch_size: int
@@ -304,10 +304,6 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
                 runs.append(Run(optimizer=family, lr=lr, mu=mu, fraction=None, fraction_warmup=0, horizon=horizon, seed=seed, **common))
         if "dion3" in families:
             warmups = [warmup_steps(w, horizon) for w in args.fraction_warmup.split(",") if w.strip()]
-            if "cost" in allocations and any(warmups):
-                # FractionScheduler sets one fraction on every group: it would undo the per-shape fractions
-                raise SystemExit("quality_study: --fraction-allocation cost needs fixed fractions: add "
-                                 f"--fraction-warmup 0 (got warm-ups {sorted(set(warmups))} at horizon {horizon})")
             for fraction, lr, mu, warm, allocation, score, weighting in itertools.product(
                     fractions, learning_rates(args.dion3_lr, "--dion3-lr"), momenta(args.dion3_mu, "--dion3-mu"),
                     dict.fromkeys(warmups), allocations, row_scores, weightings):

@@ -75,8 +75,9 @@ PRESETS: dict[str, Preset] = {
 def run_spec(name: str, preset: Preset, lr_overrides: dict, mu_overrides: dict) -> RunSpec:
     """"adamw", "muon", "normuon", or a Dion3 setting as dion3.tools.setting_names spells it (as
     `dion3 bench` does): "dion3-F" (F on every matrix, e.g. dion3-1/4), "dion3-F-warmupN" (the
-    fraction warmed up linearly from 1 over the first N steps) or "dion3-F-cost" (fixed fractions
-    per matrix shape within F's modeled H200 step time, param_groups' fraction_allocation="cost");
+    fraction warmed up linearly from 1 over the first N steps), "dion3-F-cost" (fractions per
+    matrix shape within F's modeled H200 step time, param_groups' fraction_allocation="cost") or
+    "dion3-F-cost-warmupN" (that budget warmed up from 1);
     the old spellings dion3-f0.25, dion3-f0.25-warm200 and dion3-f0.25-cost are read too. The run
     is labelled with the setting's one spelling. A Dion3 run without its own lr/momentum takes
     those of its fraction on every matrix, else the f=¼ lr scaled by the 1/√f rule of thumb (and
@@ -103,7 +104,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
                         help="comma-separated; dion3-F (F on every matrix, e.g. dion3-1/4), dion3-F-warmupN warms "
                              "the fraction up from 1 over N steps, dion3-F-cost sets fractions per matrix shape "
-                             "within F's modeled H200 step time (dion3.ortho.cost.modeled_seconds); `dion3 bench` "
+                             "within F's modeled H200 step time (dion3.ortho.cost.modeled_seconds), "
+                             "dion3-F-cost-warmupN warms that budget up; `dion3 bench` "
                              "names the same settings alike (default: %(default)s)")
     parser.add_argument("--steps", type=int, help="training steps per optimizer (preset default otherwise)")
     parser.add_argument("--batch-size", type=int, help="sequences per step")

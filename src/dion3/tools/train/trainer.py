@@ -38,7 +38,7 @@ class RunSpec:
     lr: float  # matrix learning rate
     fraction: Optional[float] = None  # Dion3 only
     mu: Optional[float] = None  # momentum of the matrix group; None keeps the optimizer default
-    fraction_warmup: int = 0  # Dion3 only: steps of a linear fraction warm-up from 1 to `fraction`
+    fraction_warmup: int = 0  # Dion3 only: steps of a linear fraction warm-up from 1 to `fraction` (by cost: the budget)
     # Dion3 only: param_groups' fraction_allocation, "uniform" (`fraction` on every matrix) or "cost" (one
     # group per matrix shape, fractions within the modeled H200 step time of the uniform `fraction`)
     fraction_allocation: str = "uniform"
@@ -169,9 +169,6 @@ def set_lr_multiplier(optimizer: torch.optim.Optimizer, multiplier: float) -> No
 def build_optimizer(model: GPT, spec: RunSpec) -> Dion3:
     # Dion3, Muon and NorMuon share one front-end; each group names its algorithm, so the class
     # only supplies defaults that every group here overrides or does not read.
-    if spec.fraction_allocation == "cost" and spec.fraction_warmup:
-        raise ValueError("fraction_allocation 'cost' needs a fixed fraction (fraction_warmup 0): a fraction "
-                         "warm-up sets one fraction on every group, which would undo the per-shape fractions")
     options = {key: value for key, value in (("fraction", spec.fraction), ("mu", spec.mu),
                                              ("momentum_dtype", spec.momentum_dtype), ("row_score", spec.row_score),
                                              ("ns_coefficients", spec.ns_coefficients))
