@@ -1,0 +1,131 @@
+"""Time to Muon's loss: which setting gets a user's run to Muon's loss soonest.
+
+A setting S whose whole training step takes w_S times Muon's, and whose step is worth e_S of
+Muon's steps (its step-efficiency, measured by the quality study: dion3.tools.study.efficiency),
+reaches Muon's loss in w_S / e_S of Muon's time. The whole step is modeled as the forward and
+backward pass, 6 · parameters · tokens per step spread over the world at a sustained rate, plus
+the optimizer step the plan prices for the layout. The efficiencies come from the measured regime
+nearest the user's run (tokens a step and tokens per parameter, both on a log scale); the data
+file is the study's, so a new measurement changes the advice, not this code.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+DATA = Path(__file__).with_name("step_efficiency.json")
+SETTINGS = ("muon", "normuon", "dion3-1/4-cost", "dion3-3/8-cost", "dion3-1/2-cost")  # what the advice compares
+REFERENCES = ("muon", "normuon")
+
+
+@dataclass(frozen=True)
+class MeasuredRegime:
+    """Where a step-efficiency was measured: a study model, its batch and its horizon."""
+
+    model: str
+    parameters: int  # the model's hidden matrices
+    tokens_per_step: int
+    horizon: int
+    tokens_per_parameter: float
+    cards: str = ""
+
+    @property
+    def label(self) -> str:
+        return (f"{self.model} ({self.parameters / 1e6:.0f} M hidden parameters), {self.tokens_per_step:,} tokens a "
+                f"step, {self.horizon} steps ({self.tokens_per_parameter:.2g} tokens per parameter)")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    value: float
+    low: float
+    high: float
+    seeds: int
+
+
+def load_efficiencies(path: Path = DATA) -> dict[MeasuredRegime, dict[str, Efficiency]]:
+    """Regime → setting name → its measured efficiency, from the study's data file."""
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"--efficiency: cannot read step-efficiencies from {path}: {error}") from None
+    table: dict[MeasuredRegime, dict[str, Efficiency]] = {}
+    for row in rows:
+        regime = MeasuredRegime(row["model"], row["parameters"], row["tokens_per_step"], row["horizon"],
+                                row["tokens_per_parameter"], row.get("cards", ""))
+        table.setdefault(regime, {})[row["setting"]] = Efficiency(row["efficiency"], row["low"], row["high"], row["seeds"])
+    return table
+
+
+def nearest_regime(table: dict[MeasuredRegime, dict[str, Efficiency]], tokens_per_step: float,
+                   tokens_per_parameter: float, settings: Sequence[str] = SETTINGS) -> MeasuredRegime:
+    """The measured regime closest to a run in log tokens a step plus log tokens per parameter,
+    among those that measured every Dion3 setting of `settings` (else those that measured most)."""
+    wanted = [s for s in settings if s not in REFERENCES]
+    if not table:
+        raise ValueError("no step-efficiency has been measured (the data file holds no rows)")
+    most = max(sum(s in row for s in wanted) for row in table.values())
+    candidates = [g for g, row in table.items() if sum(s in row for s in wanted) == most]
+
+    def distance(g: MeasuredRegime) -> float:
+        return abs(math.log(tokens_per_step / g.tokens_per_step)) + abs(math.log(tokens_per_parameter / g.tokens_per_parameter))
+
+    return min(candidates, key=lambda g: (distance(g), -g.horizon))
+
+
+def forward_backward_seconds(parameters: float, tokens_per_step: float, world_size: int, flops_per_second: float) -> float:
+    """The forward and backward pass of one step on each rank: 6 · parameters · tokens, the
+    world's ranks sharing the tokens (data parallel) or the matrices (tensor parallel)."""
+    return 6.0 * parameters * tokens_per_step / (world_size * flops_per_second)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    setting: str
+    optimizer_s: float
+    whole_s: float
+    step_ratio: float  # whole step over Muon's
+    efficiency: Optional[Efficiency]  # None: not measured in the regime (Muon: exactly 1)
+    time_ratio: Optional[float]  # time to Muon's loss over Muon's
+    time_low: Optional[float]
+    time_high: Optional[float]
+
+
+def predict(optimizer_s: dict[str, float], forward_backward_s: float,
+            efficiencies: dict[str, Efficiency]) -> list[Prediction]:
+    """Each setting's whole step and time to Muon's loss, in the order of `optimizer_s`."""
+    if "muon" not in optimizer_s:
+        raise ValueError("the time to Muon's loss needs Muon's optimizer step")
+    muon_whole = forward_backward_s + optimizer_s["muon"]
+    out = []
+    for setting, seconds in optimizer_s.items():
+        whole = forward_backward_s + seconds
+        ratio = whole / muon_whole
+        e = Efficiency(1.0, 1.0, 1.0, 0) if setting == "muon" else efficiencies.get(setting)
+        if e is None:
+            out.append(Prediction(setting, seconds, whole, ratio, None, None, None, None))
+        else:
+            out.append(Prediction(setting, seconds, whole, ratio, e, ratio / e.value, ratio / e.high, ratio / e.low))
+    return out
+
+
+def recommendation(predictions: Sequence[Prediction]) -> str:
+    """One line that starts with "recommend": the setting with the shortest predicted time to
+    Muon's loss, and whether another lies inside its band (the measurements cannot tell them apart)."""
+    ranked = sorted((p for p in predictions if p.time_ratio is not None), key=lambda p: p.time_ratio)
+    if not ranked:
+        return "recommend muon: no other setting's step-efficiency is measured"
+    best = ranked[0]
+    line = f"recommend {best.setting}: {best.time_ratio:.3f}× Muon's time to Muon's loss"
+    if best.setting in REFERENCES:
+        line += " (no Dion3 setting gets there sooner)"
+    close = [p for p in ranked[1:] if p.time_ratio <= best.time_high or p.time_low <= best.time_ratio]
+    if close:
+        line += ("; within the measurement's band: " + ", ".join(f"{p.setting} {p.time_ratio:.3f}×" for p in close)
+                 + ", which the measured seeds do not tell apart")
+    else:
+        line += "; outside the measurement's band of every other setting"
+    return line
