@@ -114,6 +114,9 @@ def sparse_gradient_in(algorithm):
 # (row id, action, error type, message fragment)
 CASES = [
     ("one-d-in-matrix-group", lambda: Dion3([param(8)]), ValueError, "is 1-D"),
+    ("model-parameters-with-a-bias", lambda: Dion3(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).parameters()),
+     ValueError, "parameter 1 (shape (8,)) is 1-D, but algorithm 'dion3' orthogonalizes matrices; put 1-D parameters "
+     "(biases, norms) in an 'adamw' or 'lion' group. For a whole model, pass dion3.param_groups(model, lm_head=...)"),
     ("four-d-without-flatten", lambda: Muon([param(2, 3, 4, 5)]), ValueError, "pass flatten=True"),
     ("three-d-undeclared", lambda: Dion3([torch.nn.Conv1d(4, 8, 3).weight]), ValueError,
      "is 3-D: a convolution kernel (out, in, k) or a stack of matrices [E, rows, cols]? Pass flatten=True for a "
