@@ -491,9 +491,11 @@ def test_regime_jobs_plan_their_runs_through_the_study(tmp_path):
     """benchmarks/regime_jobs.sh --dry-run: the study itself plans each run of a named job (the
     flags parse, the settings are the ones the job names); an unknown job is refused naming the jobs."""
     import subprocess
+    import sys
 
     root = Path(__file__).resolve().parent.parent
-    env = {**__import__("os").environ, "WORK": str(tmp_path)}
+    # the interpreter running the tests (a venv need not be activated: `python` on PATH may be another)
+    env = {**__import__("os").environ, "WORK": str(tmp_path), "PYTHON": sys.executable}
     done = subprocess.run(["bash", "benchmarks/regime_jobs.sh", "--dry-run", "b128-edges"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -509,7 +511,7 @@ def test_regime_jobs_plan_their_runs_through_the_study(tmp_path):
 
 
 def test_a_failed_run_fails_its_regime_job(tmp_path):
-    """Outside --dry-run a job starts every run at once and waits for all: with a stand-in `python`
+    """Outside --dry-run a job starts every run at once and waits for all: with a stand-in $PYTHON
     whose study fails for one run, the job still waits for the others and exits 1; each run gets its
     batch's validation windows (--eval-batches 2 at batch 256) and its own folder under $WORK."""
     import os
@@ -529,7 +531,7 @@ def test_a_failed_run_fails_its_regime_job(tmp_path):
         f'exec {sys.executable} "$@"\n')
     (shim / "python").chmod(0o755)
     work = tmp_path / "work"
-    env = {**os.environ, "WORK": str(work), "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "WORK": str(work), "PYTHON": str(shim / "python")}
     done = subprocess.run(["bash", "benchmarks/regime_jobs.sh", "b256-grid"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
