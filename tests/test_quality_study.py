@@ -456,6 +456,47 @@ def test_the_built_model_holds_the_counted_block_matrices(study):
     assert blocks == block_matrix_parameters(spec)
 
 
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt-25m", "gpt-120m", "llama-hf", "llama-384", "llama-hf-110m",
+                                  "llama-hf-350m"])
+def test_the_registry_lists_the_shapes_of_the_model_the_study_builds(study, name):
+    """The shapes the registry of model names gives a study model (what `dion3 bench`, `dion3
+    plan` and `dion3 fractions` run under its name) are those of the model the study trains,
+    built on the meta device as a run builds it (byte data): its matrices, as param_groups finds
+    them, and its other parameters (embedding, LM head, norms)."""
+    import dataclasses
+
+    import torch
+
+    from dion3 import param_groups
+    from dion3.tools.models import REGISTRY
+    from dion3.tools.train.model import GPT, GPTConfig, padded_vocab
+
+    spec = study.MODELS[name]
+    if spec.kind == "llama-hf":
+        pytest.importorskip("transformers")
+    config = GPTConfig(seq_len=spec.seq_len, n_layer=spec.n_layer, n_head=spec.n_head, d_model=spec.d_model)
+    factory = GPT if spec.kind == "gpt" else study.build_llama(spec)
+    with torch.device("meta"):
+        model = factory(dataclasses.replace(config, vocab_size=padded_vocab(256)))  # as trainer.train does
+    groups = param_groups(model, lm_head=model.lm_head)
+    built = (sorted(tuple(p.shape) for g in groups if "algorithm" not in g for p in g["params"]),
+             sorted(tuple(p.shape) for g in groups if g.get("algorithm") == "adamw" for p in g["params"]))
+    assert sum(map(len, built)) == len(list(model.parameters()))
+    preset = REGISTRY[name].preset()
+    listed = (sorted((m.rows, m.cols) for m in preset.matrices for _ in range(m.count)),
+              sorted(s.shape for s in preset.scalars for _ in range(s.count)))
+    assert built == listed
+    assert preset.layers == spec.n_layer
+
+
+def test_the_study_refuses_a_model_it_does_not_train_naming_the_commands_that_take_it(study, capsys):
+    with pytest.raises(SystemExit):
+        study.parse_args(["--model", "llama-8b"])
+    assert ("--model: 'llama-8b' is not a model the study trains (gpt-120m, gpt-25m, gpt-tiny, llama-384, llama-hf, "
+            "llama-hf-110m, llama-hf-350m: each with its context and batch); 'llama-8b' is taken by dion3 bench --preset, "
+            "dion3 plan --preset and dion3 fractions --preset") in capsys.readouterr().err
+
+
 def test_train_step_times_each_setting_with_its_own_optimizer(tmp_path, capsys):
     """`python -m dion3.tools.study.train_step` on the CPU: a row per setting, the optimizer step
     inside the whole step, the study's optimizers (AdamW has no matrix step to speak of), and
