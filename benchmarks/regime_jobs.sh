@@ -12,7 +12,7 @@
 # The seed jobs pick each family's and fraction's best from the landed records (--best-from), so
 # the grid jobs of a batch size land before its seeds run.
 set -u
-STUDY="python -m dion3.tools.study --model llama-384 --lr-warmup 50 --cooldown 0.3 --compile --horizons 1500"
+STUDY="${PYTHON:-python} -m dion3.tools.study --model llama-384 --lr-warmup 50 --cooldown 0.3 --compile --horizons 1500"
 DION3="--optimizers dion3 --fraction-warmup 0 --fraction-allocation cost --dion3-mu 0.6"
 # the same 512 validation windows at every batch size
 declare -A EVAL=([16]="--eval-batches 32" [128]="--eval-batches 4" [256]="--eval-batches 2")
@@ -102,7 +102,7 @@ job "$1" || exit $?
 status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done  # a failed run fails the job (its log says why)
 for results in "$WORK"/*/results.jsonl; do
-  [ -f "$results" ] && python -c "import json, sys
+  [ -f "$results" ] && "${PYTHON:-python}" -c "import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line); c = r['config']
     print(f\"{c['optimizer']:8} fraction {c['fraction']} lr {c['lr']:g} mu {c['mu']:g} batch {c['batch_size']} seed {r['seed']}: \"

@@ -12,6 +12,7 @@ import torch
 from dion3.tools import cli
 from dion3.tools.bench import step_cost as flops, step_time as step
 from dion3.tools.bench.presets import PRESETS, MatrixShape, parse_shapes
+from dion3.tools.models import COMMANDS, REGISTRY, takes
 from dion3.optim.cost_fractions import cost_allocated_fractions
 from dion3.ortho.cost import modeled_seconds
 
@@ -42,6 +43,136 @@ def test_per_layer_time_is_the_step_over_the_preset_layers(monkeypatch, tmp_path
     row = step.run_variant(step.parse_variant("dion3-1/4"), False, PRESETS["llama-70b"], args, torch.device("cpu"), None)
     assert row["layer_ms"] == pytest.approx(12.0 / 8)
     assert "ms/layer" in step.format_table([row])
+
+
+# every name of the registry, each command's own check of it, and one name no command takes
+NAMES = [*REGISTRY, "llama-9000"]
+
+
+def _taken(command: str, name: str, capsys) -> tuple[bool, str]:
+    """Whether `command` takes the model name (as its command line checks it, up to where it
+    would start training or timing; `dion3 plan` and `dion3 fractions` run whole), and its error."""
+    from dion3.tools.plan import cli as plan, fractions
+    from dion3.tools.study import cli as study
+    from dion3.tools.train import compare
+
+    capsys.readouterr()
+    try:
+        if command == "compare":
+            compare.parse_args(["--preset", name])
+        elif command == "bench":
+            assert step.parse_args(["--preset", name, "--device", "cpu", "--no-graph"]).source.name == name
+        elif command == "study":
+            assert study.parse_args(["--model", name]).model == name
+        else:
+            main = plan.main if command == "plan" else fractions.main
+            flags = ["--layout", "single", "--quiet", "--ranks", "1"] if command == "plan" else []
+            if main(["--preset", name, *flags]) != 0:
+                return False, capsys.readouterr().err
+    except SystemExit as exit:
+        assert exit.code == 2
+        return False, capsys.readouterr().err
+    return True, ""
+
+
+@pytest.mark.parametrize("command", ["compare", "bench", "plan", "fractions", "study"])
+def test_every_model_name_is_taken_or_refused_naming_the_commands_that_take_it(command, capsys):
+    """One registry of model names (dion3.tools.models) for `dion3 compare`, `bench`, `plan`,
+    `fractions` and the study: a command takes a name or says which commands do."""
+    taken = set()
+    for name in NAMES:
+        ok, error = _taken(command, name, capsys)
+        model = REGISTRY.get(name)
+        if ok:
+            taken.add(name)
+            assert model is not None and command in model.commands, name
+            continue
+        if model is None:  # no command's name: the error lists this command's names
+            assert f"unknown model {name!r}; {COMMANDS[command]} takes {', '.join(takes(command))}" in error, error
+            continue
+        assert command not in model.commands and f"{name!r} is taken by " in error, error
+        assert all(COMMANDS[other] in error for other in model.commands), error
+    study = {"llama-384", "llama-hf", "llama-hf-110m", "llama-hf-350m", "gpt-tiny", "gpt-25m", "gpt-120m"}
+    demo, llamas = {"cpu-tiny", "gpu-small"}, {"llama-1b", "llama-8b", "llama-70b"}
+    expected = {
+        "compare": demo, "study": study,
+        "bench": set(REGISTRY) - {"llama-405b", "14b"},  # too large for one GPU; llama-70b: 8 of its 80 layers
+        "plan": set(REGISTRY), "fractions": set(REGISTRY),
+    }[command]
+    assert taken == expected
+    if command in ("bench", "plan", "fractions"):
+        assert study | demo | llamas <= taken
+
+
+def test_the_commands_own_tables_hold_the_registry_s_names():
+    """compare's presets (schedules, lrs) and the study's models (context, batch) are the names
+    the registry gives those commands, with the registry's shapes."""
+    import dataclasses
+
+    from dion3.tools.study.runs import MODELS as STUDY
+    from dion3.tools.train import compare
+
+    assert sorted(compare.PRESETS) == takes("compare") and sorted(STUDY) == takes("study")
+    for name, spec in STUDY.items():
+        model = REGISTRY[name]
+        assert (spec.n_layer, spec.d_model, spec.n_head) == (model.n_layer, model.d_model, model.n_head)
+        if spec.kind == "llama-hf":
+            assert (spec.kv_heads, spec.mlp_width) == (model.kv_heads, model.mlp_width)
+        else:
+            assert model.family == "gpt" and model.mlp_width == 4 * model.d_model
+    for name, preset in compare.PRESETS.items():
+        config = preset.model
+        assert dataclasses.replace(config, seq_len=1) == compare.gpt_config(name, seq_len=1)
+
+
+@pytest.mark.parametrize("name", ["cpu-tiny", "gpu-small"])
+def test_a_demo_preset_lists_the_shapes_of_the_model_dion3_compare_trains(name):
+    """Built on the meta device as `dion3 compare` builds it (byte vocabulary), its matrices are
+    the preset's matrices and its other parameters the preset's scalars."""
+    import dataclasses
+
+    from dion3 import param_groups
+    from dion3.tools.train import compare
+    from dion3.tools.train.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(dataclasses.replace(compare.PRESETS[name].model, vocab_size=256))
+    assert built_shapes(model, model.lm_head, param_groups) == listed_shapes(REGISTRY[name].preset())
+
+
+def built_shapes(model, lm_head, param_groups) -> tuple[list, list]:
+    """(matrix shapes, other shapes) of a built model as param_groups sorts its parameters."""
+    groups = param_groups(model, lm_head=lm_head)
+    matrices = sorted(tuple(p.shape) for g in groups if "algorithm" not in g for p in g["params"])
+    others = sorted(tuple(p.shape) for g in groups if g.get("algorithm") == "adamw" for p in g["params"])
+    assert len(matrices) + len(others) == len(list(model.parameters()))
+    return matrices, others
+
+
+def listed_shapes(preset) -> tuple[list, list]:
+    """(matrix shapes, other shapes) a preset lists, one entry per parameter."""
+    return (sorted((m.rows, m.cols) for m in preset.matrices for _ in range(m.count)),
+            sorted(s.shape for s in preset.scalars for _ in range(s.count)))
+
+
+def test_docs_list_each_model_name_with_the_commands_that_take_it():
+    """docs/training.md, "Model names": every name once, a ✓ under each command that takes it."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "training.md").read_text()
+    section = text.split("### Model names: which command takes which", 1)[1].split("\n#", 1)[0]
+    rows = [line.strip("|").split("|") for line in section.splitlines() if line.startswith("| ") and "✓" in line]
+    columns = [("compare",), ("bench",), ("plan", "fractions"), ("study",)]
+    listed = {}
+    for cells in rows:
+        for name in cells[0].split(","):
+            assert name.strip() not in listed, name
+            listed[name.strip()] = tuple(c for column, cell in zip(columns, cells[2:]) if "✓" in cell for c in column)
+    assert listed == {name: model.commands for name, model in REGISTRY.items()}  # commands in COMMANDS' order
+
+
+def test_bench_times_a_study_model_s_shapes_on_the_cpu(capsys):
+    assert cli.main(["bench", "--preset", "gpt-tiny", "--device", "cpu", "--steps", "1", "--warmup", "1",
+                     "--optimizers", "muon,dion3-1/4-cost"]) == 0
+    assert "gpt-tiny: GPT, 2 layers, d=64, 2 heads" in capsys.readouterr().out
 
 
 def test_parse_shapes_reads_counts_and_rejects_garbage():
@@ -491,9 +622,11 @@ def test_regime_jobs_plan_their_runs_through_the_study(tmp_path):
     """benchmarks/regime_jobs.sh --dry-run: the study itself plans each run of a named job (the
     flags parse, the settings are the ones the job names); an unknown job is refused naming the jobs."""
     import subprocess
+    import sys
 
     root = Path(__file__).resolve().parent.parent
-    env = {**__import__("os").environ, "WORK": str(tmp_path)}
+    # the interpreter running the tests (a venv need not be activated: `python` on PATH may be another)
+    env = {**__import__("os").environ, "WORK": str(tmp_path), "PYTHON": sys.executable}
     done = subprocess.run(["bash", "benchmarks/regime_jobs.sh", "--dry-run", "b128-edges"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -509,7 +642,7 @@ def test_regime_jobs_plan_their_runs_through_the_study(tmp_path):
 
 
 def test_a_failed_run_fails_its_regime_job(tmp_path):
-    """Outside --dry-run a job starts every run at once and waits for all: with a stand-in `python`
+    """Outside --dry-run a job starts every run at once and waits for all: with a stand-in $PYTHON
     whose study fails for one run, the job still waits for the others and exits 1; each run gets its
     batch's validation windows (--eval-batches 2 at batch 256) and its own folder under $WORK."""
     import os
@@ -529,7 +662,7 @@ def test_a_failed_run_fails_its_regime_job(tmp_path):
         f'exec {sys.executable} "$@"\n')
     (shim / "python").chmod(0o755)
     work = tmp_path / "work"
-    env = {**os.environ, "WORK": str(work), "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "WORK": str(work), "PYTHON": str(shim / "python")}
     done = subprocess.run(["bash", "benchmarks/regime_jobs.sh", "b256-grid"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr

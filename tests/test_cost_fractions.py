@@ -412,5 +412,5 @@ def test_dion3_fractions_command(capsys):
     assert main(["fractions", "--shapes", "64x64:2,16x64:3", "--fraction", "0.5"]) == 0
     assert [(r["rows × cols"], r["matrices"]) for r in _table(capsys.readouterr().out)] == [("64×64", "2"), ("16×64", "3")]
     assert main(["fractions", "--preset", "nope"]) == 2
-    assert "unknown preset 'nope'" in capsys.readouterr().err
+    assert "unknown model 'nope'; dion3 fractions --preset takes 14b, 7b, cpu-small, cpu-tiny" in capsys.readouterr().err
     assert main(["fractions", "--fraction", "0"]) == 2

@@ -110,6 +110,13 @@ def repeated_param():
     Dion3([("a.weight", w), ("b.weight", param(4, 4)), ("c.weight", w)])
 
 
+def two_models_in_one_optimizer():
+    """Two models' groups in one optimizer: both name their matrix 'blocks.0.fc.weight'."""
+    def model():
+        return torch.nn.ModuleDict({"blocks": torch.nn.ModuleList([torch.nn.ModuleDict({"fc": torch.nn.Linear(4, 4)})])})
+    Dion3(param_groups(model(), lm_head=False) + param_groups(model(), lm_head=False))
+
+
 def sparse_gradient_in(algorithm):
     def action():
         embedding = torch.nn.Embedding(10, 4, sparse=True)
@@ -122,6 +129,9 @@ def sparse_gradient_in(algorithm):
 # (row id, action, error type, message fragment)
 CASES = [
     ("one-d-in-matrix-group", lambda: Dion3([param(8)]), ValueError, "is 1-D"),
+    ("model-parameters-with-a-bias", lambda: Dion3(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).parameters()),
+     ValueError, "parameter 1 (shape (8,)) is 1-D, but algorithm 'dion3' orthogonalizes matrices; put 1-D parameters "
+     "(biases, norms) in an 'adamw' or 'lion' group. For a whole model, pass dion3.param_groups(model, lm_head=...)"),
     ("four-d-without-flatten", lambda: Muon([param(2, 3, 4, 5)]), ValueError, "pass flatten=True"),
     ("three-d-undeclared", lambda: Dion3([torch.nn.Conv1d(4, 8, 3).weight]), ValueError,
      "is 3-D: a convolution kernel (out, in, k) or a stack of matrices [E, rows, cols]? Pass flatten=True for a "
@@ -150,6 +160,12 @@ CASES = [
     ("parameter-in-two-groups", shared_param, ValueError, "already belongs to parameter group 0"),
     ("parameter-twice-in-a-group", repeated_param, ValueError,
      "parameter 'c.weight' appears twice in parameter group 0 (also 'a.weight')"),
+    ("parameter-name-in-two-groups", two_models_in_one_optimizer, ValueError,
+     "parameter group 2 names a parameter 'blocks.0.fc.weight', and so does parameter group 0 (another parameter); "
+     "parameter names must be unique (errors and state dicts tell parameters apart by them), e.g. prefix each "
+     "model's names ('a.blocks.0.fc.weight' and 'b.blocks.0.fc.weight')"),
+    ("parameter-name-twice-in-a-group", lambda: Muon([{"params": [param(4, 4), param(4, 4)], "param_names": ["w", "w"]}]),
+     ValueError, "parameter group 0 gives the name 'w' to two parameters (positions 0 and 1); parameter names must be unique"),
     ("fraction-zero", lambda: Dion3([param(4, 4)], fraction=0.0), ValueError, "fraction must lie in (0.0, 1.0]"),
     ("fraction-above-one", lambda: Dion3([param(4, 4)], fraction=1.5), ValueError, "fraction must lie in (0.0, 1.0]"),
     ("fraction-schedule-out-of-range", lambda: FractionScheduler(Dion3([param(4, 4)]), lambda step: 1.5), ValueError,
@@ -174,14 +190,17 @@ CASES = [
      ValueError, "fraction_allocation='cost' needs fraction="),
     ("fraction-allocation-cost-fraction-zero",
      lambda: param_groups(torch.nn.Linear(4, 4), lm_head=False, fraction=0, fraction_allocation="cost"),
-     ValueError, "fraction must lie in (0, 1], got 0"),
+     ValueError, "param_groups: fraction must lie in (0, 1], got 0"),
+    ("fraction-allocation-cost-fraction-above-one",
+     lambda: param_groups(torch.nn.Linear(4, 4), lm_head=False, fraction=1.5, fraction_allocation="cost"),
+     ValueError, "param_groups: fraction must lie in (0, 1], got 1.5"),
     ("fraction-weights-without-cost",
      lambda: param_groups(torch.nn.Linear(4, 4), lm_head=False, fraction=0.5, fraction_weights={"weight": 2.0}),
      ValueError, "fraction_weights weigh the rows of fraction_allocation='cost'"),
     ("fraction-weights-unknown-name",
      lambda: param_groups(torch.nn.Linear(4, 4), lm_head=False, fraction=0.5, fraction_allocation="cost",
                           fraction_weights={"mlp": 2.0}),
-     ValueError, "no matrix of the group has ['mlp'] in its name"),
+     ValueError, "param_groups: no matrix of the group has ['mlp'] in its name"),
     ("fraction-weights-split-shape",
      lambda: param_groups(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), lm_head=False, fraction=0.5,
                           fraction_allocation="cost", fraction_weights={"0.": 2.0}),
@@ -391,6 +410,15 @@ def test_rejected_param_group_leaves_the_optimizer_usable():
     before = w.detach().clone()
     opt.step()
     assert torch.isfinite(w).all() and not torch.equal(w, before)
+
+
+def test_a_group_naming_a_parameter_as_another_group_does_is_refused_when_added():
+    first = torch.nn.Linear(4, 4, bias=False)
+    opt = Dion3(param_groups(first, lm_head=False))
+    with pytest.raises(ValueError, match=re.escape("parameter group 1 names a parameter 'weight', and so does parameter group 0")):
+        opt.add_param_group({"params": [("weight", param(4, 4))]})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [param(4, 4)], "param_names": ["second.weight"]})  # a name of its own
 
 
 def test_a_sparse_gradient_leaves_an_adamw_group_untouched():

@@ -306,6 +306,11 @@ def _linears(*sizes):
     return torch.nn.Sequential(*[torch.nn.Linear(a, b, bias=False) for a, b in zip(sizes, sizes[1:])])
 
 
+def _named(prefix, groups):
+    """A second model's groups beside the first's: its parameter names prefixed (names are unique)."""
+    return [dict(g, param_names=[prefix + n for n in g["param_names"]]) for g in groups]
+
+
 @pytest.mark.parametrize("groups, fragment", [
     # by cost beside a fraction of its own: a budget and a fraction are two schedules
     (lambda a, b: param_groups(a, lm_head=False, fraction=0.25, fraction_allocation="cost")
@@ -315,11 +320,11 @@ def _linears(*sizes):
      "take both: build one for each, FractionScheduler(optimizer, schedule, groups=[0, 1, 2]) and another with groups=[3]"),
     # two budgets
     (lambda a, b: param_groups(a, lm_head=False, fraction=0.25, fraction_allocation="cost")
-     + param_groups(b, lm_head=False, fraction=0.5, fraction_allocation="cost"),
+     + _named("b.", param_groups(b, lm_head=False, fraction=0.5, fraction_allocation="cost")),
      "the groups by cost were allocated apart (groups 0, 1, 2: budget 0.25; groups 3, 4: budget 0.5)"),
     # two allocations of one budget: together they would allocate otherwise
     (lambda a, b: param_groups(a, lm_head=False, fraction=0.25, fraction_allocation="cost")
-     + param_groups(b, lm_head=False, fraction=0.25, fraction_allocation="cost"),
+     + _named("b.", param_groups(b, lm_head=False, fraction=0.25, fraction_allocation="cost")),
      "but the allocation by cost of budget 0.25 over the scheduled groups gives it"),
 ], ids=["mixed", "two-budgets", "two-allocations"])
 def test_a_budget_schedule_refuses_groups_it_cannot_allocate_together(groups, fragment):

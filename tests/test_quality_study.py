@@ -355,10 +355,17 @@ def test_a_budget_warmed_up_by_cost_trains_from_every_row_to_its_fractions(study
     spec = trainer.RunSpec("d", "dion3", 0.02, 0.25, 0.6, fraction_warmup=4, fraction_allocation="cost")
     result = trainer.train(spec, config, trainer.Schedule(steps=6, batch_size=2, eval_every=6, eval_batches=1), corpus,
                            torch.device("cpu"))
-    fixed = trainer.build_optimizer(trainer.GPT(dataclasses.replace(config, vocab_size=256)),
-                                    dataclasses.replace(spec, fraction_warmup=0)).param_groups
-    by_cost = [g["fraction"] for g in fixed if g["algorithm"] == "dion3"]
-    assert len(set(by_cost)) > 1 and result.fraction_range == (min(by_cost), 1.0)
+    from dion3.optim.fraction_schedule import FractionWarmup
+
+    def fractions_at(budget: float) -> list[float]:  # the groups by cost of one fixed budget
+        fixed = trainer.build_optimizer(trainer.GPT(dataclasses.replace(config, vocab_size=256)),
+                                        dataclasses.replace(spec, fraction=budget, fraction_warmup=0)).param_groups
+        return [g["fraction"] for g in fixed if g["algorithm"] == "dion3"]
+
+    # the allocation need not fall with the budget (a shape may hold fewer rows at a larger budget
+    # that buys others more): the range spans every budget the warm-up visits
+    visited = [fraction for step in range(6) for fraction in fractions_at(FractionWarmup(0.25, 4)(step))]
+    assert len(set(fractions_at(0.25))) > 1 and result.fraction_range == (min(visited), 1.0)
     assert all(math.isfinite(loss) for loss in result.val_losses)
     record = _record(study, "dion3", 1.5, 0, 0.25, 50, allocation="cost")
     record["config"]["cost_rule"] = "time"
@@ -490,6 +497,47 @@ def test_the_built_model_holds_the_counted_block_matrices(study):
                                                    d_model=spec.d_model, vocab_size=256))
     blocks = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and ".layers." in name)
     assert blocks == block_matrix_parameters(spec)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt-25m", "gpt-120m", "llama-hf", "llama-384", "llama-hf-110m",
+                                  "llama-hf-350m"])
+def test_the_registry_lists_the_shapes_of_the_model_the_study_builds(study, name):
+    """The shapes the registry of model names gives a study model (what `dion3 bench`, `dion3
+    plan` and `dion3 fractions` run under its name) are those of the model the study trains,
+    built on the meta device as a run builds it (byte data): its matrices, as param_groups finds
+    them, and its other parameters (embedding, LM head, norms)."""
+    import dataclasses
+
+    import torch
+
+    from dion3 import param_groups
+    from dion3.tools.models import REGISTRY
+    from dion3.tools.train.model import GPT, GPTConfig, padded_vocab
+
+    spec = study.MODELS[name]
+    if spec.kind == "llama-hf":
+        pytest.importorskip("transformers")
+    config = GPTConfig(seq_len=spec.seq_len, n_layer=spec.n_layer, n_head=spec.n_head, d_model=spec.d_model)
+    factory = GPT if spec.kind == "gpt" else study.build_llama(spec)
+    with torch.device("meta"):
+        model = factory(dataclasses.replace(config, vocab_size=padded_vocab(256)))  # as trainer.train does
+    groups = param_groups(model, lm_head=model.lm_head)
+    built = (sorted(tuple(p.shape) for g in groups if "algorithm" not in g for p in g["params"]),
+             sorted(tuple(p.shape) for g in groups if g.get("algorithm") == "adamw" for p in g["params"]))
+    assert sum(map(len, built)) == len(list(model.parameters()))
+    preset = REGISTRY[name].preset()
+    listed = (sorted((m.rows, m.cols) for m in preset.matrices for _ in range(m.count)),
+              sorted(s.shape for s in preset.scalars for _ in range(s.count)))
+    assert built == listed
+    assert preset.layers == spec.n_layer
+
+
+def test_the_study_refuses_a_model_it_does_not_train_naming_the_commands_that_take_it(study, capsys):
+    with pytest.raises(SystemExit):
+        study.parse_args(["--model", "llama-8b"])
+    assert ("--model: 'llama-8b' is not a model the study trains (gpt-120m, gpt-25m, gpt-tiny, llama-384, llama-hf, "
+            "llama-hf-110m, llama-hf-350m: each with its context and batch); 'llama-8b' is taken by dion3 bench --preset, "
+            "dion3 plan --preset and dion3 fractions --preset") in capsys.readouterr().err
 
 
 def test_train_step_times_each_setting_with_its_own_optimizer(tmp_path, capsys):

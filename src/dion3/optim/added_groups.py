@@ -39,6 +39,28 @@ def check_names(group: dict, index: int, others: list[dict]) -> None:
                      "out, or give every group its names")
 
 
+def check_unique_names(names, index: int, others: list[dict]) -> None:
+    """No two parameters share a name, within the group or with the groups before it: errors name
+    parameters by them, and state dicts are matched by them (convert_state_dict). Two models'
+    `named_parameters()` in one optimizer would otherwise both hold e.g. 'blocks.0.fc.weight'."""
+    if names is None:
+        return
+    seen: dict = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            raise ValueError(f"parameter group {index} gives the name {name!r} to two parameters (positions {seen[name]} "
+                             f"and {i}); parameter names must be unique (errors and state dicts tell parameters apart "
+                             "by them)")
+        seen[name] = i
+    for g, other in enumerate(others):
+        clash = next((name for name in other.get("param_names") or () if name in seen), None)
+        if clash is not None:
+            raise ValueError(f"parameter group {index} names a parameter {clash!r}, and so does parameter group {g} "
+                             "(another parameter); parameter names must be unique (errors and state dicts tell "
+                             f"parameters apart by them), e.g. prefix each model's names ({'a.' + clash!r} and "
+                             f"{'b.' + clash!r})")
+
+
 def read_settings(algorithm: str) -> tuple[str, ...]:
     """The hyperparameters a group of `algorithm` steps with (what a warning compares)."""
     if algorithm in SCALAR_ALGORITHMS:

@@ -24,7 +24,7 @@ from .. import distributed, matrix_step, rules
 from ..buckets import Bucket, SkipTally, add_matrix, bucket_subset, matrix_view, momentum_dtype, write_back_subset
 from ..ortho.precision import agree_across_ranks
 from . import scalar
-from .added_groups import check_names, warn_of_defaults
+from .added_groups import check_names, check_unique_names, warn_of_defaults
 from .foreign_state import check_not_foreign
 from .scalar_group import step_group
 from .validation import (
@@ -102,6 +102,7 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"parameter {param_label(names, None, i, p)} appears twice in parameter group "
                                  f"{index} (also {also}); list each parameter once")
             placed[id(p)] = (index, i)
+        check_unique_names(names, index, self.param_groups)  # after the tensors: a repeated tensor is said as such
         super().add_param_group(group)
         group = self.param_groups[-1]
         try:

@@ -160,7 +160,10 @@ def param_groups(
     matrix_groups = [g for g in matrix_groups if g["params"]]
     if fraction_allocation == "cost" and matrix_groups:
         # one budget over the kernels and the other matrices: one fraction per shape
-        matrix_groups = cost_allocated_groups(matrix_groups, options["fraction"], weights=fraction_weights)
+        try:
+            matrix_groups = cost_allocated_groups(matrix_groups, options["fraction"], weights=fraction_weights)
+        except ValueError as error:  # the fraction, the weights: said as param_groups' other errors are
+            raise ValueError(f"param_groups: {error}") from None
         for each in matrix_groups:  # what a schedule needs to allocate another budget alike
             each[BUDGET_KEY] = float(options["fraction"])
             if fraction_weights is not None:

@@ -163,8 +163,12 @@ def validate_group(group: dict, index: int) -> None:
         elif p.dim() == 3 and not group["stacked"]:
             raise ValueError(f"{where}: parameter {label} {_ambiguous_3d(p.shape)}")
         elif p.dim() < 2:
+            # the first thing torch users try is Dion3(model.parameters()), which stops at the first bias
             raise ValueError(f"{where}: parameter {label} is {p.dim()}-D, but algorithm {algorithm!r} orthogonalizes "
-                             "matrices; put 1-D parameters (biases, norms) in an 'adamw' or 'lion' group")
+                             "matrices; put 1-D parameters (biases, norms) in an 'adamw' or 'lion' group. For a whole "
+                             "model, pass dion3.param_groups(model, lm_head=...): the hidden matrices in one group, the "
+                             "biases, norms, embeddings and LM head in AdamW groups, e.g. "
+                             "Dion3(dion3.param_groups(model, lm_head=\"lm_head\"))")
         elif p.dim() > 3:
             raise ValueError(f"{where}: parameter {label} is {p.dim()}-D; pass flatten=True to "
                              f"train it as one {p.shape[0]}×{p.numel() // p.shape[0]} matrix (e.g. a conv weight)")

@@ -158,9 +158,13 @@ def markdown_table(preset: Preset, world_size: int = 8) -> str:
     return "\n".join(lines)
 
 
+# the presets whose tables main prints (benchmarks/README.md, "Cost model")
+TABLES = ("llama-1b", "llama-8b", "llama-70b", "llama-384", "llama-hf-110m", "llama-hf-350m", "cpu-small")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Print the cost tables: `python -m dion3.tools.bench.step_cost`."""
-    for preset in PRESETS.values():
+    for preset in (PRESETS[name] for name in TABLES):
         print(f"{preset.name}: {preset.description}; {preset.matrix_numel / 1e9:.2f} B matrix parameters\n")
         print(markdown_table(preset) + "\n")
     return 0

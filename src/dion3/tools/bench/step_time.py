@@ -284,7 +284,8 @@ def add_speedups(rows: list[dict]) -> None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dion3 bench", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--preset", choices=sorted(PRESETS), default="llama-1b", help="model shapes (default llama-1b)")
+    source.add_argument("--preset", default="llama-1b", metavar="NAME",
+                        help=f"model shapes, one of {', '.join(sorted(PRESETS))} (default llama-1b)")
     source.add_argument("--shapes", help="custom matrices ROWSxCOLS[:COUNT],... e.g. 4096x4096:32,1024x4096:64")
     parser.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS,
                         help=f"comma list (default {DEFAULT_OPTIMIZERS}); dion3-F takes any fraction F in (0, 1], "

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from typing import Optional
 
 from ..bench.presets import MODELS, parse_shapes
+from ..models import refusal
 from .pricing import Hardware, Network
 from .run import build_plans, price, stderr_progress, variant
 from .step_plan import StepPlan
@@ -108,7 +109,7 @@ def model(args):
     if args.shapes:
         return parse_shapes(args.shapes)
     if args.preset not in MODELS:
-        raise ValueError(f"--preset: unknown preset {args.preset!r}; expected one of {sorted(MODELS)}")
+        raise ValueError(f"--preset: {refusal(args.preset, 'plan')}")
     return MODELS[args.preset]
 
 

@@ -12,16 +12,17 @@ import torch
 
 from ...optim.cost_fractions import cost_allocated_groups
 from ...optim.fraction_table import describe_fractions
-from ..bench.presets import MODELS, PRESETS, parse_shapes
+from ..bench.presets import MODELS, parse_shapes
+from ..models import refusal
 from ..setting_names import Dion3Setting, fraction_text, parse_fraction
 
-CHOICES = {**PRESETS, **MODELS}  # MODELS wins where both name one: every layer of the model
 ORTHOGONALIZERS = ("auto", "newton_schulz", "gram")
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dion3 fractions", description=__doc__)
-    p.add_argument("--preset", default="llama-8b", help=f"one of {sorted(CHOICES)} (default llama-8b)")
+    p.add_argument("--preset", default="llama-8b", help=f"one of {', '.join(sorted(MODELS))}: every model name of "
+                   "dion3.tools.models, every layer of the model (default llama-8b)")
     p.add_argument("--shapes", help="custom matrices ROWSxCOLS[:COUNT],... instead of a preset")
     p.add_argument("--fraction", default="1/4",
                    help="the uniform fraction to allocate, written 1/4 or 0.25 (default 1/4: dion3-1/4-cost, as "
@@ -53,10 +54,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ValueError(f"--fraction: {error}") from None
         if args.shapes:
             preset = parse_shapes(args.shapes)
-        elif args.preset in CHOICES:
-            preset = CHOICES[args.preset]
+        elif args.preset in MODELS:
+            preset = MODELS[args.preset]
         else:
-            raise ValueError(f"--preset: unknown preset {args.preset!r}; expected one of {sorted(CHOICES)}")
+            raise ValueError(f"--preset: {refusal(args.preset, 'fractions')}")
     except ValueError as error:
         print(f"dion3 fractions: {error}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..models import refusal
 from .child import run_one
 from .launch import pending, read_results, run_study
 from .runs import FAMILIES, MODELS, Run, plan_best_runs, plan_runs
@@ -20,8 +21,9 @@ SMOKE = dict(model="gpt-tiny", horizons="8", seeds="0,1", optimizers="normuon,di
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gpt-25m", choices=sorted(MODELS))
+    parser = argparse.ArgumentParser(prog="python -m dion3.tools.study", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gpt-25m", metavar="NAME",
+                        help=f"the model to train: {', '.join(sorted(MODELS))} (default gpt-25m)")
     parser.add_argument("--horizons", default="400,1500,4000", help="training steps per run, comma-separated")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--optimizers", default=",".join(FAMILIES), help="families to run (default: %(default)s)")
@@ -88,6 +90,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         for name, value in SMOKE.items():
             if getattr(args, name) == defaults[name]:  # smoke values unless given on the command line
                 setattr(args, name, value)
+    if args.model not in MODELS:  # e.g. llama-8b, which `dion3 bench` and `dion3 plan` take: say so
+        parser.error(f"--model: {refusal(args.model, 'study')}")
     for name in ("jobs", "eval_batches"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be ≥ 1")

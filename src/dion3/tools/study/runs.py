@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 from ...optim.cost_fractions import COST_RULE
 from ...ortho.coefficients import SCHEDULES
 from ...rules import ROW_SCORES
+from ..models import REGISTRY
 from ..setting_names import Dion3Setting
 
 
@@ -31,17 +32,28 @@ class ModelSpec:
     mlp_width: int = 0  # llama-hf only
 
 
-MODELS = {
-    "gpt-tiny": ModelSpec("gpt", seq_len=32, n_layer=2, n_head=2, d_model=64, batch_size=4),
-    "gpt-25m": ModelSpec("gpt", seq_len=1024, n_layer=8, n_head=8, d_model=512, batch_size=16),
-    "gpt-120m": ModelSpec("gpt", seq_len=1024, n_layer=16, n_head=12, d_model=768, batch_size=16),
-    "llama-hf": ModelSpec("llama-hf", seq_len=512, n_layer=8, n_head=8, d_model=512, batch_size=16, kv_heads=4, mlp_width=1536),
-    "llama-384": ModelSpec("llama-hf", seq_len=512, n_layer=12, n_head=6, d_model=384, batch_size=32, kv_heads=2, mlp_width=1024),
+def study_model(name: str, seq_len: int, batch_size: int) -> ModelSpec:
+    """The study's model `name`: its shape is that of the name in dion3.tools.models (one registry
+    of model names for every command), its context and batch the study's."""
+    model = REGISTRY[name]
+    if model.family == "gpt":  # dion3.tools.train.model.GPT: MLP 4 × d_model, no GQA
+        return ModelSpec("gpt", seq_len, model.n_layer, model.n_head, model.d_model, batch_size)
+    return ModelSpec("llama-hf", seq_len, model.n_layer, model.n_head, model.d_model, batch_size,
+                     kv_heads=model.kv_heads, mlp_width=model.mlp_width)
+
+
+# The models the study trains (study=True in dion3.tools.models): name → (context, batch)
+MODELS = {name: study_model(name, seq_len, batch_size) for name, (seq_len, batch_size) in {
+    "gpt-tiny": (32, 4),
+    "gpt-25m": (1024, 16),
+    "gpt-120m": (1024, 16),
+    "llama-hf": (512, 16),
+    "llama-384": (512, 32),
     # The scale trend: llama-hf's family (GQA, head width 64, SwiGLU) at about 110 M and 340 M matrix
     # parameters in the blocks (llama-hf: 25 M), with llama-hf's 16 × 512 tokens per step.
-    "llama-hf-110m": ModelSpec("llama-hf", seq_len=512, n_layer=16, n_head=12, d_model=768, batch_size=16, kv_heads=4, mlp_width=2304),
-    "llama-hf-350m": ModelSpec("llama-hf", seq_len=512, n_layer=24, n_head=16, d_model=1024, batch_size=16, kv_heads=8, mlp_width=3584),
-}
+    "llama-hf-110m": (512, 16),
+    "llama-hf-350m": (512, 16),
+}.items()}
 # family → (lr flag default, μ flag default or None where the family has no μ)
 FAMILIES = {"adamw": ("0.003", None), "muon": ("0.02", "0.95"), "normuon": ("0.02", "0.6,0.8"), "dion3": ("0.04,0.08", "0.3,0.6")}
 FRACTION_ALLOCATIONS = ("uniform", "cost")  # Dion3's fractions: dion3.optim.param_groups.FRACTION_ALLOCATIONS

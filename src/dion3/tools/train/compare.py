@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..models import REGISTRY, refusal
 from ..setting_names import GRAMMAR, Dion3Setting, canonical_name, parse_dion3
 from .data import load_data
 from .model import GPT, GPTConfig
@@ -44,13 +45,19 @@ class Preset:
     threads: Optional[int] = None  # CPU threads for torch; None keeps torch's default
 
 
+def gpt_config(name: str, seq_len: int) -> GPTConfig:
+    """The GPT of a model name of dion3.tools.models (its layers, width, heads and MLP width),
+    with the given context."""
+    model = REGISTRY[name]
+    return GPTConfig(seq_len=seq_len, n_layer=model.n_layer, n_head=model.n_head, d_model=model.d_model,
+                     mlp_ratio=model.mlp_width // model.d_model)
+
+
+# The models' shapes are those of their names in dion3.tools.models (2 × 256 and 8 × 512).
 PRESETS: dict[str, Preset] = {
     # ~1.7 M parameters, byte-level; sized for ≤ 10 minutes of all five runs on 2 CPU cores.
     "cpu-tiny": Preset(
-        # 256-wide matrices: at 128 wide, f=¼ selects only 32 rows a step and Dion3 trailed
-        # NorMuon by 0.03 (benchmarks/results/compare-cpu-tiny-2026-12-04.md, "Earlier"); 2 layers
-        # keep the five runs inside 10 minutes on 2 cores.
-        model=GPTConfig(seq_len=128, n_layer=2, n_head=4, d_model=256),
+        model=gpt_config("cpu-tiny", seq_len=128),
         schedule=Schedule(steps=200, batch_size=16, eval_every=25, eval_batches=8, warmup_steps=10),
         lrs={"adamw": 0.004, "muon": 0.02, "normuon": 0.02, "dion3-1/2": 0.042, "dion3-1/4": 0.08},
         mus={"muon": 0.6, "normuon": 0.6, "dion3-1/2": 0.3, "dion3-1/4": 0.3},
@@ -61,7 +68,7 @@ PRESETS: dict[str, Preset] = {
     ),
     # ~25 M parameters in the blocks (d=512, 8 layers); 6.2 minutes for all five runs on one H200.
     "gpu-small": Preset(
-        model=GPTConfig(seq_len=1024, n_layer=8, n_head=8, d_model=512),
+        model=gpt_config("gpu-small", seq_len=1024),
         schedule=Schedule(steps=1500, batch_size=16, eval_every=100, eval_batches=16, warmup_steps=50),
         # Not tuned on a GPU yet: cpu-tiny's values, with a lower AdamW lr for the wider model.
         lrs={"adamw": 0.003, "muon": 0.02, "normuon": 0.02, "dion3-1/2": 0.042, "dion3-1/4": 0.06},
@@ -100,7 +107,8 @@ def run_spec(name: str, preset: Preset, lr_overrides: dict, mu_overrides: dict) 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dion3 compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="cpu-tiny", choices=sorted(PRESETS), help="model size, steps, lrs (default cpu-tiny)")
+    parser.add_argument("--preset", default="cpu-tiny", metavar="NAME",
+                        help=f"model size, steps, lrs: {', '.join(sorted(PRESETS))} (default cpu-tiny)")
     parser.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
                         help="comma-separated; dion3-F (F on every matrix, e.g. dion3-1/4), dion3-F-warmupN warms "
                              "the fraction up from 1 over N steps, dion3-F-cost sets fractions per matrix shape "
@@ -121,6 +129,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="on a GPU, run eager optimizer steps instead of one captured CUDA graph per step "
                              "(the default there); CPU steps are always eager")
     args = parser.parse_args(argv)
+    if args.preset not in PRESETS:  # e.g. a model of `dion3 bench` or the study: say which commands take it
+        parser.error(f"--preset: {refusal(args.preset, 'compare')}")
     for name in ("steps", "batch_size", "eval_every", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
