@@ -1,6 +1,7 @@
 """`dion3 plan`'s model against every optimizer-step measurement in benchmarks/results.
 
 Usage: PYTHONPATH=src python benchmarks/plan_validation.py [--out PREFIX]
+       PYTHONPATH=src python benchmarks/plan_validation.py --whole-steps   # the whole-step model (below)
 
 Five code states were measured: the single-device step table at 6b0e2bf (2026-12-01), the
 distributed records of 2026-11-29 (FSDP2 on one H200 at 502c714, on two at 0d0a9f3), whose
@@ -146,8 +147,48 @@ def fit(rows: list[dict], priced, fits: dict, launch_s: float, piece_launches: i
     return rates
 
 
+STUDY_STEPS = RESULTS / "frontier" / "steps-h200.json"  # train_step reports of the study models (one H200)
+
+
+def whole_steps() -> str:
+    """`dion3 plan --tokens-per-step`'s whole step (6 · parameters · tokens at the default rate, plus
+    the planned optimizer step, on one rank) against the whole steps train_step measured on the
+    study models (compiled model, eager optimizer); also with each model's own rate, read off its
+    AdamW step (what `--train-tflops` would be given), which leaves the optimizer's share to check."""
+    from dion3.tools.plan.cli import GPUS, head_numel
+    from dion3.tools.plan.run import setting_variant
+    from dion3.tools.plan.time_to_loss import SETTINGS, forward_backward_seconds
+
+    hw = Hardware("h200", GPUS["h200"]["symmetric"] * 1e12, GPUS["h200"]["dense"] * 1e12, MEMORY, 141e9)
+    rate = GPUS["h200"]["train"] * 1e12
+    lines = ["| model | setting | tokens a step | measured whole ms | modeled ms | error | own rate (TFLOP/s) | "
+             "modeled ms | error | measured optimizer ms | planned ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for report in json.loads(STUDY_STEPS.read_text()):
+        if "rows" not in report:
+            continue
+        preset = MODELS[report["model"]]
+        parameters = preset.matrix_numel + head_numel(preset)
+        rows = {r["setting"]: r for r in report["rows"] if r["mode"] == "eager"}
+        tokens = round(rows["adamw"]["tokens_per_second"] * rows["adamw"]["total_ms"] / 1e3)
+        own = 6 * parameters * tokens / ((rows["adamw"]["total_ms"] - rows["adamw"]["optimizer_ms"]) / 1e3)
+        vs = [setting_variant(n) for n in SETTINGS if n in rows]
+        steps = price(build_plans(model_weights(preset.matrices), parse_layout("single"), vs), vs, hw, Network())
+        for v, name in zip(vs, [n for n in SETTINGS if n in rows]):
+            planned = steps[v.label].critical_path_s(True)
+            measured = rows[name]["total_ms"]
+            modeled = (forward_backward_seconds(parameters, tokens, 1, rate) + planned) * 1e3
+            mine = (forward_backward_seconds(parameters, tokens, 1, own) + planned) * 1e3
+            lines.append(f"| {report['model']} | {name} | {tokens:,} | {measured:.1f} | {modeled:.1f} | "
+                         f"{modeled / measured - 1:+.0%} | {own / 1e12:.0f} | {mine:.1f} | {mine / measured - 1:+.0%} | "
+                         f"{rows[name]['optimizer_ms']:.1f} | {planned * 1e3:.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = _args(argv)
+    if args.whole_steps:
+        print(whole_steps())
+        return 0
     rows = measurements()
     vs = variants()
     net = Network(nvlink=NVLINK)
@@ -241,6 +282,8 @@ def memory_table(rows: list[dict]) -> str:
 def _args(argv):
     p = argparse.ArgumentParser(description="dion3 plan's model against the step measurements")
     p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
+    p.add_argument("--whole-steps", action="store_true",
+                   help="instead: the modeled whole training steps against the study models' measured ones")
     return p.parse_args(argv)
 
 

@@ -11,8 +11,11 @@ from typing import Optional
 from ..bench.presets import MODELS, parse_shapes
 from ..models import refusal
 from .pricing import Hardware, Network
-from .run import build_plans, price, stderr_progress, variant
+from .run import build_plans, price, setting_variant, stderr_progress, variant
 from .step_plan import StepPlan
+from .time_to_loss import DATA as EFFICIENCY_DATA
+from .time_to_loss import (SETTINGS, Run, forward_backward_seconds, load_efficiencies, nearest_regime, predict,
+                           recommendation, report)
 from .world import model_weights, parse_layout
 
 TB, GB, MB = 1e12, 1e9, 1e6
@@ -25,12 +28,17 @@ OVERHEAD_MS, LAUNCH_US = 1.5, 43.0
 # (steps-h200-2026-12-02.md: the step's host time with the device held busy, over its
 # launches; the same host assumed for the other GPUs). Other GPUs scale the rates by datasheet
 # ratios of dense bf16 peak and HBM bandwidth to the H200's.
+# train: the sustained rate of the forward and backward pass, TFLOP/s of 6 · parameters · tokens, measured
+# on the largest study model (llama-hf-350m, 8 k tokens a step, compiled, one H200; frontier/steps-h200.json:
+# 340-365 by setting, the 19 M and 110 M models 71-83 and 250-268). Larger models run nearer the GPU's
+# peak, so at ≥ 1 B this rate overstates the forward and backward and understates the optimizer's share.
 GPUS = {
-    "h200": dict(symmetric=606.0, dense=566.0, memory=4.3, capacity=141.0, overhead=OVERHEAD_MS, launch=LAUNCH_US),
+    "h200": dict(symmetric=606.0, dense=566.0, memory=4.3, capacity=141.0, overhead=OVERHEAD_MS, launch=LAUNCH_US,
+                 train=350.0),
     "gh200": dict(symmetric=606.0, dense=566.0, memory=4.3, capacity=96.0, overhead=OVERHEAD_MS,
-                  launch=LAUNCH_US),  # H100 die, as H200
+                  launch=LAUNCH_US, train=350.0),  # H100 die, as H200
     "b200": dict(symmetric=606.0 * 2.27, dense=566.0 * 2.27, memory=4.3 * 1.67, capacity=180.0, overhead=OVERHEAD_MS,
-                 launch=LAUNCH_US),
+                 launch=LAUNCH_US, train=350.0 * 2.27),
 }
 
 
@@ -67,6 +75,22 @@ def parser() -> argparse.ArgumentParser:
     net.add_argument("--latency-us", type=float, default=15.0, help="per collective within a node, µs (15)")
     net.add_argument("--fabric-latency-us", type=float, default=40.0, help="per collective across nodes, µs (40)")
     net.add_argument("--no-overlap", action="store_true", help="collectives do not overlap compute")
+    run = p.add_argument_group("time to Muon's loss (needs --tokens-per-step)")
+    run.add_argument("--tokens-per-step", type=float, metavar="N",
+                     help="global tokens a training step: prices Muon, NorMuon and Dion3 1/4, 3/8 and 1/2 by cost (not "
+                          "--optimizers, --fraction), models the whole step and recommends the setting that reaches "
+                          "Muon's loss soonest")
+    run.add_argument("--train-tokens", type=float, metavar="T",
+                     help="tokens of the whole run, for its tokens per parameter (default 20 per hidden matrix parameter)")
+    run.add_argument("--train-tflops", type=float,
+                     help="the forward and backward pass's sustained rate per GPU, TFLOP/s of 6 · parameters · tokens "
+                          "(default: --gpu's, measured on a 350 M model; `python -m dion3.tools.study.train_step` measures "
+                          "a model's)")
+    run.add_argument("--parameters", type=float,
+                     help="parameters the forward and backward multiply by (default: the preset's matrices and LM head; "
+                          "with --experts, the active parameters per token, required)")
+    run.add_argument("--efficiency", default=str(EFFICIENCY_DATA),
+                     help="the quality study's step-efficiencies (default: the measured ones shipped with dion3)")
     out = p.add_argument_group("output")
     out.add_argument("--ranks", default="8", help="per-rank rows to print: a number (the slowest first) or 'all'")
     out.add_argument("--verify", type=int, default=0, help="also plan on this many other ranks and check they agree")
@@ -111,6 +135,27 @@ def model(args):
     if args.preset not in MODELS:
         raise ValueError(f"--preset: {refusal(args.preset, 'plan')}")
     return MODELS[args.preset]
+
+
+def time_to_loss_run(args, preset, layout) -> tuple[Run, dict]:
+    """The user's run for the time to Muon's loss, and the measured step-efficiencies."""
+    for flag in ("tokens_per_step", "train_tokens", "train_tflops", "parameters"):
+        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.experts and args.parameters is None:
+        raise ValueError("--tokens-per-step with --experts needs --parameters: the parameters one token multiplies by "
+                         "(its experts', not every expert's)")
+    parameters = args.parameters or preset.matrix_numel + head_numel(preset)
+    hidden = preset.matrix_numel * (args.experts or 1)
+    tokens = args.train_tokens or 20 * hidden
+    rate = (args.train_tflops or GPUS[args.gpu]["train"]) * TB
+    run = Run(args.tokens_per_step, layout.world_size, parameters, hidden, tokens / hidden, args.train_tokens is None, rate)
+    return run, load_efficiencies(args.efficiency)
+
+
+def head_numel(preset) -> int:
+    """The LM head's parameters (the embedding when tied): a matrix the forward multiplies by."""
+    heads = [s for s in preset.scalars if "lm_head" in s.name or s.name == "embedding"]
+    return heads[0].numel // heads[0].count if heads else 0
 
 
 def summary(step: StepPlan, overlap: bool) -> dict:
@@ -177,9 +222,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         preset = model(args)
         if args.experts is not None and (args.experts < 1 or not args.shapes):
             raise ValueError(f"--experts needs --shapes and a count ≥ 1, got {args.experts}")
-        names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
         momentum = None if args.momentum_dtype == "float32" else args.momentum_dtype
-        variants = [variant(n, args.fraction, args.scope, momentum) for n in names]
+        if args.tokens_per_step is not None:
+            run, efficiencies = time_to_loss_run(args, preset, layout)
+            variants = [setting_variant(n, args.scope, momentum) for n in SETTINGS]
+        else:
+            names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+            variants = [variant(n, args.fraction, args.scope, momentum) for n in names]
     except ValueError as error:
         print(f"dion3 plan: {error}", file=sys.stderr)
         return 2
@@ -198,11 +247,23 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{net.latency * 1e6:.0f}/{net.fabric_latency * 1e6:.0f} µs per collective; planned in "
             f"{planned.seconds:.1f} s on rank 0" + (f" and ranks {list(planned.verified_ranks)} (same owners)"
                                                     if planned.verified_ranks else ""))
+    advice = None
+    if args.tokens_per_step is not None:
+        regime = nearest_regime(efficiencies, run.tokens_per_step, run.tokens_per_parameter)
+        optimizer_s = {name: steps[v.label].critical_path_s(overlap) for name, v in zip(SETTINGS, variants)}
+        forward_backward = forward_backward_seconds(run.parameters, run.tokens_per_step, run.world_size,
+                                                    run.flops_per_second)
+        predictions = predict(optimizer_s, forward_backward, efficiencies[regime])
+        advice = dict(text=report(run, regime, predictions, {name: v.label for name, v in zip(SETTINGS, variants)}),
+                      run=asdict(run), regime=asdict(regime), forward_backward_s=forward_backward,
+                      predictions=[asdict(p) for p in predictions], recommendation=recommendation(predictions))
     if args.json:
         data = dict(header=head, model=preset.name, layout=layout.describe(), world_size=layout.world_size,
                     hardware=asdict(hw), network=asdict(net), planning_seconds=planned.seconds,
                     verified_ranks=list(planned.verified_ranks),
                     optimizers=[dict(summary(s, overlap), ranks=rank_rows(s)) for s in steps.values()])
+        if advice is not None:
+            data["time_to_loss"] = {k: v for k, v in advice.items() if k != "text"}
         text = json.dumps(data, indent=1)
         if args.json == "-":
             print(text)
@@ -211,6 +272,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             handle.write(text + "\n")
     print(head + "\n")
     print(table(steps, overlap, args.ranks))
+    if advice is not None:
+        print("\n" + advice["text"])
     return 0
 
 

@@ -54,6 +54,7 @@ class Variant:
     orthogonalizer: str = "auto"
     symmetric: bool = True  # symmetric kernels serve n×n products (GPU with Triton)
     momentum_dtype: Optional[str] = None  # the groups' momentum_dtype (None: the parameters', float32)
+    allocation: str = "uniform"  # Dion3: "cost" spends `fraction` as a budget, a fraction per matrix shape
 
     @property
     def momentum_bytes(self) -> int:

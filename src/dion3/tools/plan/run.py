@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..setting_names import fraction_text, parse_dion3
 from .buckets import BucketPlan, plans_of, same_owners
 from .pricing import Hardware, Network, Variant
 from .step_plan import StepPlan, plan_step
@@ -38,23 +39,33 @@ def variant(name: str, fraction: float = 0.25, scope: str = "local", momentum_dt
     suffix = ", bf16 momentum" if momentum_dtype == "bfloat16" else ""
     if base.algorithm != "dion3":
         return dataclasses.replace(base, label=base.label + suffix, momentum_dtype=momentum_dtype)
-    label = f"Dion3 f={_fraction_text(fraction)}" + (" global" if scope == "global" else "") + suffix
+    label = f"Dion3 f={fraction_text(fraction)}" + (" global" if scope == "global" else "") + suffix
     return Variant(label, "dion3", fraction, scope, base.orthogonalizer, base.symmetric, momentum_dtype)
 
 
-def _fraction_text(fraction: float) -> str:
-    for d in (2, 4, 8, 16):
-        if abs(fraction * d - round(fraction * d)) < 1e-9 and round(fraction * d) == 1:
-            return f"1/{d}"
-    return f"{fraction:g}"
+def setting_variant(name: str, scope: str = "local", momentum_dtype: Optional[str] = None) -> Variant:
+    """The variant of a setting as the commands name it (muon, normuon, dion3-1/4, dion3-1/4-cost)."""
+    if name in ("muon", "normuon"):
+        return variant(name, momentum_dtype=momentum_dtype)
+    setting = parse_dion3(name)
+    if setting is None or setting.warmup_steps:
+        raise ValueError(f"the plan prices muon, normuon and fixed Dion3 settings (dion3-F, dion3-F-cost), not {name!r}")
+    base = variant("dion3", setting.fraction, scope, momentum_dtype)
+    if setting.allocation != "cost":
+        return base
+    return dataclasses.replace(base, label=base.label.replace("f=", "") + " by cost", allocation="cost")
 
 
 def _optimizer(v: Variant, params: list):
     from ... import Dion3, Muon, NorMuon
+    from ...optim.cost_fractions import cost_allocated_groups
 
     # the planned weights are linear layers and expert stacks [E, rows, cols] (--experts)
     if v.algorithm == "dion3":
-        return Dion3(params, fraction=v.fraction, selection_scope=v.scope, orthogonalizer=v.orthogonalizer,
+        groups = [dict(params=params)]
+        if v.allocation == "cost":  # as param_groups(..., fraction_allocation="cost") splits a model's matrices
+            groups = cost_allocated_groups(groups[0], v.fraction)
+        return Dion3(groups, fraction=v.fraction, selection_scope=v.scope, orthogonalizer=v.orthogonalizer,
                      momentum_dtype=v.momentum_dtype, stacked=True)
     cls = NorMuon if v.algorithm == "normuon" else Muon
     return cls(params, orthogonalizer=v.orthogonalizer, momentum_dtype=v.momentum_dtype, stacked=True)

@@ -122,6 +122,8 @@ def recommendation(predictions: Sequence[Prediction]) -> str:
     line = f"recommend {best.setting}: {best.time_ratio:.3f}× Muon's time to Muon's loss"
     if best.setting in REFERENCES:
         line += " (no Dion3 setting gets there sooner)"
+    if best.efficiency is not None and best.setting != "muon" and best.efficiency.seeds < 2:
+        line += " (its efficiency rests on one seed: no spread of its own is measured)"
     close = [p for p in ranked[1:] if p.time_ratio <= best.time_high or p.time_low <= best.time_ratio]
     if close:
         line += ("; within the measurement's band: " + ", ".join(f"{p.setting} {p.time_ratio:.3f}×" for p in close)
@@ -129,3 +131,46 @@ def recommendation(predictions: Sequence[Prediction]) -> str:
     else:
         line += "; outside the measurement's band of every other setting"
     return line
+
+
+@dataclass(frozen=True)
+class Run:
+    """The user's run as the advice describes it."""
+
+    tokens_per_step: float
+    world_size: int
+    parameters: float  # those the forward and backward multiply by
+    hidden_parameters: float  # the hidden matrices (tokens per parameter counts these, as the study)
+    tokens_per_parameter: float
+    tokens_assumed: bool  # tokens per parameter not given: 20
+    flops_per_second: float  # the forward and backward's sustained rate per GPU
+
+
+def report(run: Run, regime: MeasuredRegime, predictions: Sequence[Prediction], labels: dict[str, str]) -> str:
+    """The plan's section on the time to Muon's loss: the run, the regime its efficiencies come
+    from, a row per setting and the recommend line."""
+    forward_backward = forward_backward_seconds(run.parameters, run.tokens_per_step, run.world_size, run.flops_per_second)
+    lines = [
+        f"Time to Muon's loss: {run.tokens_per_step:,.0f} tokens a step over {run.world_size} rank"
+        f"{'s' if run.world_size > 1 else ''}; forward and backward 6 · {run.parameters / 1e9:.3g} B parameters · "
+        f"tokens at {run.flops_per_second / 1e12:.0f} TFLOP/s a GPU = {forward_backward * 1e3:,.1f} ms a step; "
+        f"{run.tokens_per_parameter:.3g} tokens per hidden-matrix parameter"
+        + (" (assumed: --train-tokens sets it)" if run.tokens_assumed else ""),
+        f"step-efficiency from the measured regime nearest this run: {regime.label}"
+        + (f"; cards {regime.cards}" if regime.cards else ""),
+        f"measured at {regime.parameters / 1e6:.0f} M hidden parameters, this run has {run.hidden_parameters / 1e9:.3g} B: "
+        "the study has not measured ≥ 1 B parameters or ≥ 20 tokens per parameter", "",
+        "| setting | optimizer step ms | whole step ms | × Muon's whole step | step-efficiency (band; seeds) | "
+        "time to Muon's loss, × Muon's (band) |", "|---|---|---|---|---|---|"]
+    for p in predictions:
+        if p.setting == "muon":
+            efficiency, time = "1 (the reference)", "1"
+        elif p.efficiency is None:
+            efficiency, time = "not measured in this regime", "—"
+        else:
+            e = p.efficiency
+            efficiency = f"{e.value:.3f} ({e.low:.3f}–{e.high:.3f}; {e.seeds})"
+            time = f"{p.time_ratio:.3f} ({p.time_low:.3f}–{p.time_high:.3f})"
+        lines.append(f"| {labels.get(p.setting, p.setting)} ({p.setting}) | {p.optimizer_s * 1e3:,.1f} | "
+                     f"{p.whole_s * 1e3:,.1f} | {p.step_ratio:.3f} | {efficiency} | {time} |")
+    return "\n".join(lines + ["", recommendation(predictions)])
