@@ -15,7 +15,7 @@ set -u
 STUDY="${PYTHON:-python} -m dion3.tools.study --model llama-384 --lr-warmup 50 --cooldown 0.3 --compile --horizons 1500"
 DION3="--optimizers dion3 --fraction-warmup 0 --fraction-allocation cost --dion3-mu 0.6"
 # the same 512 validation windows at every batch size
-declare -A EVAL=([16]="--eval-batches 32" [128]="--eval-batches 4" [256]="--eval-batches 2")
+declare -A EVAL=([16]="--eval-batches 32" [32]="--eval-batches 16" [128]="--eval-batches 4" [256]="--eval-batches 2")
 RECORDS=benchmarks/results/frontier
 dry=""
 pids=()
@@ -58,6 +58,21 @@ long_part() {
   esac
 }
 
+# the held-out shape (llama-512-6l, no setting tuned on it) at llama-384's batch-128 settings verbatim:
+# Muon at 1000, 1500 and 3000 steps, ⅜ and ½ by cost at 1500 and 3000, SEED; three parts of 5500-6000 steps
+heldout_part() {
+  local part=$1 seed=$2 H="--model llama-512-6l"
+  case $part in
+    a) run "heldout-muon-1000-s$seed" 128 $H $(muon 0.02) --horizons 1000 --seeds "$seed"
+       run "heldout-muon-1500-s$seed" 128 $H $(muon 0.02) --horizons 1500 --seeds "$seed"
+       run "heldout-three8-1500-s$seed" 128 $H $(fraction 0.375 0.02) --horizons 1500 --seeds "$seed"
+       run "heldout-half-1500-s$seed" 128 $H $(fraction 0.5 0.02) --horizons 1500 --seeds "$seed" ;;
+    b) run "heldout-muon-3000-s$seed" 128 $H $(muon 0.02) --horizons 3000 --seeds "$seed"
+       run "heldout-three8-3000-s$seed" 128 $H $(fraction 0.375 0.02) --horizons 3000 --seeds "$seed" ;;
+    c) run "heldout-half-3000-s$seed" 128 $H $(fraction 0.5 0.02) --horizons 3000 --seeds "$seed" ;;
+  esac
+}
+
 job() {
   case $1 in
     b128-edges)  # the batch-128 grids' open edges (seed 0) and Muon's μ beside its best
@@ -87,13 +102,39 @@ job() {
       run b128-half-ns4 128 $(fraction 0.5 0.03) --ns-coefficients polar_express_4 --seeds 0
       run b128-three8-ns4 128 $(fraction 0.375 0.02) --ns-coefficients polar_express_4 --seeds 0
       run b128-normuon-ns4 128 $(normuon 0.02) --ns-coefficients polar_express_4 --seeds 0 ;;
+    b32-muon-horizons)  # Muon's curve at batch 32 (its 1500-step best, lr 0.01, μ 0.8): 1000 and 2250 steps, seeds 0-2
+      run b32-muon-1000 32 $(muon 0.01) --horizons 1000 --seeds 0,1,2 --jobs 3
+      run b32-muon-2250 32 $(muon 0.01) --horizons 2250 --seeds 0,1,2 --jobs 3 ;;
+    heldout-[ab]-s[0-2])
+      heldout_part "${1:8:1}" "${1: -1}" ;;
+    heldout-c-s01)  # ½ by cost at 3000 steps, seeds 0 and 1
+      heldout_part c 0; heldout_part c 1 ;;
+    heldout-c-s2)
+      heldout_part c 2 ;;
+    b128-alone-muon|b128-alone-normuon)  # the batch-128 bests' seeds one at a time, the GPU to one process: skips?
+      local family=${1#b128-alone-}
+      run "$1" 128 $($family 0.02) --seeds 0,1,2 --jobs 1 ;;
+    b128-screen-a)  # rule variants at batch 128, seed 0 (the time-to-loss issue's neighbour): where the rows go, μ, L2
+      run b128-uniform-half 128 --optimizers dion3 --fraction-warmup 0 --fraction-allocation uniform --dion3-mu 0.6 \
+        --fraction 0.5 --dion3-lr 0.02 --seeds 0
+      run b128-uniform-three8 128 --optimizers dion3 --fraction-warmup 0 --fraction-allocation uniform --dion3-mu 0.6 \
+        --fraction 0.375 --dion3-lr 0.02 --seeds 0
+      run b128-half-mu0.8 128 $(fraction 0.5 0.02) --dion3-mu 0.8 --seeds 0
+      run b128-three8-mu0.8 128 $(fraction 0.375 0.02) --dion3-mu 0.8 --seeds 0
+      run b128-half-l2 128 $(fraction 0.5 0.02) --row-score l2 --seeds 0 ;;
+    b128-screen-b)  # μ 0.5, rows by L2 at ⅜, and the MLP's gate/up rows weighted twice
+      run b128-half-mu0.5 128 $(fraction 0.5 0.02) --dion3-mu 0.5 --seeds 0
+      run b128-three8-mu0.5 128 $(fraction 0.375 0.02) --dion3-mu 0.5 --seeds 0
+      run b128-three8-l2 128 $(fraction 0.375 0.02) --row-score l2 --seeds 0
+      run b128-three8-mlp2 128 $(fraction 0.375 0.02) --fraction-weights gate_proj=2,up_proj=2 --seeds 0
+      run b128-half-mlp2 128 $(fraction 0.5 0.02) --fraction-weights gate_proj=2,up_proj=2 --seeds 0 ;;
     b128-long-[abc]-s[0-2])  # step-efficiency: each setting at 3000 steps and Muon's curve (750-3000), one seed
       long_part "${1:10:1}" "${1: -1}" ;;
     *) echo "regime_jobs: unknown job '$1' (jobs: $JOBS)" >&2; return 2 ;;
   esac
 }
 
-JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4 b128-long-a-s0 b128-long-b-s0 b128-long-a-s1 b128-long-b-s1 b128-long-c-s1 b128-long-a-s2 b128-long-b-s2 b128-long-c-s2"
+JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4 b128-long-a-s0 b128-long-b-s0 b128-long-a-s1 b128-long-b-s1 b128-long-c-s1 b128-long-a-s2 b128-long-b-s2 b128-long-c-s2 b32-muon-horizons heldout-a-s0 heldout-b-s0 heldout-a-s1 heldout-b-s1 heldout-a-s2 heldout-b-s2 heldout-c-s01 heldout-c-s2 b128-alone-muon b128-alone-normuon b128-screen-a b128-screen-b"
 case ${1:-} in
   --dry-run) dry=1; for j in $([ "${2:?JOB or all}" = all ] && echo $JOBS || echo "$2"); do echo "### $j"; job "$j" || exit $?; done; exit 0 ;;
   "") echo "usage: regime_jobs.sh JOB | --dry-run JOB|all (jobs: $JOBS)" >&2; exit 2 ;;

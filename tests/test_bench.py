@@ -92,7 +92,7 @@ def test_every_model_name_is_taken_or_refused_naming_the_commands_that_take_it(c
             continue
         assert command not in model.commands and f"{name!r} is taken by " in error, error
         assert all(COMMANDS[other] in error for other in model.commands), error
-    study = {"llama-384", "llama-hf", "llama-hf-110m", "llama-hf-350m", "gpt-tiny", "gpt-25m", "gpt-120m"}
+    study = {"llama-384", "llama-hf", "llama-hf-110m", "llama-hf-350m", "llama-512-6l", "gpt-tiny", "gpt-25m", "gpt-120m"}
     demo, llamas = {"cpu-tiny", "gpu-small"}, {"llama-1b", "llama-8b", "llama-70b"}
     expected = {
         "compare": demo, "study": study,

@@ -535,8 +535,8 @@ def test_the_registry_lists_the_shapes_of_the_model_the_study_builds(study, name
 def test_the_study_refuses_a_model_it_does_not_train_naming_the_commands_that_take_it(study, capsys):
     with pytest.raises(SystemExit):
         study.parse_args(["--model", "llama-8b"])
-    assert ("--model: 'llama-8b' is not a model the study trains (gpt-120m, gpt-25m, gpt-tiny, llama-384, llama-hf, "
-            "llama-hf-110m, llama-hf-350m: each with its context and batch); 'llama-8b' is taken by dion3 bench --preset, "
+    assert ("--model: 'llama-8b' is not a model the study trains (gpt-120m, gpt-25m, gpt-tiny, llama-384, llama-512-6l, "
+            "llama-hf, llama-hf-110m, llama-hf-350m: each with its context and batch); 'llama-8b' is taken by dion3 bench --preset, "
             "dion3 plan --preset and dion3 fractions --preset") in capsys.readouterr().err
 
 

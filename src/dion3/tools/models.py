@@ -182,6 +182,9 @@ REGISTRY: dict[str, Model] = {model.name: model for model in (
     _llama("llama-384", 12, 384, heads=6, kv_heads=2, hidden=1024, study=True),
     _llama("llama-hf-110m", 16, 768, heads=12, kv_heads=4, hidden=2304, study=True),
     _llama("llama-hf-350m", 24, 1024, heads=16, kv_heads=8, hidden=3584, study=True),
+    # the held-out shape of the step-efficiency study: llama-384's size (18.1 M in the blocks) at
+    # half the depth, 4/3 the width and a 3× MLP (llama-384: 2.67×); no setting was tuned on it
+    _llama("llama-512-6l", 6, 512, heads=8, kv_heads=2, hidden=1536, study=True),
     # ... and the study's GPTs (dion3.tools.train.model.GPT): gpt-tiny for --smoke, gpt-25m
     # (gpu-small's shapes) and gpt-120m (113 M parameters in the blocks).
     _gpt("gpt-tiny", 2, 64, heads=2, study=True),

@@ -53,6 +53,8 @@ MODELS = {name: study_model(name, seq_len, batch_size) for name, (seq_len, batch
     # parameters in the blocks (llama-hf: 25 M), with llama-hf's 16 × 512 tokens per step.
     "llama-hf-110m": (512, 16),
     "llama-hf-350m": (512, 16),
+    # held out: the batch-128 settings of llama-384, verbatim, on a shape they were not tuned on
+    "llama-512-6l": (512, 128),
 }.items()}
 # family → (lr flag default, μ flag default or None where the family has no μ)
 FAMILIES = {"adamw": ("0.003", None), "muon": ("0.02", "0.95"), "normuon": ("0.02", "0.6,0.8"), "dion3": ("0.04,0.08", "0.3,0.6")}
