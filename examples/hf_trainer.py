@@ -1,10 +1,10 @@
 # Hugging Face Trainer with a dion3 optimizer: dion3.param_groups, an LR schedule, the fraction
 # schedule stepped by a TrainerCallback, and a resume from the Trainer's own checkpoint folder.
 # run:  python examples/hf_trainer.py [OUTPUT_DIR]    (CPU, seconds; needs transformers and accelerate)
-# This toy run warms the fraction up to show the schedule surviving a resume. For a real run, the two
-# measured settings (README "Usage", benchmarks/results/frontier/), fixed fractions, no FractionScheduler:
-#   Muon quality: dion3.Dion3(dion3.param_groups(model, lm_head="lm_head", lr=0.015, mu=0.6, fraction=0.5, fraction_allocation="cost"))
-#   fastest:      dion3.Dion3(dion3.param_groups(model, lm_head="lm_head", lr=0.03, mu=0.6, fraction=0.25, fraction_allocation="cost"))
+# This toy run warms the fraction up to show the schedule surviving a resume. For a real run, the
+# measured settings (README "Which setting", benchmarks/results/frontier/), fixed fractions, no FractionScheduler:
+#   dion3.Dion3(dion3.param_groups(model, lm_head="lm_head", lr=0.02, mu=0.6, fraction=0.375, fraction_allocation="cost"))
+#   (fraction 0.5 or 0.25 for the other two; which pays off for a run: dion3 plan --tokens-per-step)
 import sys
 
 import torch

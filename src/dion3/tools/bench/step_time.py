@@ -66,7 +66,7 @@ NAMED_VARIANTS = {
     "muon-gram": Variant("muon-gram", "muon"),  # auto: Gram NS for non-square, NS for square
     "normuon": Variant("normuon", "normuon"),
 }
-# the two recommended settings (README: "Muon quality", ½ by cost; "fastest", ¼ by cost) among them
+# the settings the README measures (½ and ¼ by cost among them; README "Which setting")
 DEFAULT_OPTIMIZERS = ("adamw,muon,muon-gram,normuon,dion3-1/2,dion3-1/4,dion3-1/8,dion3-1/2-cost,dion3-1/4-cost,"
                       "dion3-1/4-warmup200")
 
