@@ -252,3 +252,23 @@ def test_a_train_step_report_beside_the_bench_reports_adds_the_models_whole_step
     assert "| Dion3 3⁄8 by cost | 0.02 | 0.6 | 2 | 0.7015 ± 0.0007 | +0.0015 | 240.0 / 239.0 | 0.40 | — / 24.2 |" in text
     assert "| NorMuon | 0.02 | 0.6 | 2 | 0.6910 ± 0.0014 | -0.0090 | 601.0 / 600.0 | 1.00 | — / — |" in text
     assert "99.0" not in text
+
+
+def test_a_batch_size_compares_the_runs_of_that_batch_alone(tmp_path):
+    # the same settings at batch 16 and 128: --batch-size 128 tables the batch-128 losses only
+    records = [record("muon", 0.02, 0.8, s, loss, batch_size=128) for s, loss in ((0, 0.61), (1, 0.612))]
+    records += [record("dion3", 0.02, 0.6, s, loss, 0.375, "cost", batch_size=128) for s, loss in ((0, 0.614), (1, 0.616))]
+    records += [record("muon", 0.02, 0.8, s, 0.70, batch_size=16) for s in (0, 1)]
+    records += [record("dion3", 0.02, 0.6, s, 0.69, 0.375, "cost", batch_size=16) for s in (0, 1)]
+    results = tmp_path / "study"
+    results.mkdir()
+    (results / "results.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps(bench_report("llama-8b", TIMES)))
+    out = tmp_path / "out"
+    assert frontier.main(["--results", str(results), "--steps", str(steps), "--out", str(out), "--horizon", "100",
+                          "--batch-size", "128", "--name", "frontier-b128"]) == 0
+    text = (out / "frontier-b128.md").read_text()
+    assert text.startswith("# Frontier at 100 steps, batch 128")
+    assert "| Dion3 3⁄8 by cost | 0.02 | 0.6 | 2 | 0.6150 ± 0.0014 | +0.0040 |" in text
+    assert "- muon quality: none measured within one seed sd of Muon's best" in text

@@ -355,6 +355,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="`dion3 bench --json` files (the first is the x-axis), and train_step --json reports")
     parser.add_argument("--horizon", type=int, default=1500, help="training steps of the runs compared (default 1500)")
     parser.add_argument("--eager", action="store_true", help="compare eager runs (default: runs with --compile)")
+    parser.add_argument("--batch-size", type=int,
+                        help="compare the runs of this batch size (default: each model's own, MODELS); with --name")
     parser.add_argument("--out", type=Path, required=True, help="folder for NAME.md and NAME.png")
     parser.add_argument("--name", default="frontier",
                         help="the two files' name (default frontier; e.g. frontier-6000 for --horizon 6000 beside it)")
@@ -363,14 +365,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not records:
         parser.error(f"--results: no finished runs in {[str(p) for p in args.results]}")
     presets, times = read_steps(args.steps)
-    whole = read_whole_steps(args.steps)
+    whole = {} if args.batch_size else read_whole_steps(args.steps)  # train_step timed each model's own batch
     args.out.mkdir(parents=True, exist_ok=True)
     models = sorted({r["config"]["model"] for r in records})
-    sections = [f"# Frontier at {args.horizon} steps ({'eager' if args.eager else 'compiled'} runs)", "",
+    batch = f", batch {args.batch_size}" if args.batch_size else ""
+    sections = [f"# Frontier at {args.horizon} steps{batch} ({'eager' if args.eager else 'compiled'} runs)", "",
                 "Command: `python -m dion3.tools.study.frontier " + " ".join(sys.argv[1:] if argv is None else argv) + "`", ""]
     panels = []
     for model in models:
-        points = list(best_points(records, model, args.horizon, not args.eager).values())
+        points = list(best_points(records, model, args.horizon, not args.eager, args.batch_size).values())
         if not points:
             continue
         for point in points:
