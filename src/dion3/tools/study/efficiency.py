@@ -26,7 +26,6 @@ import json
 import math
 import subprocess
 import sys
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -34,7 +33,7 @@ from typing import Optional, Sequence
 from ..setting_names import Dion3Setting
 from .frontier import MUON, Variant, best_points, write_report
 from .launch import read_results
-from .regime import Regime, _variant_order, block_matrix_parameters, gap, regime_of
+from .regime import Regime, _variant_order, block_matrix_parameters, gap, regime_cards, regime_of
 from .runs import DEFAULT_NS, MODELS
 
 DATA = Path(__file__).resolve().parents[1] / "plan" / "step_efficiency.json"
@@ -112,7 +111,7 @@ def regime_efficiencies(records: Sequence[dict], compiled: bool = True) -> list[
             if muon is None:
                 continue
             regime = Regime(model, batch, horizon)
-            cards = _cards(records, regime, compiled)
+            cards = regime_cards(records, regime, compiled)
             for variant, point in sorted(at_horizon.items(), key=lambda item: _variant_order(item[0])):
                 if variant.optimizer == "adamw" or variant == MUON:
                     continue
@@ -126,11 +125,6 @@ def regime_efficiencies(records: Sequence[dict], compiled: bool = True) -> list[
                     round(crossing / horizon, 4), round(slow / horizon, 4), round(fast / horizon, 4),
                     len(point.losses), muon_seeds, outside or slow_outside or fast_outside, cards))
     return rows
-
-
-def _cards(records: Sequence[dict], regime: Regime, compiled: bool) -> str:
-    counts = Counter(r.get("card") or "not recorded" for r in records if regime_of(r, compiled) == regime)
-    return ", ".join(f"{card} × {n}" for card, n in counts.most_common())
 
 
 def efficiency_table(rows: Sequence[Efficiency]) -> str:
