@@ -390,7 +390,7 @@ def test_compare_table_states_the_budget_and_each_matrix_fraction():
     preset = compare.PRESETS["cpu-tiny"]
     names = ("adamw", "muon", "dion3-1/4", "dion3-1/4-cost", "dion3-1/4-warmup1")
     results = [train(compare.run_spec(name, preset, {}, {}), TINY, schedule, corpus, torch.device("cpu")) for name in names]
-    lines = compare.summary_table(results).splitlines()
+    lines = compare.summary_table(results, "nats per byte").splitlines()
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     rows = {cells[0]: dict(zip(header, cells)) for cells in
             ([cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:])}
@@ -545,6 +545,9 @@ def test_compare_command_writes_table_logs_and_plot(tmp_path, monkeypatch, capsy
     assert (out / "val_loss.png").read_bytes()[:4] == b"\x89PNG" and summary["settings"]["loss_unit"] == "nats per byte"
     assert (out / "summary.md").read_text().startswith("| optimizer |")
     assert "| fraction budget | fraction per matrix |" in printed.out and "| 1/4 on every matrix | 0.25 |" in printed.out
+    # the loss in the unit the README gives it: the demo trains on bytes
+    assert "| final val loss (nats per byte) |" in printed.out
+    assert "| final val loss (nats per byte) |" in (out / "summary.md").read_text()
 
 
 

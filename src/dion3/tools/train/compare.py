@@ -206,10 +206,12 @@ def fraction_cells(result: RunResult) -> tuple[str, str]:
     return budget, low if low == high else f"{low}–{high}"
 
 
-def summary_table(results: Sequence[RunResult]) -> str:
+def summary_table(results: Sequence[RunResult], unit: str) -> str:
+    """The table of the runs; `unit` is the loss's (plot.loss_unit: nats per byte on bytes), named in
+    the header so that the table reads in the unit the README and the records give."""
     lines = [
-        "| optimizer | matrix lr | momentum | fraction budget | fraction per matrix | final val loss | optimizer ms/step "
-        "| total ms/step | tokens/s |",
+        "| optimizer | matrix lr | momentum | fraction budget | fraction per matrix | "
+        f"final val loss ({unit}) | optimizer ms/step | total ms/step | tokens/s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -274,11 +276,12 @@ def _compare(args: argparse.Namespace) -> int:
         progress.close()
     total_minutes = (time.perf_counter() - started) / 60
 
-    table = summary_table(results)
+    unit = loss_unit(data.vocab_size)
+    table = summary_table(results, unit)
     settings = {
         "preset": args.preset, "model": dataclasses.asdict(preset.model), "schedule": dataclasses.asdict(schedule),
         "device": str(device), "bf16": preset.bf16, "captured_step": captured, "seed": args.seed, "data": data.description,
-        "loss_unit": loss_unit(data.vocab_size),
+        "loss_unit": unit,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.platform(),
         "total_minutes": round(total_minutes, 2),
     }
