@@ -572,7 +572,7 @@ def test_compare_command_writes_table_logs_and_plot(tmp_path, monkeypatch, capsy
     runs = {r["label"]: r for r in summary["runs"]}
     # --mu dion3-f0.25=... names dion3-1/4 in the old spelling
     assert runs["muon"]["lr"] == 0.03 and runs["dion3-1/4"]["mu"] == 0.6 and runs["muon"]["mu"] is None
-    assert runs["dion3-1/2"]["lr"] == pytest.approx(0.04 * math.sqrt(0.5))  # 1/√f rule from f=¼
+    assert runs["dion3-1/2"]["lr"] == pytest.approx(0.04 * math.sqrt(0.5))  # f=¼'s lr scaled by 1/√f, the fallback
     assert all(r["eval_steps"] == [0, 2, 3] for r in runs.values())
     # Same seed, same initial model and validation set: identical loss before training.
     assert len({r["val_losses"][0] for r in runs.values()}) == 1

@@ -109,8 +109,9 @@ def run_spec(name: str, preset: Preset, lr_overrides: dict, mu_overrides: dict) 
     "dion3-F-cost-warmupN" (that budget warmed up from 1);
     the old spellings dion3-f0.25, dion3-f0.25-warm200 and dion3-f0.25-cost are read too. The run
     is labelled with the setting's one spelling. A Dion3 run without its own lr/momentum takes
-    those of its fraction on every matrix, else the f=¼ lr scaled by the 1/√f rule of thumb (and
-    the f=¼ momentum). The overrides are keyed by that spelling too (_overrides)."""
+    those of its fraction on every matrix, else the f=¼ lr scaled by 1/√f (and the f=¼ momentum):
+    a fallback where nothing was measured, since on the study models the best lr did not follow
+    1/√f (docs/training.md, "Learning rates"). The overrides are keyed by that spelling too (_overrides)."""
     lrs, mus = {**preset.lrs, **lr_overrides}, {**preset.mus, **mu_overrides}
     if name in ("adamw", "muon", "normuon"):
         return RunSpec(name, name, lrs[name], mu=mus.get(name))
