@@ -4,6 +4,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ from dion3.tools.train import trainer
 from dion3.tools.train.trainer import RunSpec, Schedule, resolve_device, train, use_captured_step
 
 TINY = GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=32)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
@@ -390,7 +394,7 @@ def test_compare_table_states_the_budget_and_each_matrix_fraction():
     preset = compare.PRESETS["cpu-tiny"]
     names = ("adamw", "muon", "dion3-1/4", "dion3-1/4-cost", "dion3-1/4-warmup1")
     results = [train(compare.run_spec(name, preset, {}, {}), TINY, schedule, corpus, torch.device("cpu")) for name in names]
-    lines = compare.summary_table(results).splitlines()
+    lines = compare.summary_table(results, "nats per byte").splitlines()
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     rows = {cells[0]: dict(zip(header, cells)) for cells in
             ([cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:])}
@@ -412,6 +416,39 @@ def test_compare_table_states_the_budget_and_each_matrix_fraction():
     assert (warm["fraction budget"], warm["fraction per matrix"]) == ("1 → 1/4 over 1 step", "0.25–1")
     assert (rows["muon"]["fraction budget"], rows["muon"]["fraction per matrix"]) == ("—", "1")
     assert (rows["adamw"]["fraction budget"], rows["adamw"]["fraction per matrix"]) == ("—", "—")
+
+
+def test_the_demo_says_where_its_settings_come_from():
+    """The demo runs Dion3 at lr 0.042 / 0.08 and μ 0.3 where the README gives 0.015 / 0.03 and μ 0.6.
+    Under its table it says that its values were tuned on the tiny model, by which record, and that
+    the README's are the study models'; the record, commit and sections it names exist and say so."""
+    preset = compare.PRESETS["cpu-tiny"]
+    specs = [compare.run_spec(name, preset, {}, {}) for name in compare.DEFAULT_OPTIMIZERS]
+    printed = compare.settings_note("cpu-tiny", preset, specs)
+    assert printed in (ROOT / "docs" / "training.md").read_text()  # the docs show it as it prints
+    note = " ".join(printed.split())  # as one line, unwrapped
+    assert note.startswith("Settings of --preset cpu-tiny: tuned for this 1.7 M-parameter byte model")
+    assert {(s.label, s.lr, s.mu) for s in specs if s.algorithm == "dion3"} == {
+        ("dion3-1/2-cost", 0.042, 0.3), ("dion3-1/4-cost", 0.08, 0.3)}
+    assert "Dion3 1/4 by cost: lr 0.08, the best of a 3-seed lr grid" in note and "μ 0.3" in note
+    assert "Dion3 1/2's lr 0.042 is f = 1/4's lr of then (0.06) scaled by 1/√f, not swept" in note
+    # the record of the grid, whose best is 0.08
+    named = re.findall(r"benchmarks/results/[\w.-]+\.md", note)
+    assert named == ["benchmarks/results/compare-cpu-tiny-2026-12-04.md"]
+    assert "| **0.08** |" in (ROOT / named[0]).read_text()
+    # the sections of docs/training.md it names: this model's sweeps, and the study's recommendations
+    training = (ROOT / "docs" / "training.md").read_text()
+    sections = re.findall(r'docs/training\.md, "([^"]+)"', note)
+    assert set(sections) == {"Learning rates", "Horizon → recommended fraction schedule, lr, μ"}
+    assert all(f"\n## {section}\n" in training for section in sections)
+    assert "The README's lr 0.015 / 0.03 and μ 0.6 (Dion3 1/2 and 1/4 by cost) are the study models' settings, chosen from their lr grids" in note
+    assert "lr=0.015, mu=0.6, fraction=0.5" in training and "lr=0.03, mu=0.6, fraction=0.25" in training
+    # every run takes the preset's values: nothing set on the command line, nothing extrapolated
+    assert "command line" not in note and "no value of its own" not in note
+    # the commit that tuned the first cpu-tiny model, where the history is at hand
+    history = subprocess.run(["git", "log", "-1", "--format=%s", "a53f457"], cwd=ROOT, capture_output=True, text=True)
+    if history.returncode == 0:
+        assert "commit a53f457" in note and "tuned cpu-tiny learning rates and momenta" in history.stdout
 
 
 def test_schedule_warmup_and_cooldown():
@@ -535,7 +572,7 @@ def test_compare_command_writes_table_logs_and_plot(tmp_path, monkeypatch, capsy
     runs = {r["label"]: r for r in summary["runs"]}
     # --mu dion3-f0.25=... names dion3-1/4 in the old spelling
     assert runs["muon"]["lr"] == 0.03 and runs["dion3-1/4"]["mu"] == 0.6 and runs["muon"]["mu"] is None
-    assert runs["dion3-1/2"]["lr"] == pytest.approx(0.04 * math.sqrt(0.5))  # 1/√f rule from f=¼
+    assert runs["dion3-1/2"]["lr"] == pytest.approx(0.04 * math.sqrt(0.5))  # f=¼'s lr scaled by 1/√f, the fallback
     assert all(r["eval_steps"] == [0, 2, 3] for r in runs.values())
     # Same seed, same initial model and validation set: identical loss before training.
     assert len({r["val_losses"][0] for r in runs.values()}) == 1
@@ -545,6 +582,18 @@ def test_compare_command_writes_table_logs_and_plot(tmp_path, monkeypatch, capsy
     assert (out / "val_loss.png").read_bytes()[:4] == b"\x89PNG" and summary["settings"]["loss_unit"] == "nats per byte"
     assert (out / "summary.md").read_text().startswith("| optimizer |")
     assert "| fraction budget | fraction per matrix |" in printed.out and "| 1/4 on every matrix | 0.25 |" in printed.out
+    # the loss in the unit the README gives it: the demo trains on bytes
+    assert "| final val loss (nats per byte) |" in printed.out
+    assert "| final val loss (nats per byte) |" in (out / "summary.md").read_text()
+    # under the table, printed and in summary.md: where the settings come from, the values set on the
+    # command line, and dion3-1/2's lr, which this preset does not give
+    note = " ".join((out / "summary.md").read_text().split("\n\n", 1)[1].split())
+    assert note.startswith("Settings of --preset test-micro: set in the preset, not tuned.")
+    assert "- muon: lr 0.03 (preset: 0.02) set on the command line." in note
+    assert "- dion3-1/4: μ 0.6 (preset: the optimizer's default) set on the command line." in note
+    assert "- dion3-1/2: no value of its own in the preset: lr 0.0282843 is f = 1/4's lr scaled by 1/√f" in note
+    assert "The README's lr 0.015 / 0.03 and μ 0.6" in note
+    assert " ".join(printed.out.split()).count(note) == 1 and summary["settings"]["settings_source"].split() == note.split()
 
 
 

@@ -1,7 +1,8 @@
 """`dion3 compare`: train one model from one seed with AdamW, Muon, NorMuon and Dion3, on the
 same batches, and compare final validation loss and step times.
 
-Writes to --out: summary.md (the table), results.json (settings and every curve), history.csv
+Writes to --out: summary.md (the table, and where the preset's lrs and momenta come from),
+results.json (settings and every curve), history.csv
 (one row per evaluation) and val_loss.png (validation loss, nats per byte or per token, against
 step and wall-clock time).
 """
@@ -14,6 +15,7 @@ import json
 import math
 import platform
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,16 @@ class Preset:
     device: str = "auto"
     bf16: bool = False
     threads: Optional[int] = None  # CPU threads for torch; None keeps torch's default
+    # Where lrs and mus come from, printed under the table: its values are not the README's, and a
+    # reader comparing the two needs to know which model chose each (settings_note).
+    source: str = "set in the preset, not tuned"
+    source_details: tuple[str, ...] = ()
+
+
+# The README's settings, and where they were chosen: printed beside every preset's own.
+STUDY_SETTINGS = ("The README's lr 0.015 / 0.03 and μ 0.6 (Dion3 1/2 and 1/4 by cost) are the study models' "
+                  "settings, chosen from their lr grids (Llama shapes of 25 M–350 M parameters, data read once, 1500 steps; "
+                  "docs/training.md, \"Horizon → recommended fraction schedule, lr, μ\").")
 
 
 def gpt_config(name: str, seq_len: int) -> GPTConfig:
@@ -65,16 +77,26 @@ PRESETS: dict[str, Preset] = {
         # One thread: these small matrices gain little from a second one, and on a busy machine
         # (CI runners, shared hosts) OpenMP threads waiting on each other cost several times more.
         threads=1,
+        source="tuned for this 1.7 M-parameter byte model over 200 steps, not the README's settings",
+        source_details=(
+            "Dion3 1/4 by cost: lr 0.08, the best of a 3-seed lr grid on this model (0.04, 0.06, 0.08, 0.11; "
+            "benchmarks/results/compare-cpu-tiny-2026-12-04.md); at 0.04 it ended 0.05 higher.",
+            "AdamW's lr 0.004, NorMuon's μ 0.6 and Dion3's μ 0.3: sweeps on the first cpu-tiny model (4 × 128, "
+            "250 steps; commit a53f457), Muon taking NorMuon's lr and μ; Dion3 1/2's lr 0.042 is f = 1/4's lr "
+            "of then (0.06) scaled by 1/√f, not swept (docs/training.md, \"Learning rates\").",
+        ),
     ),
     # ~25 M parameters in the blocks (d=512, 8 layers); 6.2 minutes for all five runs on one H200.
     "gpu-small": Preset(
         model=gpt_config("gpu-small", seq_len=1024),
         schedule=Schedule(steps=1500, batch_size=16, eval_every=100, eval_batches=16, warmup_steps=50),
-        # Not tuned on a GPU yet: cpu-tiny's values, with a lower AdamW lr for the wider model.
+        # Not tuned on a GPU yet: the first cpu-tiny model's values, a lower AdamW lr for the wider model.
         lrs={"adamw": 0.003, "muon": 0.02, "normuon": 0.02, "dion3-1/2": 0.042, "dion3-1/4": 0.06},
         mus={"muon": 0.6, "normuon": 0.6, "dion3-1/2": 0.3, "dion3-1/4": 0.3},
         device="cuda",
         bf16=True,
+        source="not tuned on this model: the values of cpu-tiny's first, 4 × 128 version, with AdamW's lr "
+               "lowered to 0.003 for the wider model (docs/training.md, \"Learning rates\")",
     ),
 }
 
@@ -87,8 +109,9 @@ def run_spec(name: str, preset: Preset, lr_overrides: dict, mu_overrides: dict) 
     "dion3-F-cost-warmupN" (that budget warmed up from 1);
     the old spellings dion3-f0.25, dion3-f0.25-warm200 and dion3-f0.25-cost are read too. The run
     is labelled with the setting's one spelling. A Dion3 run without its own lr/momentum takes
-    those of its fraction on every matrix, else the f=¼ lr scaled by the 1/√f rule of thumb (and
-    the f=¼ momentum). The overrides are keyed by that spelling too (_overrides)."""
+    those of its fraction on every matrix, else the f=¼ lr scaled by 1/√f (and the f=¼ momentum):
+    a fallback where nothing was measured, since on the study models the best lr did not follow
+    1/√f (docs/training.md, "Learning rates"). The overrides are keyed by that spelling too (_overrides)."""
     lrs, mus = {**preset.lrs, **lr_overrides}, {**preset.mus, **mu_overrides}
     if name in ("adamw", "muon", "normuon"):
         return RunSpec(name, name, lrs[name], mu=mus.get(name))
@@ -103,6 +126,37 @@ def run_spec(name: str, preset: Preset, lr_overrides: dict, mu_overrides: dict) 
     lr = lrs.get(label, lrs.get(base, preset.lrs[quarter] * math.sqrt(0.25 / setting.fraction)))
     mu = mus.get(label, mus.get(base, preset.mus.get(quarter)))
     return RunSpec(label, "dion3", lr, setting.fraction, mu, setting.warmup_steps, setting.allocation)
+
+
+def settings_note(preset_name: str, preset: Preset, specs: Sequence[RunSpec]) -> str:
+    """Where each run's lr and momentum come from, for under the table: the preset's record, any run
+    whose values the command line changed or the preset has none of, and the README's settings."""
+    bullets = list(preset.source_details)
+    for spec in specs:
+        lr, mu = _preset_values(spec.label, preset)
+        changed = ([f"lr {spec.lr:g} (preset: {lr:g})"] if spec.lr != lr else []) + \
+                  ([f"μ {_mu(spec.mu)} (preset: {_mu(mu)})"] if spec.mu != mu else [])
+        if changed:
+            bullets.append(f"{spec.label}: {' and '.join(changed)} set on the command line.")
+        elif spec.algorithm == "dion3" and not {spec.label, Dion3Setting(spec.fraction).name} & set(preset.lrs):
+            bullets.append(f"{spec.label}: no value of its own in the preset: lr {spec.lr:g} is f = 1/4's lr scaled "
+                           "by 1/√f and its μ is f = 1/4's, neither tuned for it (on the study models the best lr "
+                           "did not follow 1/√f; docs/training.md, \"Learning rates\").")
+    bullets.append(STUDY_SETTINGS)
+    # 100 columns for a terminal; paths and names with hyphens stay whole
+    wrap = dict(width=100, break_on_hyphens=False, break_long_words=False)
+    lines = [textwrap.fill(f"Settings of --preset {preset_name}: {preset.source}.", **wrap)]
+    lines += [textwrap.fill(b, initial_indent="- ", subsequent_indent="  ", **wrap) for b in bullets]
+    return "\n".join(lines)
+
+
+def _preset_values(name: str, preset: Preset) -> tuple[float, Optional[float]]:
+    spec = run_spec(name, preset, {}, {})
+    return spec.lr, spec.mu
+
+
+def _mu(mu: Optional[float]) -> str:
+    return "the optimizer's default" if mu is None else f"{mu:g}"
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -206,10 +260,12 @@ def fraction_cells(result: RunResult) -> tuple[str, str]:
     return budget, low if low == high else f"{low}–{high}"
 
 
-def summary_table(results: Sequence[RunResult]) -> str:
+def summary_table(results: Sequence[RunResult], unit: str) -> str:
+    """The table of the runs; `unit` is the loss's (plot.loss_unit: nats per byte on bytes), named in
+    the header so that the table reads in the unit the README and the records give."""
     lines = [
-        "| optimizer | matrix lr | momentum | fraction budget | fraction per matrix | final val loss | optimizer ms/step "
-        "| total ms/step | tokens/s |",
+        "| optimizer | matrix lr | momentum | fraction budget | fraction per matrix | "
+        f"final val loss ({unit}) | optimizer ms/step | total ms/step | tokens/s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -274,19 +330,22 @@ def _compare(args: argparse.Namespace) -> int:
         progress.close()
     total_minutes = (time.perf_counter() - started) / 60
 
-    table = summary_table(results)
+    unit = loss_unit(data.vocab_size)
+    table = summary_table(results, unit)
     settings = {
         "preset": args.preset, "model": dataclasses.asdict(preset.model), "schedule": dataclasses.asdict(schedule),
         "device": str(device), "bf16": preset.bf16, "captured_step": captured, "seed": args.seed, "data": data.description,
-        "loss_unit": loss_unit(data.vocab_size),
+        "loss_unit": unit,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.platform(),
         "total_minutes": round(total_minutes, 2),
     }
+    note = settings_note(args.preset, preset, specs)
+    settings["settings_source"] = note
     write_logs(out, results, settings)
-    (out / "summary.md").write_text(table + "\n")
+    (out / "summary.md").write_text(f"{table}\n\n{note}\n")
     plot = plot_validation(results, out / "val_loss.png", f"dion3 compare --preset {args.preset} ({device})",
                            settings["loss_unit"])
-    print(f"\n{table}\n\n{total_minutes:.1f} min in all; wrote {out}/summary.md, results.json, history.csv, {plot.name}")
+    print(f"\n{table}\n\n{note}\n\n{total_minutes:.1f} min in all; wrote {out}/summary.md, results.json, history.csv, {plot.name}")
     return 0
 
 
