@@ -419,7 +419,7 @@ def test_compare_table_states_the_budget_and_each_matrix_fraction():
 
 
 def test_the_demo_says_where_its_settings_come_from():
-    """The demo runs Dion3 at lr 0.042 / 0.08 and μ 0.3 where the README gives 0.015 / 0.03 and μ 0.6.
+    """The demo runs Dion3 at lr 0.042 / 0.08 and μ 0.3 where the README gives 0.02 and μ 0.6.
     Under its table it says that its values were tuned on the tiny model, by which record, and that
     the README's are the study models'; the record, commit and sections it names exist and say so."""
     preset = compare.PRESETS["cpu-tiny"]
@@ -441,8 +441,8 @@ def test_the_demo_says_where_its_settings_come_from():
     sections = re.findall(r'docs/training\.md, "([^"]+)"', note)
     assert set(sections) == {"Learning rates", "Horizon → recommended fraction schedule, lr, μ"}
     assert all(f"\n## {section}\n" in training for section in sections)
-    assert "The README's lr 0.015 / 0.03 and μ 0.6 (Dion3 1/2 and 1/4 by cost) are the study models' settings, chosen from their lr grids" in note
-    assert "lr=0.015, mu=0.6, fraction=0.5" in training and "lr=0.03, mu=0.6, fraction=0.25" in training
+    assert "The README's lr 0.02 and μ 0.6 (Dion3 1/2, 3/8 and 1/4 by cost) are the study models' settings, chosen from their lr grids" in note
+    assert "lr=0.02, mu=0.6, fraction=0.375" in (ROOT / "README.md").read_text() and "lr=0.02, mu=0.6, fraction=0.5" in training
     # every run takes the preset's values: nothing set on the command line, nothing extrapolated
     assert "command line" not in note and "no value of its own" not in note
     # the commit that tuned the first cpu-tiny model, where the history is at hand
@@ -592,7 +592,7 @@ def test_compare_command_writes_table_logs_and_plot(tmp_path, monkeypatch, capsy
     assert "- muon: lr 0.03 (preset: 0.02) set on the command line." in note
     assert "- dion3-1/4: μ 0.6 (preset: the optimizer's default) set on the command line." in note
     assert "- dion3-1/2: no value of its own in the preset: lr 0.0282843 is f = 1/4's lr scaled by 1/√f" in note
-    assert "The README's lr 0.015 / 0.03 and μ 0.6" in note
+    assert "The README's lr 0.02 and μ 0.6" in note
     assert " ".join(printed.out.split()).count(note) == 1 and summary["settings"]["settings_source"].split() == note.split()
 
 

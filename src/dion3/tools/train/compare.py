@@ -52,8 +52,8 @@ class Preset:
 
 
 # The README's settings, and where they were chosen: printed beside every preset's own.
-STUDY_SETTINGS = ("The README's lr 0.015 / 0.03 and μ 0.6 (Dion3 1/2 and 1/4 by cost) are the study models' "
-                  "settings, chosen from their lr grids (Llama shapes of 25 M–350 M parameters, data read once, 1500 steps; "
+STUDY_SETTINGS = ("The README's lr 0.02 and μ 0.6 (Dion3 1/2, 3/8 and 1/4 by cost) are the study models' "
+                  "settings, chosen from their lr grids (Llama shapes of 19 M–350 M parameters, data read once, 1500 steps; "
                   "docs/training.md, \"Horizon → recommended fraction schedule, lr, μ\").")
 
 
