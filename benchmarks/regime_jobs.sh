@@ -128,13 +128,19 @@ job() {
       run b128-three8-l2 128 $(fraction 0.375 0.02) --row-score l2 --seeds 0
       run b128-three8-mlp2 128 $(fraction 0.375 0.02) --fraction-weights gate_proj=2,up_proj=2 --seeds 0
       run b128-half-mlp2 128 $(fraction 0.5 0.02) --fraction-weights gate_proj=2,up_proj=2 --seeds 0 ;;
+    b128-screen-c)  # the rule itself: the unselected rows' momentum decayed (d), and every row on every 8th step
+      run b128-half-unselected0.9 128 $(fraction 0.5 0.02) --unselected-decay 0.9 --seeds 0
+      run b128-half-unselected0.97 128 $(fraction 0.5 0.02) --unselected-decay 0.97 --seeds 0
+      run b128-three8-unselected0.95 128 $(fraction 0.375 0.02) --unselected-decay 0.95 --seeds 0
+      run b128-half-full8 128 $(fraction 0.5 0.02) --full-every 8 --seeds 0
+      run b128-three8-full8 128 $(fraction 0.375 0.02) --full-every 8 --seeds 0 ;;
     b128-long-[abc]-s[0-2])  # step-efficiency: each setting at 3000 steps and Muon's curve (750-3000), one seed
       long_part "${1:10:1}" "${1: -1}" ;;
     *) echo "regime_jobs: unknown job '$1' (jobs: $JOBS)" >&2; return 2 ;;
   esac
 }
 
-JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4 b128-long-a-s0 b128-long-b-s0 b128-long-a-s1 b128-long-b-s1 b128-long-c-s1 b128-long-a-s2 b128-long-b-s2 b128-long-c-s2 b32-muon-horizons heldout-a-s0 heldout-b-s0 heldout-a-s1 heldout-b-s1 heldout-a-s2 heldout-b-s2 heldout-c-s01 heldout-c-s2 b128-alone-muon b128-alone-normuon b128-screen-a b128-screen-b"
+JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4 b128-long-a-s0 b128-long-b-s0 b128-long-a-s1 b128-long-b-s1 b128-long-c-s1 b128-long-a-s2 b128-long-b-s2 b128-long-c-s2 b32-muon-horizons heldout-a-s0 heldout-b-s0 heldout-a-s1 heldout-b-s1 heldout-a-s2 heldout-b-s2 heldout-c-s01 heldout-c-s2 b128-alone-muon b128-alone-normuon b128-screen-a b128-screen-b b128-screen-c"
 case ${1:-} in
   --dry-run) dry=1; for j in $([ "${2:?JOB or all}" = all ] && echo $JOBS || echo "$2"); do echo "### $j"; job "$j" || exit $?; done; exit 0 ;;
   "") echo "usage: regime_jobs.sh JOB | --dry-run JOB|all (jobs: $JOBS)" >&2; exit 2 ;;
@@ -146,7 +152,8 @@ for results in "$WORK"/*/results.jsonl; do
   [ -f "$results" ] && "${PYTHON:-python}" -c "import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line); c = r['config']
-    print(f\"{c['optimizer']:8} fraction {c['fraction']} lr {c['lr']:g} mu {c['mu']:g} batch {c['batch_size']} seed {r['seed']}: \"
+    rule = ''.join(f' {k} {c[k]:g}' for k, default in (('unselected_decay', 1), ('full_every', 0)) if c.get(k, default) != default)
+    print(f\"{c['optimizer']:8} fraction {c['fraction']}{rule} lr {c['lr']:g} mu {c['mu']:g} batch {c['batch_size']} seed {r['seed']}: \"
           f\"{r['final_val_loss']:.4f} ({r.get('card')}; skipped steps {r['skipped_update_steps'][:5]})\")" "$results"
 done
 exit $status

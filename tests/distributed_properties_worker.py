@@ -36,6 +36,8 @@ ALGORITHMS = {  # name → (optimizer kind, extra options)
     "normuon": ("normuon", {}),
     "dion3_global": ("dion3", {"selection_scope": "global"}),
     "dion3_local": ("dion3", {"selection_scope": "local"}),
+    # the unselected rows' momentum decayed too (unselected_decay): told apart from μ and from 1
+    "dion3_global_decay": ("dion3", {"selection_scope": "global", "unselected_decay": 0.5}),
 }
 # Row counts that leave a rank with zero rows (torch.chunk): 1 (W ≥ 2); 2, 3, 5, 6, 9 (W = 4).
 ZERO_ROW_COUNTS = [1, 2, 3, 5, 6, 9]
@@ -95,13 +97,14 @@ def full_momentum(opt, params) -> list[torch.Tensor]:
     return [full(opt.state[p]["momentum"]) for p in params]
 
 
-def selected_rows(before_m, after_m, grad) -> torch.Tensor:
-    """Rows whose momentum became μ·(M+G) (error feedback) rather than M+G, in float64."""
+def selected_rows(before_m, after_m, grad, unselected: float = 1.0) -> torch.Tensor:
+    """Rows whose momentum became μ·(M+G) (error feedback) rather than M+G (with unselected_decay
+    d: d·(M+G)), in float64."""
     accumulated = before_m.double() + grad.double()
     slack = (before_m.double().abs() + grad.double().abs()) * 4e-5
     feedback = ((after_m.double() - MU * accumulated).abs() <= slack).all(dim=1)
-    kept = ((after_m.double() - accumulated).abs() <= slack).all(dim=1)
-    assert bool((feedback ^ kept).all()), "each momentum row is either μ·(M+G) or M+G, unambiguously"
+    kept = ((after_m.double() - unselected * accumulated).abs() <= slack).all(dim=1)
+    assert bool((feedback ^ kept).all()), "each momentum row is either μ·(M+G) or d·(M+G), unambiguously"
     return feedback
 
 
@@ -165,7 +168,8 @@ def check_step(layout, name, shapes, fraction, decay, before, after, before_m, a
             for s, (a, b) in enumerate(spans):
                 contributed[s][i] = rows if layout == "ddp" else b - a
             continue
-        selected, moved = selected_rows(before_m[i], after_m[i], grads[i]), moved_rows(before[i], after[i], decay)
+        selected = selected_rows(before_m[i], after_m[i], grads[i], options.get("unselected_decay", 1.0))
+        moved = moved_rows(before[i], after[i], decay)
         scores = (before_m[i].double() + grads[i].double()).abs().sum(dim=1)
         assert torch.equal(selected, moved), f"{name}: moved rows {moved.nonzero().flatten().tolist()} are not " \
                                              f"the selected rows {selected.nonzero().flatten().tolist()} of matrix {i}"

@@ -203,6 +203,9 @@ def recipe_scenarios(mesh, dp=("dp",)) -> dict:
         ("dion3_global", "dion3", {"selection_scope": "global", "fraction": 0.25}),
         # rows ranked by L2 norms: squared partial norms summed over the column shards
         ("dion3_global_l2", "dion3", {"selection_scope": "global", "fraction": 0.25, "row_score": "l2"}),
+        # the unselected rows' momentum decayed: each rank decays the rows it holds
+        ("dion3_global_unselected_decay", "dion3", {"selection_scope": "global", "fraction": 0.25,
+                                                   "unselected_decay": 0.9}),
         ("normuon_mesh_given", "normuon", {"mesh_arg": mesh}),  # the full mesh as distributed_mesh
         # wv (parameter 2) shares wq's bucket: a step where only wq has a gradient
         ("dion3_global_partial", "dion3", {"selection_scope": "global", "without_grad": {(1, 2)}}),
@@ -272,6 +275,8 @@ def traffic(mesh) -> dict:
     try:
         for name, kind, options in (("muon", "muon", {}),
                                     ("dion3_local", "dion3", {"selection_scope": "local"}),
+                                ("dion3_local_unselected_decay", "dion3", {"selection_scope": "local",
+                                                                           "unselected_decay": 0.9}),
                                     ("dion3_global", "dion3", {"selection_scope": "global"})):
             model, ref = recipe(mesh, dim=128, hidden=192)
             _, sent, _, opt = run_pair(list(model.parameters()), list(ref.parameters()), kind, steps=1, **options)
@@ -353,6 +358,8 @@ def host_syncs(mesh) -> dict:
     out = {}
     for name, kind, options in (("muon", "muon", {}), ("normuon", "normuon", {}),
                                 ("dion3_local", "dion3", {"selection_scope": "local"}),
+                                ("dion3_local_unselected_decay", "dion3", {"selection_scope": "local",
+                                                                           "unselected_decay": 0.9}),
                                 ("dion3_global", "dion3", {"selection_scope": "global"})):
         model, _ = recipe(mesh)
         params = list(model.parameters())

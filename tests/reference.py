@@ -46,7 +46,8 @@ def normuon_normalize(o: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[T
 class ReferenceOptimizer:
     """Muon / NorMuon / Dion3 / Dion2 on float64 copies of the given matrices (2-D, or 3-D
     batches). Dion2 is Dion3 without the per-row normalization. blocks: per parameter, None or
-    the row counts of the blocks its matrices split into; each block steps as its own matrix."""
+    the row counts of the blocks its matrices split into; each block steps as its own matrix.
+    unselected_decay (Dion3/Dion2): the factor of the momentum rows a step does not select."""
 
     def __init__(
         self,
@@ -64,8 +65,10 @@ class ReferenceOptimizer:
         selector: Optional[Callable[[Tensor, int], Tensor]] = None,
         blocks: Optional[list[Optional[list[int]]]] = None,
         row_score: str = "l1",
+        unselected_decay: float = 1.0,
     ):
         assert algorithm in ("muon", "normuon", "dion3", "dion2")
+        self.unselected_decay = unselected_decay
         self.algorithm = algorithm
         self.lr, self.mu, self.beta2, self.wd, self.eps = lr, mu, muon_beta2, weight_decay, epsilon
         self.nesterov, self.fraction, self.adjust_lr = nesterov, fraction, adjust_lr
@@ -111,6 +114,9 @@ class ReferenceOptimizer:
             chosen = self.select(scores, k).sort().values
             u = m[chosen].clone()
             m[chosen] *= self.mu
+            unselected = torch.ones(rows, dtype=torch.bool)
+            unselected[chosen] = False
+            m[unselected] *= self.unselected_decay  # 1: they keep accumulating
         else:
             m.mul_(self.mu).add_(g)
             u = self.mu * m + g if self.nesterov else m.clone()

@@ -15,8 +15,8 @@ import gloo
 import layouts_worker as worker
 
 TOLERANCE = 1e-5  # float32 Newton–Schulz on both sides; they agree to ~2e-7 in practice
-RECIPE = ["muon", "muon_nesterov", "normuon", "dion3_global", "dion3_global_l2", "normuon_mesh_given",
-          "dion3_global_partial", "normuon_partial"]
+RECIPE = ["muon", "muon_nesterov", "normuon", "dion3_global", "dion3_global_l2", "dion3_global_unselected_decay",
+          "normuon_mesh_given", "dion3_global_partial", "normuon_partial"]
 
 
 def _spawn(tmp_path_factory, world: int, which: str) -> dict:
@@ -227,7 +227,7 @@ def test_a_mesh_of_another_root_is_refused(dp_tp):
         assert words in message, (words, message)
 
 
-@pytest.mark.parametrize("scenario", ["muon", "normuon", "dion3_local"])
+@pytest.mark.parametrize("scenario", ["muon", "normuon", "dion3_local", "dion3_local_unselected_decay"])
 def test_static_split_sizes_step_without_host_syncs(dp_tp, scenario):
     # what CUDA graph capture needs (CapturedStep refuses global selection for this reason)
     assert dp_tp["host_syncs"][scenario] is False

@@ -2,7 +2,7 @@
 
 One process group per world size is spawned once for the module; its ranks run every property
 of tests/distributed_properties_worker.py with the same derandomized examples: Dion3 (local
-and global selection), Muon (± Nesterov) and NorMuon on FSDP2 fully_shard (row-sharded, uneven
+and global selection; global with unselected_decay), Muon (± Nesterov) and NorMuon on FSDP2 fully_shard (row-sharded, uneven
 shards, ranks holding no rows) and DDP (replicated), 1–40 rows. Checked per step:
   - finite weights and state;
   - only the selected rows (those whose momentum got error feedback) move beyond weight decay,
@@ -56,6 +56,7 @@ def test_steps_follow_the_rules(reports):
     seen = _passed(reports, "steps_follow_the_rules")
     # the examples covered what the property is about, so a degenerate draw cannot pass quietly
     for case in ("layout=fsdp", "layout=ddp", "algorithm=dion3_global", "algorithm=dion3_local",
+                 "algorithm=dion3_global_decay",
                  "zero-row rank", "uneven shards", "bucket of several", "sharded-local"):
         assert seen.get(case, 0) > 0, (case, seen)
     assert sum(v for k, v in seen.items() if k.startswith("algorithm=")) == seen["exact"] + seen["sharded-local"]

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from dion3 import Dion3, FractionScheduler, Muon, NorMuon, orthogonalize, param_groups
+from dion3 import Dion3, FractionScheduler, Muon, NorMuon, PeriodicFull, orthogonalize, param_groups
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 
@@ -241,6 +241,13 @@ CASES = [
     ("unknown-orthogonalizer", lambda: Dion3([param(4, 4)], orthogonalizer="svd"), ValueError, "unknown orthogonalizer 'svd'"),
     ("unknown-selection-scope", lambda: Dion3([param(4, 4)], selection_scope="world"), ValueError, "unknown selection_scope 'world'"),
     ("unknown-row-score", lambda: Dion3([param(4, 4)], row_score="l3"), ValueError, "unknown row_score 'l3'"),
+    ("unselected-decay-zero", lambda: Dion3([param(4, 4)], unselected_decay=0.0), ValueError,
+     "parameter group 0: unselected_decay must lie in (0.0, 1.0], got 0.0"),
+    ("unselected-decay-above-one", lambda: Dion3([{"params": [param(4, 4)], "unselected_decay": 1.5}]), ValueError,
+     "unselected_decay must lie in (0.0, 1.0], got 1.5"),
+    ("periodic-full-every-zero", lambda: PeriodicFull(0.5, every=0), ValueError, "PeriodicFull: every must be an integer ≥ 1, got 0"),
+    ("periodic-full-fraction-zero", lambda: PeriodicFull(0.0, every=8), ValueError,
+     "PeriodicFull: fraction must lie in (0.0, 1.0], got 0.0"),
     ("dion3-nesterov", lambda: Dion3([{"params": [param(4, 4)], "nesterov": True}]), ValueError, "Dion3 has no Nesterov variant"),
     ("dion2-nesterov", lambda: Dion3([{"params": [param(4, 4)], "algorithm": "dion2", "nesterov": True}]), ValueError,
      "Dion2 has no Nesterov variant"),

@@ -12,7 +12,7 @@ import torch
 
 import dion3
 import gloo
-from dion3 import Dion3, FractionScheduler, FractionWarmup, param_groups
+from dion3 import Dion3, FractionScheduler, FractionWarmup, PeriodicFull, param_groups
 from dion3.optim.cost_fractions import cost_allocated_fractions, matrix_shapes
 from dion3.optim.graph import CapturedStep, selection_key, to_device_scalars
 from dion3.tools.train.model import GPT, GPTConfig
@@ -58,6 +58,66 @@ def test_warmup_values_by_hand():
 def test_warmup_rejects_bad_arguments(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         FractionWarmup(**kwargs)
+
+
+# ------------------------------------------------------------------------- PeriodicFull
+def test_periodic_full_values_by_hand():
+    # every 4th step (steps 3, 7, 11 counted from 0) every row, ½ on the others: ⅝ of the rows on average
+    assert [PeriodicFull(0.5, every=4)(s) for s in range(12)] == [0.5, 0.5, 0.5, 1.0] * 3
+    assert sum(PeriodicFull(0.5, every=4)(s) for s in range(4000)) / 4000 == 0.5 + 0.5 / 4
+    assert [PeriodicFull(0.25, every=1)(s) for s in range(3)] == [1.0] * 3  # every step full
+    assert [PeriodicFull(0.25, every=3).full(s) for s in range(6)] == [False, False, True] * 2
+    # over a warm-up: the warm-up's fraction on the other steps
+    assert [PeriodicFull(FractionWarmup(0.25, 4), every=3)(s) for s in range(7)] == [
+        1.0, 0.8125, 1.0, 0.4375, 0.25, 1.0, 0.25]
+
+
+@pytest.mark.parametrize("args, kwargs, fragment", [
+    ((0.0,), dict(every=4), "PeriodicFull: fraction must lie in (0.0, 1.0], got 0.0"),
+    ((1.5,), dict(every=4), "fraction must lie in (0.0, 1.0]"),
+    ((0.5,), dict(every=0), "PeriodicFull: every must be an integer ≥ 1, got 0"),
+    ((0.5,), dict(every=2.0), "every must be an integer ≥ 1"),
+    ((0.5,), dict(every=True), "every must be an integer ≥ 1"),
+])
+def test_periodic_full_rejects_bad_arguments(args, kwargs, fragment):
+    with pytest.raises(ValueError) as caught:
+        PeriodicFull(*args, **kwargs)
+    assert fragment in str(caught.value)
+
+
+def test_periodic_full_sets_each_steps_fraction_and_full_steps_move_every_row():
+    """Over a uniform group: the fraction set before each step, and the rows that step moves
+    (weight decay off: only selected rows move): every row on the full steps, k of ½ otherwise."""
+    params = make_params()
+    opt = Dion3(params, lr=0.05, fraction=0.5, weight_decay=0.0, stacked=True)
+    scheduler = FractionScheduler(opt, PeriodicFull(0.5, every=3))
+    rows = [s[-2] for s in SHAPES[:3]] + [SHAPES[3][1]] * 2
+    held = []
+    for step in range(7):
+        held.append(opt.param_groups[0]["fraction"])
+        set_grads(params, grads_at(step))
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        scheduler.step()
+        moved = _moved_rows(before, [p.detach() for p in params])
+        assert moved == [selected_count(r, held[-1]) for r in rows], step
+    assert held == [0.5, 0.5, 1.0, 0.5, 0.5, 1.0, 0.5]
+
+
+def test_periodic_full_over_groups_by_cost_spends_budget_one_on_full_steps():
+    """Groups by cost: the schedule is their budget, so a full step is budget 1, every row of
+    every shape; the other steps hold the allocation param_groups gave them."""
+    model = _linears(64, 256, 512, 256)
+    opt = Dion3(param_groups(model, lm_head=False, fraction=0.375, fraction_allocation="cost"))
+    costed = [g for g in opt.param_groups if g["algorithm"] == "dion3"]
+    given = [g["fraction"] for g in costed]
+    assert len(set(given)) > 1 and min(given) < 1.0
+    scheduler = FractionScheduler(opt, PeriodicFull(0.375, every=4))
+    for step in range(9):
+        full = step % 4 == 3
+        assert [g["fraction"] for g in costed] == ([1.0] * len(costed) if full else given), step
+        assert all(g["fraction_budget"] == (1.0 if full else 0.375) for g in costed)
+        scheduler.step()
 
 
 # ------------------------------------------------------------------------- eager steps
@@ -410,6 +470,29 @@ def test_captured_step_keeps_one_graph_per_level_of_a_budget_by_cost():
     assert len(levels) == 3 and levels[0] == (256, 512, 256)  # every row at budget 1
     assert step.captures == 3 and step.eager_calls == {key: 2 for key in levels}
     assert [kind for kind, _ in step.log].count("eager") == 6
+    for a, b in zip(params, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_captured_step_keeps_two_graphs_for_periodic_full_steps():
+    """PeriodicFull(¼, every=3): two sets of k (every row; ¼), each warmed up and captured once,
+    replayed from then on, and the run equals a plain eager one."""
+    shapes = [(16, 12), (20, 8)]
+    params, plain = make_params(shapes), make_params(shapes)
+    opt, opt_plain = Dion3(params, lr=0.05, weight_decay=0.1), Dion3(plain, lr=0.05, weight_decay=0.1)
+    step = CPUCapturedStep(opt, warmup_steps=2, max_graphs=4)
+    schedules = [FractionScheduler(o, PeriodicFull(0.25, every=3)) for o in (opt, opt_plain)]
+    for i in range(15):
+        set_grads(params, grads_at(i, shapes))
+        set_grads(plain, grads_at(i, shapes))
+        step()
+        opt_plain.step()
+        for scheduler in schedules:
+            scheduler.step()
+    full, quarter = (16, 20), (4, 5)
+    assert step.captures == 2 and set(step.graphs) == {full, quarter}
+    assert step.eager_calls == {full: 2, quarter: 2}
+    assert [kind for kind, _ in step.log].count("replay") == 15 - 4  # every call after its key's warm-up
     for a, b in zip(params, plain):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -194,6 +194,34 @@ def test_an_l2_row_score_is_its_own_point_timed_as_the_l1_rule(tmp_path):
 
 
 
+def test_rule_variants_are_points_of_their_own_that_no_bench_row_times(tmp_path):
+    """Runs with unselected_decay or full_every never pool with ½ by cost's records (a variant with
+    a lower loss stays its own point, labelled apart), and get no step time from the rule's bench
+    row (their step does more); the rule's point keeps its records, its time and the picks."""
+    records = [record("dion3", 0.02, 0.6, s, 0.70 + s / 1000, 0.5, "cost") for s in (0, 1)]
+    records += [record("dion3", 0.02, 0.6, s, 0.69 + s / 1000, 0.5, "cost", unselected_decay=0.9) for s in (0, 1)]
+    records += [record("dion3", 0.03, 0.6, s, 0.68 + s / 1000, 0.5, "cost", full_every=8) for s in (0, 1)]
+    best = frontier.best_points(records, "tiny", 100, compiled=True)
+    rule = frontier.Variant("dion3", 0.5, "cost")
+    decayed = frontier.Variant("dion3", 0.5, "cost", unselected_decay=0.9)
+    full = frontier.Variant("dion3", 0.5, "cost", full_every=8)
+    assert set(best) == {rule, decayed, full}
+    assert best[rule].losses == [0.70, 0.701] and best[decayed].losses == [0.69, 0.691] and best[full].lr == 0.03
+    assert decayed.label == "Dion3 1⁄2 by cost, unselected rows ×0.9 a step"
+    assert full.label == "Dion3 1⁄2 by cost, all rows every 8 steps"
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps(bench_report("llama-8b", {("dion3", 0.5, "cost", "auto"): (300.0, 299.0)})))
+    _, times = frontier.read_steps([steps])
+    assert times[rule] == {("llama-8b", "eager"): 300.0, ("llama-8b", "graph"): 299.0}
+    assert frontier._rounded(decayed) not in times and frontier._rounded(full) not in times
+    for variant, point in best.items():
+        point.step_ms = times.get(frontier._rounded(variant), {})
+    assert frontier.picks(list(best.values()), ("llama-8b", "eager"))["fastest"].variant == rule
+    from dion3.tools.study.efficiency import setting_name
+
+    assert setting_name(rule) == "dion3-1/2-cost" and setting_name(decayed) == decayed.label
+
+
 def test_a_four_step_schedule_is_its_own_point_timed_by_its_own_bench_rows(tmp_path):
     """Runs with ns_coefficients polar_express_4 are their own points, labelled with their step
     count and timed by the rows of `dion3 bench --ns-coefficients polar_express_4` (a second report

@@ -6,8 +6,8 @@ before Triton is imported), on GPU directly.
   measure NaN (scores and squares);
 - the snapshot skips error feedback on rows whose factor is not finite, and writes U into the
   matrices of a padded buffer, leaving the padding zero;
-- restoring a skipped matrix undoes the accumulation and the error feedback, and leaves the
-  others alone;
+- restoring a skipped matrix undoes the accumulation and the error feedback (the unselected
+  rows' decay too), and leaves the others alone;
 - the post-update with the guard's verdict updates only the kept matrices and, in the same
   launch, puts the skipped ones' momentum back (Muon, Dion3; gradients in one tensor or in
   pieces), and leaves a layout it cannot restore to its caller;
@@ -70,7 +70,8 @@ SCRIPT = textwrap.dedent(
     out["snapshot_feedback"] = rel(m.cpu(), fed)
     out["snapshot_skipped_matrix_bitwise"] = bool(torch.equal(m.cpu()[1], m0[1]))
 
-    # restore: Dion3 (decay 1, error feedback 0.6 on the selected rows) on matrices 0 and 2
+    # restore: Dion3 (decay 1, error feedback 0.6 on the selected rows; with unselected_decay 0.75,
+    # 0.75 on the others) on matrices 0 and 2
     m0 = torch.randn(3, 8, 24, generator=gen)
     g = torch.randn(3, 8, 24, generator=gen)
     g[2, 1, 3] = float("nan")
@@ -81,20 +82,22 @@ SCRIPT = textwrap.dedent(
     norms = torch.tensor([1.5, 2.0, float("nan")])  # the snapshot's norms: NaN where it skipped feedback
     keep = torch.tensor([False, True, False])
     for impl in ("kernel", "reference"):
-        m = m0.to(device).clone()
-        mk.accumulate_momentum_triton(m, [g.to(device)], 1.0, True, True)
-        stepped = m.clone()
-        feedback = torch.where(selected & fed[:, None], 0.6, 1.0).unsqueeze(-1).to(device)
-        m.mul_(feedback)
-        args = (m, [g.to(device)], keep.to(device), 1.0, 0.6, norms.to(device), positions.to(device))
-        (mk.restore_momentum_triton if impl == "kernel" else reference.restore_momentum_reference)(*args)
-        out[f"restore_{impl}_error"] = rel(m.cpu()[[0, 2]], m0[[0, 2]])
-        out[f"restore_{impl}_kept_bitwise"] = bool(torch.equal(m.cpu()[1], (stepped * feedback)[1].cpu()))
-        out[f"restore_{impl}_nan_entry_bitwise"] = bool(m.cpu()[2, 1, 3] == m0[2, 1, 3])
+        for unselected, name in ((1.0, f"restore_{impl}"), (0.75, f"restore_{impl}_unselected")):
+            m = m0.to(device).clone()
+            mk.accumulate_momentum_triton(m, [g.to(device)], 1.0, True, True)
+            stepped = m.clone()
+            feedback = torch.where(fed[:, None], torch.where(selected, 0.6, unselected), 1.0).unsqueeze(-1).to(device)
+            m.mul_(feedback)
+            args = (m, [g.to(device)], keep.to(device), 1.0, 0.6, norms.to(device), positions.to(device), unselected)
+            (mk.restore_momentum_triton if impl == "kernel" else reference.restore_momentum_reference)(*args)
+            out[f"{name}_error"] = rel(m.cpu()[[0, 2]], m0[[0, 2]])
+            out[f"{name}_kept_bitwise"] = bool(torch.equal(m.cpu()[1], (stepped * feedback)[1].cpu()))
+            out[f"{name}_nan_entry_bitwise"] = bool(m.cpu()[2, 1, 3] == m0[2, 1, 3])
 
     # the post-update with the verdict, restoring the skipped matrices' momentum in the same launch:
     # Muon (decay 0.7, gradients in one tensor, then in two pieces: a pointer table) and Dion3 (decay
-    # 1, rows, per-row factors, error feedback 0.6 undone where the snapshot's norm was finite)
+    # 1, rows, per-row factors, error feedback 0.6 on the selected rows and unselected_decay 0.75 on
+    # the others undone where the snapshot's norm was finite)
     keep = torch.tensor([True, False, True, False])
     m0 = torch.randn(4, 8, 24, generator=gen)
     g = torch.randn(4, 8, 24, generator=gen)
@@ -115,14 +118,15 @@ SCRIPT = textwrap.dedent(
     rows = torch.stack([torch.randperm(8, generator=gen)[:3].sort().values for _ in range(4)])
     selected = torch.zeros(4, 8, dtype=torch.bool).scatter(1, rows, True)
     norms = torch.tensor([1.0, 2.0, 3.0, float("nan")])  # matrix 3: no error feedback (its gradient had an inf)
-    fed = selected & torch.isfinite(norms)[:, None]
+    feedback = torch.where(torch.isfinite(norms)[:, None], torch.where(selected, 0.6, 0.75), 1.0).unsqueeze(-1)
     stepped = torch.where(torch.isfinite(g), m0 + g, m0)
-    m = (stepped * torch.where(fed, 0.6, 1.0).unsqueeze(-1)).to(device)
+    m = (stepped * feedback).to(device)
     update = o.gather(1, rows.unsqueeze(-1).expand(4, 3, 24))
     factor = torch.rand(4, 3, generator=gen) + 0.5
     params = [p0.to(device).clone()]
     positions = torch.where(selected, 0, -1).to(torch.int32)
-    restore = reference.MomentumRestore(m, [g.to(device)], 1.0, 0.6, lambda: (positions.to(device), norms.to(device)))
+    restore = reference.MomentumRestore(m, [g.to(device)], 1.0, 0.6, lambda: (positions.to(device), norms.to(device)),
+                                        0.75)
     done = pk.post_update_triton(params, update.to(device), rows.to(device), 0.9, 0.1, factor.to(device), keep.to(device),
                                  restore)
     change = torch.zeros(4, 8, 24, dtype=torch.float64).scatter(1, rows.unsqueeze(-1).expand(4, 3, 24),
@@ -131,7 +135,7 @@ SCRIPT = textwrap.dedent(
     out["dion3_in_launch"] = done
     out["dion3_params"] = rel(params[0], want)
     out["dion3_restored"] = rel(m.cpu()[~keep], m0[~keep])
-    out["dion3_kept_bitwise"] = bool(torch.equal(m.cpu()[keep], (stepped * torch.where(fed, 0.6, 1.0).unsqueeze(-1))[keep]))
+    out["dion3_kept_bitwise"] = bool(torch.equal(m.cpu()[keep], (stepped * feedback)[keep]))
     # a layout the launch cannot restore (pieces of two shapes): the caller is told to restore
     m = m0.to(device).clone()
     restore = reference.MomentumRestore(m, [g[:1].to(device), g[1:].to(device)], 0.7)
@@ -170,9 +174,9 @@ def _check(got: dict) -> None:
     assert got["snapshot_u"] <= 1e-2  # bf16 output
     assert got["snapshot_padding_zero"] and got["snapshot_skipped_matrix_bitwise"]
     assert got["snapshot_feedback"] <= 1e-6
-    for impl in ("kernel", "reference"):
-        assert got[f"restore_{impl}_error"] <= 1e-6
-        assert got[f"restore_{impl}_kept_bitwise"] and got[f"restore_{impl}_nan_entry_bitwise"]
+    for name in ("restore_kernel", "restore_reference", "restore_kernel_unselected", "restore_reference_unselected"):
+        assert got[f"{name}_error"] <= 1e-6
+        assert got[f"{name}_kept_bitwise"] and got[f"{name}_nan_entry_bitwise"]
     for name in ("muon_one", "muon_pieces", "dion3"):
         assert got[f"{name}_in_launch"] and got[f"{name}_kept_bitwise"]
         assert got[f"{name}_params"] <= 1e-6 and got[f"{name}_restored"] <= 1e-6

@@ -20,7 +20,8 @@ from graph_standin import CPUCapturedStep  # noqa: E402
 from reference import altered_orthogonalizer  # noqa: E402
 
 LR, DECAY = 0.05, 0.1
-KINDS = {"muon": Muon, "normuon": NorMuon, "dion3": Dion3}
+# dion3-decay: Dion3 with unselected_decay, whose decay of the unselected rows a skip undoes too
+KINDS = {"muon": Muon, "normuon": NorMuon, "dion3": Dion3, "dion3-decay": Dion3}
 
 
 def _params(seed=0, count=3, shape=(12, 8)):
@@ -35,8 +36,10 @@ def _grads(step, count=3, shape=(12, 8)):
 
 def _optimizer(kind, params):
     options = dict(lr=LR, weight_decay=DECAY)
-    if kind == "dion3":
+    if kind.startswith("dion3"):
         options["fraction"] = 0.5
+    if kind == "dion3-decay":
+        options["unselected_decay"] = 0.8
     return KINDS[kind](params, **options)
 
 
@@ -62,6 +65,7 @@ def test_a_bad_update_is_skipped_and_counted(kind, value, broken_matrix):
     for step in range(3):  # two clean steps build up momentum and variance first
         before = [p.detach().clone() for p in faulty]
         variance = [guarded.state[p].get("variance", torch.zeros(1)).clone() for p in faulty]
+        momentum = [guarded.state[p]["momentum"].clone() for p in faulty]
         for p, q, g in zip(clean, faulty, _grads(step)):
             p.grad, q.grad = g.clone(), g.clone()
         reference.step()
@@ -72,6 +76,8 @@ def test_a_bad_update_is_skipped_and_counted(kind, value, broken_matrix):
     torch.testing.assert_close(faulty[1].detach(), before[1] * (1 - LR * DECAY), rtol=0, atol=1e-7)
     if kind != "muon":
         assert torch.equal(guarded.state[faulty[1]]["variance"], variance[1])
+    # its momentum put back (the step's accumulation and error feedback, the unselected rows' decay included)
+    torch.testing.assert_close(guarded.state[faulty[1]]["momentum"], momentum[1], rtol=1e-6, atol=1e-6)
     for i in (0, 2):
         assert torch.equal(faulty[i].detach(), clean[i].detach())
     assert int(guarded.nonfinite_updates) == 1 and int(reference.nonfinite_updates) == 0

@@ -77,13 +77,13 @@ def test_cost_allocation_runs_beside_uniform_ones_and_warms_its_budget_up(study)
     # and momentum-dtype fields, as before those fields existed
     fields = {k: v for k, v in json.loads(json.dumps(runs[0].__dict__)).items()
               if k not in ("fraction_allocation", "compiled", "momentum_dtype", "cost_rule", "row_score", "fraction_weights",
-                           "ns_coefficients")}
+                           "ns_coefficients", "unselected_decay", "full_every")}
     assert runs[0].key == hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     # fractions by cost spend modeled time now; a record of the earlier FLOP rule (config without
     # cost_rule) keeps its key and reads back as another setting, labelled as such
     assert runs[1].cost_rule == "time"
     earlier = {k: v for k, v in json.loads(json.dumps(runs[1].__dict__)).items()
-               if k not in ("cost_rule", "row_score", "fraction_weights", "ns_coefficients")}
+               if k not in ("cost_rule", "row_score", "fraction_weights", "ns_coefficients", "unselected_decay", "full_every")}
     old = study.Run(**earlier)
     assert old.label == "dion3-1/4-cost-flops lr=0.04 mu=0.3 h=100 seed=0"
     assert old.key == hashlib.sha1(json.dumps({k: v for k, v in earlier.items() if k not in ("compiled", "momentum_dtype")},
@@ -217,6 +217,65 @@ def test_l2_row_scores_are_their_own_dion3_settings_and_l1_keeps_the_recorded_ke
     recorded = Path(__file__).parent.parent / "benchmarks/results/frontier/results.jsonl"
     record = next(r for r in map(json.loads, recorded.read_text().splitlines()) if "row_score" not in r["config"])
     assert "row_score" not in record["config"] and study.Run(**{**record["config"], "data": None}).key == record["key"]
+
+
+def test_rule_variants_are_their_own_dion3_settings_and_the_rule_keeps_the_recorded_keys(study):
+    """--unselected-decay and --full-every: each Dion3 setting once per value (Muon once); the rule's
+    runs (1, 0) keep the keys they had before the options; the others are their own settings,
+    labelled apart in run names and the summary; values no run could train with are refused."""
+    from dion3.tools.train import trainer
+    from dion3.tools.train.model import GPTConfig
+
+    args = ["--horizons", "100", "--seeds", "0", "--optimizers", "muon,dion3", "--muon-mu", "0.8", "--fraction", "0.5",
+            "--dion3-lr", "0.02", "--dion3-mu", "0.6", "--fraction-warmup", "0", "--fraction-allocation", "cost"]
+    plain = study.plan_runs(study.parse_args(args))
+    runs = study.plan_runs(study.parse_args(args + ["--unselected-decay", "1,0.9", "--full-every", "0,8"]))
+    assert [(r.optimizer, r.unselected_decay, r.full_every) for r in runs] == [
+        ("muon", 1.0, 0), ("dion3", 1.0, 0), ("dion3", 1.0, 8), ("dion3", 0.9, 0), ("dion3", 0.9, 8)]
+    assert [r.key for r in runs[:2]] == [r.key for r in plain] and len({r.key for r in runs}) == 5
+    assert len({r.setting for r in runs}) == 5
+    assert [r.label.split(" ")[0] for r in runs[1:]] == [
+        "dion3-1/2-cost", "dion3-1/2-cost-full-every8", "dion3-1/2-cost-unselected0.9",
+        "dion3-1/2-cost-unselected0.9-full-every8"]
+    rows = study.summary_table([{**_record(study, "dion3", 1.5, 0, 0.5), "config": json.loads(json.dumps(r.__dict__))}
+                                for r in runs[1:]])
+    for name in ("Dion3", "Dion3, all rows every 8 steps", "Dion3, unselected rows ×0.9 a step",
+                 "Dion3, unselected rows ×0.9 a step, all rows every 8 steps"):
+        assert f"| {name} | 1/2 by cost |" in rows, name
+    for flag, bad, message in (("--unselected-decay", "0", "--unselected-decay values must lie in (0, 1], got '0'"),
+                               ("--unselected-decay", "0.9,1.5", "--unselected-decay values must lie in (0, 1]"),
+                               ("--full-every", "-1", "--full-every expects comma-separated integers ≥ 0"),
+                               ("--full-every", "2.5", "--full-every expects comma-separated integers ≥ 0")):
+        with pytest.raises(SystemExit) as refused:
+            study.plan_runs(study.parse_args(args + [flag, bad]))
+        assert message in str(refused.value)
+    # every record landed before the options (none has the fields) keeps its key
+    recorded = Path(__file__).parent.parent / "benchmarks/results/frontier/results.jsonl"
+    for record in map(json.loads, recorded.read_text().splitlines()):
+        assert "unselected_decay" not in record["config"] and "full_every" not in record["config"]
+        assert study.Run(**{**record["config"], "data": None}).key == record["key"]
+    # the decay reaches every Dion3 group the trainer builds (by cost: one group per shape)
+    spec = trainer.RunSpec("d", "dion3", 0.02, 0.5, fraction_allocation="cost", unselected_decay=0.9, full_every=8)
+    groups = trainer.build_optimizer(trainer.GPT(GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=64)), spec).param_groups
+    assert {g["unselected_decay"] for g in groups if g["algorithm"] == "dion3"} == {0.9}
+
+
+def test_the_best_of_a_rule_variant_is_its_own_and_only_asked_for(study):
+    """--best-from judges each rule variant apart, and only those asked for: by default (1, 0) a
+    better loss of a variant never stands in for the rule's best (the seed jobs rerun the rule)."""
+    def record(lr, loss, decay=1.0, full_every=0):
+        run = study.Run("llama-384", "dion3", lr, 0.6, 0.5, 0, 1500, 0, 128, 50, 0.3, 4, None, compiled=True,
+                        fraction_allocation="cost", cost_rule="time", unselected_decay=decay, full_every=full_every)
+        return {"config": json.loads(json.dumps(run.__dict__)), "final_val_loss": loss}
+
+    records = [record(0.02, 1.0), record(0.03, 1.1), record(0.02, 0.9, decay=0.9), record(0.03, 0.8, full_every=8)]
+    argv = ["--model", "llama-384", "--optimizers", "dion3", "--compile", "--horizons", "3000", "--seeds", "1",
+            "--batch-size", "128", "--fraction", "0.5", "--fraction-allocation", "cost", "--fraction-warmup", "0"]
+    rule_only = study.plan_best_runs(study.parse_args(argv), records)
+    assert [(r.lr, r.unselected_decay, r.full_every) for r in rule_only] == [(0.02, 1.0, 0)]
+    every = study.plan_best_runs(study.parse_args(argv + ["--unselected-decay", "1,0.9", "--full-every", "0,8"]), records)
+    assert sorted((r.unselected_decay, r.full_every, r.lr) for r in every) == [(0.9, 0, 0.02), (1.0, 0, 0.02),
+                                                                               (1.0, 8, 0.03)]
 
 
 def test_fraction_weights_are_their_own_settings_and_reach_the_allocation(study):
@@ -469,6 +528,17 @@ def test_dry_run_lists_the_plan_against_the_results_and_runs_nothing(study, tmp_
     assert lines[:2] == [f"done    {planned[0].label}", f"to run  {planned[1].label}"]
     assert lines[2].startswith("2 runs, 1 already in") and lines[2].endswith("1 to run, 8 steps in all")
     assert (tmp_path / "results.jsonl").read_text() == before and not (tmp_path / "logs").exists()
+
+
+def test_dry_run_lists_the_rule_variants(study, tmp_path, capsys):
+    args = ["--model", "gpt-tiny", "--horizons", "8", "--seeds", "0", "--optimizers", "dion3", "--dion3-lr", "0.02",
+            "--dion3-mu", "0.6", "--fraction", "0.5", "--fraction-warmup", "0", "--fraction-allocation", "cost",
+            "--unselected-decay", "0.9,0.97", "--full-every", "0,8", "--out", str(tmp_path), "--dry-run"]
+    assert study.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"to run  dion3-1/2-cost-{variant} lr=0.02 mu=0.6 h=8 seed=0" for variant in (
+        "unselected0.9", "unselected0.9-full-every8", "unselected0.97", "unselected0.97-full-every8")] + [
+        "4 runs, 0 already in " + str(tmp_path / "results.jsonl") + ", 4 to run, 32 steps in all"]
 
 
 def block_matrix_parameters(spec) -> int:

@@ -267,7 +267,7 @@ def _run_against_reference(cls, options, hyper, shapes, steps=4):
             torch.testing.assert_close(p.detach(), expected, rtol=2e-6, atol=2e-7)
         for p, m in zip(params, ref.momentum):
             torch.testing.assert_close(opt.state[p]["momentum"], m, rtol=1e-12, atol=1e-12)
-        if algorithm != "muon":
+        if algorithm in ("normuon", "dion3"):  # the rules with a variance
             for p, v in zip(params, ref.variance):
                 torch.testing.assert_close(opt.state[p]["variance"].double(), v, rtol=1e-5, atol=1e-9)
     return params, opt, ref
@@ -289,6 +289,93 @@ def test_lr_adjustment_uses_full_shape(exact_orthogonalizer, adjust_lr, fraction
     # with f < 1 the orthogonalized block is k×cols, but the lr multiplier must use rows×cols
     hyper = dict(lr=0.02, weight_decay=0.0, adjust_lr=adjust_lr)
     _run_against_reference(Dion3, dict(algorithm="dion3", fraction=fraction), hyper, [(32, 8), (8, 32)], steps=2)
+
+
+# ---------------------------------------------------------------- Dion3's unselected rows' decay (opt-in)
+
+
+def _dion2(params, **options):
+    return Dion3([{"params": params, "algorithm": "dion2"}], **options)
+
+
+@pytest.mark.parametrize("cls, algorithm, fraction", [
+    (Dion3, "dion3", 0.25), (Dion3, "dion3", 0.5), (Dion3, "dion3", 1.0), (_dion2, "dion2", 0.25)])
+def test_unselected_decay_matches_reference(exact_orthogonalizer, cls, algorithm, fraction):
+    """M[~S] ← d·M[~S] after the selection, on wide, tall, square and stacked matrices, several
+    steps (the decayed rows compete in the next selection): weights, momentum and variance as
+    the float64 reference. At f = 1 nothing is unselected: NorMuon's steps."""
+    hyper = dict(lr=0.05, mu=0.9, weight_decay=0.1, muon_beta2=0.8)
+    _run_against_reference(cls, dict(algorithm=algorithm, fraction=fraction, unselected_decay=0.7), hyper, SHAPES)
+
+
+def test_unselected_decay_per_block_matches_reference(exact_orthogonalizer):
+    """Equal heads (folded into the batch) and uneven blocks (stacked from parameter-shaped
+    state each step): every block decays its own unselected rows."""
+    hyper = dict(lr=0.05, mu=0.9, weight_decay=0.1, muon_beta2=0.8, fraction=0.25, unselected_decay=0.6)
+    params = [torch.randn(12, 8, dtype=torch.float64, requires_grad=True),
+              torch.randn(10, 6, dtype=torch.float64, requires_grad=True)]
+    opt = Dion3([{"params": [params[0]], "num_heads": 3}, {"params": [params[1]], "split_sizes": (6, 4)}], **hyper)
+    ref = ReferenceOptimizer(params, "dion3", blocks=[[4, 4, 4], [6, 4]], **hyper)
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        ref.step(grads)
+    for p, expected, m in zip(params, ref.params, ref.momentum):
+        torch.testing.assert_close(p.detach(), expected, rtol=2e-6, atol=2e-7)
+        torch.testing.assert_close(opt.state[p]["momentum"], m, rtol=1e-12, atol=1e-12)
+
+
+def test_unselected_decay_of_one_is_the_rule_exactly(monkeypatch):
+    """unselected_decay=1 (the default) takes today's steps bit for bit, and spends no pass on
+    the momentum for it."""
+    import dion3.matrix_step as matrix_step
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("unselected_decay=1 ran the decay pass")
+
+    monkeypatch.setattr(matrix_step, "decay_unselected", no_pass)
+    for dtype, momentum_dtype in ((torch.float64, None), (torch.float32, "bfloat16")):
+        shapes = [(12, 8), (8, 12), (3, 6, 10)]
+        params = [torch.randn(*s, dtype=dtype, requires_grad=True) for s in shapes]
+        twins = [p.detach().clone().requires_grad_() for p in params]
+        hyper = dict(lr=0.05, mu=0.8, fraction=0.25, stacked=True, momentum_dtype=momentum_dtype)
+        opt, explicit = Dion3(params, **hyper), Dion3(twins, unselected_decay=1.0, **hyper)
+        assert opt.param_groups[0]["unselected_decay"] == 1.0
+        for _ in range(3):
+            for p, q in zip(params, twins):
+                p.grad = torch.randn_like(p)
+                q.grad = p.grad.clone()
+            opt.step()
+            explicit.step()
+        for p, q in zip(params, twins):
+            assert torch.equal(p, q)
+            assert all(torch.equal(opt.state[p][key], explicit.state[q][key]) for key in ("momentum", "variance"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_unselected_decay_by_hand(dtype):
+    """One 4 × 3 matrix, f = ½ (k = 2), μ = ½, d = ¾, numbers exact in binary. Step 1 from M = 0:
+    L1 scores of G₁ are 1, 3, 4, 1, rows 1 and 2 are selected and get μ·G₁; rows 0 and 3 get
+    d·G₁. Step 2: M + G₂ scores 4.75, 2.5, 3, 2.75, rows 0 and 2 are selected and get
+    μ·(M + G₂), rows 1 and 3 get d·(M + G₂). Only the selected rows move beyond weight decay."""
+    w = torch.nn.Parameter(torch.randn(4, 3, dtype=dtype))
+    opt = Dion3([w], lr=0.1, mu=0.5, fraction=0.5, weight_decay=0.0, unselected_decay=0.75)
+    g1 = [[1, 0, 0], [0, 3, 0], [2, 2, 0], [0, 0, -1]]
+    g2 = [[4, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, -2]]
+    after = [
+        [[0.75, 0, 0], [0, 1.5, 0], [1, 1, 0], [0, 0, -0.75]],
+        [[2.375, 0, 0], [0, 1.125, 0.75], [0.5, 1, 0], [0, 0, -2.0625]],
+    ]
+    moving = [[1, 2], [0, 2]]
+    for grad, want, selected in zip((g1, g2), after, moving):
+        before = w.detach().clone()
+        w.grad = torch.tensor(grad, dtype=dtype)
+        opt.step()
+        assert torch.equal(opt.state[w]["momentum"], torch.tensor(want, dtype=dtype))
+        moved = (w.detach() != before).any(dim=1).nonzero().flatten().tolist()
+        assert moved == selected
 
 
 @pytest.mark.parametrize("method", ["newton_schulz", "gram"])

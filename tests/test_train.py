@@ -353,6 +353,27 @@ def test_fraction_warmup_run_logs_its_average_fraction_and_step_times():
     assert warm.optimizer_ms_median > 0 and fixed.optimizer_ms_median > 0
 
 
+def test_periodic_full_and_unselected_decay_runs_train_and_log_their_fractions():
+    """full_every=2 over ¼: f = ¼, 1, ¼, 1, … (mean ⅝), the optimizer FLOPs of those fractions
+    (between the fixed ¼ run's and Muon's), and the loss falls; unselected_decay=0.5 trains too and
+    differs from the plain run once a step left rows unselected."""
+    tokens = _periodic_text(4000)
+    corpus = data.TokenData(tokens[:3000], tokens[3000:], 256, "periodic")
+    schedule = Schedule(steps=8, batch_size=8, eval_every=8, eval_batches=2)
+    full = train(RunSpec("p", "dion3", 0.04, 0.25, 0.3, full_every=2), TINY, schedule, corpus, torch.device("cpu"))
+    fixed = train(RunSpec("f", "dion3", 0.04, 0.25, 0.3), TINY, schedule, corpus, torch.device("cpu"))
+    decayed = train(RunSpec("d", "dion3", 0.04, 0.25, 0.3, unselected_decay=0.5), TINY, schedule, corpus,
+                    torch.device("cpu"))
+    assert full.average_fraction == 0.625 and full.fraction_range == (0.25, 1.0)
+    assert fixed.optimizer_flops < full.optimizer_flops
+    for result in (full, decayed):
+        assert result.val_losses[-1] < 0.8 * result.val_losses[0]
+        assert all(math.isfinite(v) for v in result.train_losses)
+    assert decayed.average_fraction == 0.25 and decayed.train_losses != fixed.train_losses
+    # the first full step is step 1: the losses before its update agree, the next one does not
+    assert full.train_losses[:2] == fixed.train_losses[:2] and full.train_losses[2] != fixed.train_losses[2]
+
+
 def test_compare_run_spec_names_with_a_fraction_warmup():
     preset = compare.PRESETS["cpu-tiny"]
     spec = compare.run_spec("dion3-1/4-warmup200", preset, {}, {})

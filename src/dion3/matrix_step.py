@@ -1,7 +1,8 @@
 """The matrix step: one staged pipeline for one bucket, run by every driver (DESIGN §7).
 
-    pre-step and selection → to the owners → orthogonalize → gather → normalize and guard
-    → scatter back → apply, restoring what the guard skipped
+    pre-step and selection → to the owners [→ Dion3's unselected rows decayed, opt-in]
+    → orthogonalize → gather → normalize and guard → scatter back → apply, restoring what the
+    guard skipped
 
 A route supplies the stages that depend on where the bucket's matrices live; everything else is
 here, once:
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from typing import Iterator, NamedTuple, Optional, Union
 
+import torch
 from torch import Tensor
 
 from . import rules
@@ -63,6 +65,8 @@ class Result(NamedTuple):
 def matrix_step(route, group: dict, cfg: rules.RuleConfig) -> Iterator[None]:
     """One bucket's step through `route` (module docstring)."""
     owned = yield from route.to_owner()
+    if cfg.fraction is not None and cfg.unselected_decay != 1.0:  # (1: the rule, no pass over the momentum)
+        decay_unselected(route.momentum, *route.selection(), cfg.unselected_decay)
     ortho = rules.orthogonalize_rows(owned.update, group["orthogonalizer"], group["ns_coefficients"], owned.norm,
                                      owned.normalized)
     whole = yield from route.gather(ortho)
@@ -72,6 +76,26 @@ def matrix_step(route, group: dict, cfg: rules.RuleConfig) -> Iterator[None]:
                        rules.lr_scale(group["adjust_lr"], *route.shape), result.row_scale, route.skipped, ok=result.ok,
                        restore=rules.momentum_restore(route.momentum, route.grads, cfg, route.selection))
     route.finish(result)
+
+
+def decay_unselected(momentum: Tensor, positions: Optional[Tensor], fed: Optional[Tensor], decay: float) -> None:
+    """Dion3's error-feedback decay of the rows the step did not select, M[~S] ← decay·M[~S]
+    (RuleConfig.unselected_decay), on the rows of momentum [N, R, C] this rank holds: positions
+    [N, R] (≥ 0 at the selected rows) and fed [N] (finite where the snapshot applied error
+    feedback) are the route's selection. Here, after every route's selection, so that one
+    device, DDP and each sharded layout decay alike. A matrix whose snapshot skipped the
+    feedback (a gradient that was not finite: the guard skips it) is left alone too; for one the
+    guard skips later, rules.momentum_restore divides the decay back out. One multiply by
+    device values, no host sync: a captured step keeps it (decay is a constant of the graph)."""
+    if positions is None or fed is None:
+        return
+    count, height = positions.shape
+    # the factor in the momentum's math dtype (float64 momentum: decay exactly as given)
+    work = torch.promote_types(momentum.dtype, torch.float32)
+    per_matrix = torch.full((count, 1), decay, dtype=work, device=momentum.device)
+    per_matrix.masked_fill_(fed.reshape(count, 1).isfinite().logical_not(), 1.0)
+    factor = per_matrix.expand(count, height).masked_fill(positions >= 0, 1.0)
+    momentum.mul_(factor.unsqueeze(-1))
 
 
 def run(steps: Iterator[None]) -> None:

@@ -78,6 +78,7 @@ class RuleConfig:
     beta2: float = 0.95
     epsilon: float = 1e-8
     row_score: str = "l1"  # ROW_SCORES
+    unselected_decay: float = 1.0  # Dion3: M[~S] ← this·M[~S] after the selection (matrix_step; 1: the rule)
 
 
 def selected_row_count(rows: int, fraction: float) -> int:
@@ -134,14 +135,13 @@ def pre_step(
     """Update momentum in place and return U with the selected rows (and what else is known).
 
     Muon/NorMuon: M ← μM + G; U = M (Nesterov: U = μM + G); rows = None.
-    Dion3: M ← M + G; rows = top-k rows by L1 norm, or L2 with cfg.row_score "l2" (unless
-           given, e.g. chosen globally);
-           U = M[rows] (snapshot); M[rows] ← μ·M[rows].
+    Dion3: M ← M + G; rows = top-k rows by L1 norm, or L2 with cfg.row_score "l2" (unless given,
+           e.g. chosen globally); U = M[rows] (snapshot); M[rows] ← μ·M[rows] (the other rows'
+           cfg.unselected_decay is the matrix step's, after any route's selection).
     want_norm: also return each matrix's Frobenius norm of U ([N, 1, 1], float32 or wider),
     summed from per-row squares that the momentum pass measures on the way (so Newton–Schulz
     need not read U again to normalize it); None for Nesterov, whose U that pass never sees.
-    Dion3 off CUDA measures the snapshot U instead (k rows rather than all of them), then
-    scales it in place.
+    Dion3 off CUDA measures the snapshot U instead (k rows, not all of them), then scales it in place.
     scaling (Dion3 only, from ortho.input_scaling for the [N, k, C] selection): the snapshot
     writes U already normalized in Newton–Schulz's compute dtype (normalized=True), sparing
     the float32 copy of U and the pass that scales it.
@@ -391,10 +391,10 @@ def momentum_restore(momentum: Tensor, grads: Grads, cfg: RuleConfig,
                      selection: Optional[Callable[[], tuple]] = None) -> MomentumRestore:
     """What the guard's last stage needs to put the momentum of every matrix it skipped back to
     what it was before the step (apply_update's restore, kernels.post_update): Dion3's error
-    feedback undone on its selected rows where its snapshot applied it (selection, the route's:
-    () → (positions [N, R] ≥ 0, the selection's inverse; norm [N], finite where the snapshot fed
-    back), asked only where a restoration may run), then the step's accumulation. Matrices that
-    stepped are left alone; no host sync."""
+    feedback (μ on the selected rows, unselected_decay on the others) undone where its snapshot
+    applied it (selection, the route's: () → (positions [N, R] ≥ 0, the selection's inverse; norm
+    [N], finite where the snapshot fed back), asked only where a restoration may run), then the
+    step's accumulation. Matrices that stepped are left alone; no host sync."""
     selecting = cfg.fraction is not None
     return MomentumRestore(momentum, grads, decay_of(cfg), cfg.mu if selecting else 1.0,
-                           selection if selecting else None)
+                           selection if selecting else None, cfg.unselected_decay if selecting else 1.0)

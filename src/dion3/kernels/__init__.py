@@ -200,7 +200,8 @@ def post_update(params, update, rows, decay, step, row_scale=None, verdict=None,
         restored = restore is None
     if not restored:
         positions, fed = restore.selected()
-        restore_momentum(restore.momentum, restore.grads, verdict, restore.decay, restore.mu, fed, positions)
+        restore_momentum(restore.momentum, restore.grads, verdict, restore.decay, restore.mu, fed, positions,
+                         restore.unselected)
 
 
 def accumulate_momentum(momentum, grads, decay: float, scores: bool, squares: bool = False):
@@ -217,17 +218,18 @@ def accumulate_momentum(momentum, grads, decay: float, scores: bool, squares: bo
     return accumulate_momentum_reference(momentum, grads, decay, scores, squares)
 
 
-def restore_momentum(momentum, grads, keep, decay: float, mu: float = 1.0, fed=None, positions=None) -> None:
+def restore_momentum(momentum, grads, keep, decay: float, mu: float = 1.0, fed=None, positions=None,
+                     unselected: float = 1.0) -> None:
     """Put the momentum [N, R, C] of the matrices with keep[i] False back as it was before this
     step's accumulate_momentum (decay) and snapshot_rows (mu, on the selected rows, positions
-    [N, R] ≥ 0, of the matrices whose norm fed[i] is finite); see
-    reference.restore_momentum_reference. No host sync: on CUDA one launch whose programs for
-    kept matrices stop after reading their flag."""
+    [N, R] ≥ 0, of the matrices whose norm fed[i] is finite; `unselected` on their other rows);
+    see reference.restore_momentum_reference. No host sync: on CUDA one launch whose programs
+    for kept matrices stop after reading their flag."""
     pieces = [grads] if isinstance(grads, torch.Tensor) else grads
     if (_triton_ready(momentum.device) and _momentum_kernel is not None
             and _momentum_kernel.fused_accumulate_supported(momentum, pieces)):
-        return _momentum_kernel.restore_momentum_triton(momentum, pieces, keep, decay, mu, fed, positions)
-    return restore_momentum_reference(momentum, grads, keep, decay, mu, fed, positions)
+        return _momentum_kernel.restore_momentum_triton(momentum, pieces, keep, decay, mu, fed, positions, unselected)
+    return restore_momentum_reference(momentum, grads, keep, decay, mu, fed, positions, unselected)
 
 
 def selection_inverse(rows, height: int):

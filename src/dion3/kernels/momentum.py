@@ -244,7 +244,8 @@ def snapshot_rows_triton(
 
 @triton.jit
 def _restore_kernel(
-    momentum_ptr, grad_ptr, grad_table, keep_ptr, fed_ptr, position_ptr, mu, decay, n_rows, piece_rows, R, C,
+    momentum_ptr, grad_ptr, grad_table, keep_ptr, fed_ptr, position_ptr, mu, unselected, decay, n_rows, piece_rows,
+    R, C,
     HAS_POSITIONS: tl.constexpr, POINTER_TABLE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -253,10 +254,11 @@ def _restore_kernel(
     # keep: nonzero for matrices that stepped (nothing to undo), zero for those the guard skipped
     undo = row_inside & (tl.load(keep_ptr + matrix, mask=row_inside, other=1) == 0)
     if tl.max(undo.to(tl.int32), axis=0) > 0:  # almost every program stops here
-        if HAS_POSITIONS:  # error feedback (×mu) went to the selected rows of matrices whose norm was finite
+        # error feedback (×mu on the selected rows, ×unselected on the others) went to matrices whose norm was finite
+        if HAS_POSITIONS:
             selected = tl.load(position_ptr + rows, mask=undo, other=-1) >= 0
             fed = tl.abs(tl.load(fed_ptr + matrix, mask=undo, other=float("nan"))) < float("inf")
-            divisor = tl.where(selected & fed, mu, 1.0)
+            divisor = tl.where(fed, tl.where(selected, mu, unselected), 1.0)
         else:
             divisor = tl.full([BLOCK_R], 1.0, tl.float32)
         if POINTER_TABLE:
@@ -283,12 +285,13 @@ RESTORE_BLOCK_ROWS = 8
 
 def restore_momentum_triton(
     momentum: Tensor, grads: Sequence[Tensor], keep: Tensor, decay: float, mu: float = 1.0,
-    fed: Optional[Tensor] = None, positions: Optional[Tensor] = None,
+    fed: Optional[Tensor] = None, positions: Optional[Tensor] = None, unselected: float = 1.0,
 ) -> None:
     """Undo this step's momentum arithmetic on the matrices with keep[i] False (see
     reference.restore_momentum_reference): one launch, whose programs for kept matrices only
     read their flag. keep [N] bool; fed [N] float32 (finite: error feedback was applied);
-    positions [N, R] int32 (≥ 0 at the selected rows), both or neither."""
+    positions [N, R] int32 (≥ 0 at the selected rows), both or neither; unselected: the
+    factor the other rows of a fed matrix got."""
     n, rows, cols = momentum.shape
     keep_arg = keep.view(torch.int8) if keep.dtype == torch.bool else keep  # a view: no launch
     has_positions = positions is not None
@@ -300,7 +303,7 @@ def restore_momentum_triton(
         _restore_kernel[(triton.cdiv(count, RESTORE_BLOCK_ROWS),)](
             flat_m, grad, grad if table_arg is None else table_arg, keep_arg[first:],
             fed_arg[first:] if has_positions else keep_arg, position_arg.reshape(-1)[first * rows:] if has_positions
-            else keep_arg, float(mu), float(decay), count, piece_rows, rows, cols,
+            else keep_arg, float(mu), float(unselected), float(decay), count, piece_rows, rows, cols,
             HAS_POSITIONS=has_positions, POINTER_TABLE=table_arg is not None,
             BLOCK_R=RESTORE_BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4,
         )

@@ -40,7 +40,8 @@ def _scalar(value, IS_POINTER: tl.constexpr):
 @triton.jit
 def _post_update_kernel(
     pointer_table, dtype_probe, update_ptr, position_ptr, scale_ptr, decay, step,
-    verdict_ptr, momentum_ptr, grad_ptr, grad_table, fed_ptr, restore_position_ptr, mu, momentum_decay, piece_batch,
+    verdict_ptr, momentum_ptr, grad_ptr, grad_table, fed_ptr, restore_position_ptr, mu, unselected, momentum_decay,
+    piece_batch,
     R, C, k, stride_um, stride_ur,
     HAS_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_VERDICT: tl.constexpr, RESTORE: tl.constexpr,
     HAS_FED: tl.constexpr, GRAD_TABLE: tl.constexpr,
@@ -94,10 +95,11 @@ def _post_update_kernel(
             m = tl.load(momentum_ptr + at, mask=inside, other=0.0)
             g = tl.load(start + offsets, mask=inside, other=0.0).to(tl.float32)
             before = m.to(tl.float32)
-            if HAS_FED:  # error feedback (×mu) went to the selected rows of matrices whose norm was finite
+            # error feedback (×mu on the selected rows, ×unselected on the others) went to matrices whose norm was finite
+            if HAS_FED:
                 chosen = tl.load(restore_position_ptr + matrix * R + rows, mask=rows < R, other=-1) >= 0
                 fed = tl.abs(tl.full([BLOCK_R], 0.0, tl.float32) + tl.load(fed_ptr + matrix)) < float("inf")
-                before = before / tl.where(chosen & fed, mu, 1.0)[:, None]
+                before = before / tl.where(fed, tl.where(chosen, mu, unselected), 1.0)[:, None]
             finite = tl.abs(g) < float("inf")  # such entries were never added (the accumulate kernel)
             old = tl.where(finite, (before - g) / momentum_decay, before)
             tl.store(momentum_ptr + at, old.to(m.dtype), mask=inside)
@@ -207,10 +209,11 @@ def post_update_triton(
     verdict_arg = update if verdict is None else (verdict.view(torch.int8) if verdict.dtype == torch.bool else verdict)
     if layout is None:
         momentum = grad = table = fed = restore_positions = update  # placeholder pointers
-        batch, momentum_decay, mu = 1, 1.0, 1.0
+        batch, momentum_decay, mu, unselected = 1, 1.0, 1.0, 1.0
     else:
         grad, table, batch = layout
         momentum, momentum_decay, mu = restore.momentum, float(restore.decay), float(restore.mu)
+        unselected = float(restore.unselected)
         table = grad if table is None else table
         restore_positions, fed = restore.selected()
         has_fed = fed is not None and restore_positions is not None
@@ -222,7 +225,7 @@ def post_update_triton(
     _post_update_kernel[grid](
         _pointer_table(params, update.device), params[0], update, position, scale,
         decay if decay_is_pointer else float(decay), step if step_is_pointer else float(step),
-        verdict_arg, momentum, grad, table, fed, restore_positions, mu, momentum_decay, batch,
+        verdict_arg, momentum, grad, table, fed, restore_positions, mu, unselected, momentum_decay, batch,
         R, C, k, update.stride(0), update.stride(1),
         HAS_ROWS=rows is not None, HAS_SCALE=row_scale is not None, HAS_VERDICT=verdict is not None,
         RESTORE=layout is not None, HAS_FED=layout is not None and has_fed, GRAD_TABLE=layout is not None and table is not grad,

@@ -218,13 +218,15 @@ class MomentumRestore(NamedTuple):
     arguments but the verdict): the bucket's momentum [N, R, C], this step's gradients (a tensor
     or pieces), the momentum pass's decay, and for Dion3 the error feedback's mu and `selection`,
     which gives (the selected rows' positions [N, R], ≥ 0 where selected; the snapshot's norms fed
-    [N]) when asked: only a step that restores, or a launch that may, builds them."""
+    [N]) when asked: only a step that restores, or a launch that may, builds them; `unselected`,
+    the decay the step gave the rows it did not select (Dion3's unselected_decay; 1: none)."""
 
     momentum: Tensor
     grads: Union[Tensor, Sequence[Tensor]]
     decay: float
     mu: float = 1.0
     selection: Optional[Callable[[], tuple[Optional[Tensor], Optional[Tensor]]]] = None
+    unselected: float = 1.0
 
     def selected(self) -> tuple[Optional[Tensor], Optional[Tensor]]:
         """(positions, fed), or (None, None) without error feedback to undo."""
@@ -243,15 +245,16 @@ def verdict_factors(update: Tensor, row_scale: Optional[Tensor], verdict: Option
 
 def restore_momentum_reference(
     momentum: Tensor, grads: Union[Tensor, Sequence[Tensor]], keep: Tensor, decay: float, mu: float = 1.0,
-    fed: Optional[Tensor] = None, positions: Optional[Tensor] = None,
+    fed: Optional[Tensor] = None, positions: Optional[Tensor] = None, unselected: float = 1.0,
 ) -> None:
     """Put the momentum [N, R, C] of the matrices the guard skipped (keep[i] False) back to what
     it was before this step, by undoing the step's arithmetic in float32 (or wider): first the
-    error feedback, M[S] ← M[S]/μ on the selected rows (positions [N, R] ≥ 0) of the matrices
-    whose snapshot applied it (fed [N]: their norm was finite; the snapshot leaves the others
-    alone), then the accumulation, M ← (M − G)/decay where G is finite (entries whose gradient
-    was not finite were never added). Equal to the old momentum to within the rounding of those
-    two operations; a kept matrix is not touched. Works through a few rows at a time."""
+    error feedback, M[S] ← M[S]/μ on the selected rows (positions [N, R] ≥ 0) and
+    M[~S] ← M[~S]/unselected on the others, of the matrices whose snapshot applied it (fed [N]:
+    their norm was finite; the snapshot leaves the others alone), then the accumulation,
+    M ← (M − G)/decay where G is finite (entries whose gradient was not finite were never
+    added). Equal to the old momentum to within the rounding of those operations; a kept matrix
+    is not touched. Works through a few rows at a time."""
     pieces = [grads] if isinstance(grads, Tensor) else list(grads)
     count, height = momentum.shape[:2]
     only = None  # the matrices to restore, where the host may ask (CPU): a normal step does nothing
@@ -261,14 +264,14 @@ def restore_momentum_reference(
             return
     work = torch.promote_types(momentum.dtype, torch.float32)
     keep_rows = keep.view(-1, 1).expand(count, height)
-    fed_rows = None
+    divisors = None  # what the error feedback multiplied each row by: mu, unselected, or 1 (none)
     if positions is not None and fed is not None:
-        fed_rows = (positions >= 0) & torch.isfinite(fed.reshape(-1, 1))
+        divisors = torch.where(torch.isfinite(fed.reshape(-1, 1)), torch.where(positions >= 0, mu, unselected), 1.0)
     targets = list(momentum.split([g.shape[0] for g in pieces]))
     for matrix, rows, target, grad in matrix_blocks(targets, pieces, only):
         before = target.to(work, copy=True)
-        if fed_rows is not None:
-            before.div_(torch.where(fed_rows[matrix, rows], mu, 1.0).to(work).unsqueeze(-1))
+        if divisors is not None:
+            before.div_(divisors[matrix, rows].to(work).unsqueeze(-1))
         finite = torch.isfinite(grad)
         old = torch.where(finite, (before - grad.masked_fill(finite.logical_not(), 0).to(work)) / decay, before)
         target.copy_(torch.where(keep_rows[matrix, rows].unsqueeze(-1), target, old.to(target.dtype)))

@@ -66,7 +66,7 @@ def read_settings(algorithm: str) -> tuple[str, ...]:
     if algorithm in SCALAR_ALGORITHMS:
         return ("lr", "betas", "weight_decay", "epsilon")
     keys = ("lr", "mu", "weight_decay", "adjust_lr")
-    keys += ("fraction",) if algorithm in SELECTING_ALGORITHMS else ("nesterov",)
+    keys += ("fraction", "unselected_decay") if algorithm in SELECTING_ALGORITHMS else ("nesterov",)
     keys += ("muon_beta2", "epsilon") if algorithm in NORMALIZING_ALGORITHMS else ()
     return keys
 

@@ -382,13 +382,11 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
     def rule_config(group: dict) -> rules.RuleConfig:
         algorithm = group["algorithm"]
         return rules.RuleConfig(
-            fraction=group["fraction"] if algorithm in SELECTING_ALGORITHMS else None,
-            mu=group["mu"],
-            nesterov=group["nesterov"],
-            normalize=algorithm in NORMALIZING_ALGORITHMS,
-            beta2=group["muon_beta2"],
-            epsilon=group["epsilon"],
-            row_score=group.get("row_score", "l1"),  # groups saved before the option lack it
+            fraction=group["fraction"] if algorithm in SELECTING_ALGORITHMS else None, mu=group["mu"],
+            nesterov=group["nesterov"], normalize=algorithm in NORMALIZING_ALGORITHMS,
+            beta2=group["muon_beta2"], epsilon=group["epsilon"],
+            # groups saved before these options lack them
+            row_score=group.get("row_score", "l1"), unselected_decay=group.get("unselected_decay", 1.0),
         )
 
     def _matrix_step(self, bucket: Bucket, group: dict) -> None:

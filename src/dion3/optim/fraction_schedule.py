@@ -3,6 +3,7 @@ like `lr`, and `FractionScheduler` sets it from a function of the step count.
 
     optimizer = Dion3(groups, fraction=0.25)
     scheduler = FractionScheduler(optimizer, FractionWarmup(target=0.25, steps=200))
+    # or PeriodicFull(0.25, every=8): every row on every 8th step, ¼ on the others
     for batch in data:
         loss(batch).backward()
         optimizer.step()
@@ -23,7 +24,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,36 @@ class FractionWarmup:
         if progress == 1.0:  # rounded up to the last level: exactly the target
             return self.target
         return self.start + (self.target - self.start) * progress
+
+
+@dataclass(frozen=True)
+class PeriodicFull:
+    """Every row on every `every`-th step, `fraction` on the others: steps every − 1, 2·every − 1,
+    … (counted from 0) return 1, which orthogonalizes every row of every matrix (over groups by
+    cost: budget 1, the same). A run then spends fraction + (1 − fraction)/every of the rows on
+    average, and a full step now and then updates rows the selection keeps passing over.
+
+    fraction: a number in (0, 1], or a schedule of the step (e.g. FractionWarmup) for the other
+    steps. With a fixed fraction the step sees two sets of k: a captured step keeps two graphs.
+    """
+
+    fraction: Union[float, Callable[[int], float]]
+    every: int
+
+    def __post_init__(self):
+        if not callable(self.fraction):
+            check_range("PeriodicFull", "fraction", self.fraction, 0.0, 1.0, low_open=True)
+        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
+            raise ValueError(f"PeriodicFull: every must be an integer ≥ 1, got {self.every!r}")
+
+    def full(self, step: int) -> bool:
+        """Whether step (counted from 0) orthogonalizes every row."""
+        return step % self.every == self.every - 1
+
+    def __call__(self, step: int) -> float:
+        if self.full(step):
+            return 1.0
+        return self.fraction(step) if callable(self.fraction) else self.fraction
 
 
 def _check_one_fraction(optimizer: torch.optim.Optimizer, groups: Sequence[int]) -> None:

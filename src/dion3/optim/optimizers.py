@@ -23,13 +23,13 @@ Coefficients = Union[str, Sequence[Sequence[float]]]
 
 
 # Settings of other algorithms that Muon/NorMuon accept as defaults for groups that switch to them.
-SHARED_KEYS = frozenset({"fraction", "muon_beta2", "selection_scope", "row_score"})
+SHARED_KEYS = frozenset({"fraction", "muon_beta2", "selection_scope", "row_score", "unselected_decay"})
 
 
 def _defaults(algorithm: str, **values) -> dict:
     # Keys every algorithm may read, so a group can switch algorithm and still find its settings.
     base = dict(fraction=0.25, muon_beta2=0.95, nesterov=False, selection_scope="local", row_score="l1",
-                num_heads=None, split_sizes=None, momentum_dtype=None)
+                unselected_decay=1.0, num_heads=None, split_sizes=None, momentum_dtype=None)
     base.update(values)
     base["algorithm"] = algorithm
     return base
@@ -39,7 +39,9 @@ class Dion3(OrthogonalOptimizer):
     """Dion3: orthogonalize only the `fraction` of momentum rows with the largest L1 norm, with
     error feedback on the selected rows and NorMuon's per-row normalization (a group with
     algorithm="dion2" leaves that normalization out). row_score="l2" ranks the rows by their L2
-    norm instead (an experiment of the frontier study; "l1" is the rule)."""
+    norm instead (an experiment of the frontier study; "l1" is the rule). unselected_decay=d < 1
+    also decays the momentum rows a step does not select, M[~S] ← d·M[~S] (an experiment too;
+    1, the rule, lets them accumulate)."""
 
     def __init__(
         self,
@@ -63,12 +65,14 @@ class Dion3(OrthogonalOptimizer):
         split_sizes: Optional[Sequence[int]] = None,
         momentum_dtype: Optional[str] = None,
         row_score: str = "l1",
+        unselected_decay: float = 1.0,
     ):
         defaults = _defaults(
             "dion3", lr=lr, fraction=fraction, mu=mu, muon_beta2=muon_beta2, betas=betas,
             weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr, flatten=flatten, stacked=stacked,
             orthogonalizer=orthogonalizer, ns_coefficients=ns_coefficients, selection_scope=selection_scope,
             num_heads=num_heads, split_sizes=split_sizes, momentum_dtype=momentum_dtype, row_score=row_score,
+            unselected_decay=unselected_decay,
         )
         super().__init__(params, defaults, distributed_mesh, check_finite)
 

@@ -35,7 +35,8 @@ GROUP_KEYS = ("params", "param_names", "initial_lr", "max_lr", "min_lr", "base_m
 # Settings that only the orthogonal rules (Dion3, Dion2, Muon, NorMuon) read; an AdamW or Lion
 # group reads lr, betas, weight_decay and epsilon of the optimizer's settings.
 MATRIX_SETTINGS = ("fraction", "mu", "muon_beta2", "nesterov", "adjust_lr", "flatten", "stacked", "orthogonalizer",
-                   "ns_coefficients", "selection_scope", "row_score", "num_heads", "split_sizes", "momentum_dtype")
+                   "ns_coefficients", "selection_scope", "row_score", "unselected_decay", "num_heads", "split_sizes",
+                   "momentum_dtype")
 # torch.optim's names of settings that dion3 spells otherwise: suggested where difflib would not
 TORCH_NAMES = {"momentum": "mu", "eps": "epsilon"}
 
@@ -129,6 +130,8 @@ def validate_group(group: dict, index: int) -> None:
         raise ValueError(f"{where}: unknown selection_scope {group['selection_scope']!r}; expected one of {SCOPES}")
     if group.setdefault("row_score", "l1") not in rules.ROW_SCORES:  # groups saved before the option lack it
         raise ValueError(f"{where}: unknown row_score {group['row_score']!r}; expected one of {rules.ROW_SCORES}")
+    # (0, 1]: 0 would erase the error feedback of every unselected row; 1 is the rule
+    check_range(where, "unselected_decay", group.setdefault("unselected_decay", 1.0), 0.0, 1.0, low_open=True)
     if algorithm in SELECTING_ALGORITHMS and group["nesterov"]:
         name = "Dion3" if algorithm == "dion3" else "Dion2"
         raise ValueError(f"{where}: {name} has no Nesterov variant; use nesterov=False")

@@ -40,6 +40,11 @@ its steps, so settings can be compared at equal optimizer FLOPs as well as at eq
 per Newton–Schulz schedule (names of dion3.ortho.SCHEDULES; polar_express_4 and polar_express_3
 take 4 and 3 steps). Runs of the default schedule keep their keys; the others are their own
 settings, labelled with their step count ("Dion3, 4 NS steps") in the summary, frontier and regime.
+
+`--unselected-decay 1,0.9` and `--full-every 0,8` run every Dion3 setting once per decay of the rows
+a step does not select (Dion3's unselected_decay) and once per period of full steps (every row on
+every K-th step, dion3.PeriodicFull; 0: never). Runs of the rule (1, 0) keep their keys; the others
+are their own settings ("-unselected0.9", "-full-every8").
 """
 from __future__ import annotations
 

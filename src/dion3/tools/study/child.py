@@ -119,7 +119,9 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
                        run.fraction_warmup, run.fraction_allocation, run.momentum_dtype if run.optimizer != "adamw" else None,
                        run.row_score if run.optimizer == "dion3" else None,
                        parse_fraction_weights(run.fraction_weights) if run.optimizer == "dion3" else None,
-                       run.ns_coefficients if run.optimizer != "adamw" else None)
+                       run.ns_coefficients if run.optimizer != "adamw" else None,
+                       unselected_decay=run.unselected_decay if run.optimizer == "dion3" else None,
+                       full_every=run.full_every if run.optimizer == "dion3" else 0)
     started = time.perf_counter()
     sharing: list = []  # processes on the GPU at each progress line
     on_step = progress_printer(run.horizon, sample=lambda: gpu_process_count(device), samples=sharing)

@@ -47,6 +47,14 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="with --fraction-allocation cost: weights of the rows by parameter name, each SPEC "
                              "part=weight pairs (e.g. mlp=2 or q_proj=2,o_proj=2) or none; each Dion3 setting runs "
                              "with each (param_groups' fraction_weights)")
+    parser.add_argument("--unselected-decay", default="1", metavar="VALUES",
+                        help="Dion3's decay of the momentum rows a step does not select, comma-separated, each in "
+                             "(0, 1]: 1 (default, the rule: they keep accumulating) and/or d < 1 (M[~S] ← d·M[~S], "
+                             "an experiment); each Dion3 setting runs with each")
+    parser.add_argument("--full-every", default="0", metavar="K",
+                        help="Dion3 runs that orthogonalize every row on every K-th step and the fraction on the others "
+                             "(dion3.PeriodicFull; by cost: budget 1 on those steps), comma-separated; 0 (default): "
+                             "never; each Dion3 setting runs with each")
     parser.add_argument("--ns-coefficients", default="polar_express", metavar="NAMES",
                         help="Newton–Schulz schedules, comma-separated names of dion3.ortho.SCHEDULES (default "
                              "polar_express, 5 steps; polar_express_4 and polar_express_3 take 4 and 3); each Muon, "

@@ -62,7 +62,8 @@ class Efficiency:
 
 def setting_name(variant: Variant) -> str:
     """The name `dion3 plan` prices a variant by; its label for variants the plan does not price."""
-    plain = variant.row_score == "l1" and variant.weights is None and variant.ns_coefficients == DEFAULT_NS
+    plain = (variant.row_score == "l1" and variant.weights is None and variant.ns_coefficients == DEFAULT_NS
+             and variant.unselected_decay == 1.0 and not variant.full_every)
     if plain and variant.optimizer in ("muon", "normuon", "adamw"):
         return variant.optimizer
     if plain and variant.optimizer == "dion3":

@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 from ..bench.step_time import parse_variant
 from ..setting_names import fraction_text
 from .launch import read_results
-from .runs import DEFAULT_NS, MODELS, best_on_shared_seeds, schedule_label, selection_label
+from .runs import DEFAULT_NS, MODELS, best_on_shared_seeds, rule_label, schedule_label, selection_label
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,9 @@ class Variant:
     row_score: str = "l1"  # Dion3's selection score (dion3.rules.ROW_SCORES)
     weights: Optional[str] = None  # by cost: the rows' weights by parameter name (the study's fraction_weights)
     ns_coefficients: str = DEFAULT_NS  # the Newton–Schulz schedule (the study's --ns-coefficients)
+    # rule variants under study (--unselected-decay, --full-every): never pooled with the rule's records
+    unselected_decay: float = 1.0
+    full_every: int = 0
 
     @property
     def label(self) -> str:
@@ -58,7 +61,8 @@ class Variant:
             return family + schedule_label(self.ns_coefficients)
         text = fraction_text(self.fraction).replace("/", "⁄")  # the fraction slash, for prose
         return (f"Dion3 {text}" + (" by cost" if self.allocation == "cost" else " on every matrix")
-                + selection_label(self.row_score, self.weights) + schedule_label(self.ns_coefficients))
+                + selection_label(self.row_score, self.weights) + schedule_label(self.ns_coefficients)
+                + rule_label(self.unselected_decay, self.full_every))
 
 
 # the references every other point is compared with: Muon and NorMuon with the default schedule
@@ -109,7 +113,9 @@ def best_points(records: Sequence[dict], model: str, horizon: int, compiled: boo
         variant = Variant(config["optimizer"], config["fraction"] if dion3 else None, allocation if dion3 else "uniform",
                           config.get("row_score", "l1") if dion3 else "l1",
                           config.get("fraction_weights") if dion3 else None,
-                          config.get("ns_coefficients", DEFAULT_NS) if config["optimizer"] != "adamw" else DEFAULT_NS)
+                          config.get("ns_coefficients", DEFAULT_NS) if config["optimizer"] != "adamw" else DEFAULT_NS,
+                          config.get("unselected_decay", 1.0) if dion3 else 1.0,
+                          config.get("full_every", 0) if dion3 else 0)
         key = (variant, config["lr"], config["mu"])
         settings.setdefault(key, (variant, config["lr"], config["mu"], {}))[3][record["seed"]] = record["final_val_loss"]
     by_variant: dict[Variant, list[tuple[float, float, dict[int, float]]]] = {}
@@ -197,9 +203,12 @@ def _rounded(variant: Variant) -> Variant:
     """The variant whose `dion3 bench` row times this one: fractions compared to 1e-9 (0.375
     written as 3/8 or 0.375); an L2 selection score is timed as the L1 rule (the momentum pass
     measures the squared row norms either way, and the selection costs the same); the schedule is
-    kept (fewer Newton–Schulz steps are what such a row times)."""
+    kept (fewer Newton–Schulz steps are what such a row times), and so are the unselected rows'
+    decay (one more pass over the momentum) and periodic full steps (the full steps' time too),
+    which no bench row times: such a point has no step time."""
     fraction = None if variant.fraction is None else round(variant.fraction, 9)
-    return Variant(variant.optimizer, fraction, variant.allocation, ns_coefficients=variant.ns_coefficients)
+    return Variant(variant.optimizer, fraction, variant.allocation, ns_coefficients=variant.ns_coefficients,
+                   unselected_decay=variant.unselected_decay, full_every=variant.full_every)
 
 
 def picks(points: Sequence[Point], axis: tuple) -> dict[str, Optional[Point]]:

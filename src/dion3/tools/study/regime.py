@@ -160,7 +160,7 @@ def _seeds(point: Point) -> str:
 def _variant_order(variant: Variant) -> tuple:
     rank = {"muon": 0, "normuon": 1, "dion3": 2, "adamw": 3}[variant.optimizer]  # Muon: another schedule
     return (rank, -(variant.fraction or 0.0), variant.allocation, variant.row_score, variant.weights or "",
-            variant.ns_coefficients)
+            variant.ns_coefficients, -variant.unselected_decay, variant.full_every)
 
 
 def regime_picture(table: dict[Regime, RegimeRow], path: Path) -> bool:

@@ -18,6 +18,10 @@ from ...ortho.coefficients import SCHEDULES
 from ...rules import ROW_SCORES
 from ..models import REGISTRY
 from ..setting_names import Dion3Setting
+from .flags import (
+    floats, fraction_weights_spec, full_every_steps, ints, learning_rates, momenta, momentum_dtypes, ns_schedules,
+    unselected_decays, warmup_steps,
+)
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,10 @@ class Run:
     # Muon/NorMuon/Dion3: the Newton–Schulz schedule, a name of dion3.ortho.SCHEDULES (e.g.
     # polar_express_4, 4 steps); AdamW runs keep the default
     ns_coefficients: str = DEFAULT_NS
+    # dion3 only: the decay of the momentum rows a step does not select (Dion3's unselected_decay;
+    # 1, the rule, in every record from before the option)
+    unselected_decay: float = 1.0
+    full_every: int = 0  # dion3 only: every row on every full_every-th step (PeriodicFull); 0: never
 
     @property
     def setting(self) -> tuple:
@@ -102,7 +110,7 @@ class Run:
         last, so that a larger batch of the same optimizer is its own setting."""
         return (self.model, self.horizon, self.optimizer, self.fraction, self.fraction_warmup, self.lr, self.mu,
                 self.fraction_allocation, self.compiled, self.momentum_dtype, self.cost_rule, self.row_score,
-                self.fraction_weights, self.ns_coefficients, self.batch_size)
+                self.fraction_weights, self.ns_coefficients, self.unselected_decay, self.full_every, self.batch_size)
 
     @property
     def key(self) -> str:
@@ -122,6 +130,10 @@ class Run:
             del fields["fraction_weights"]
         if fields["ns_coefficients"] == DEFAULT_NS:
             del fields["ns_coefficients"]
+        if fields["unselected_decay"] == 1.0:
+            del fields["unselected_decay"]
+        if not fields["full_every"]:
+            del fields["full_every"]
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
@@ -132,46 +144,14 @@ class Run:
             name = Dion3Setting(self.fraction, self.fraction_allocation, self.fraction_warmup).name
             name = (name + ("-flops" if self.fraction_allocation == "cost" and not self.cost_rule else "")
                     + (f"-{self.row_score}" if self.row_score != "l1" else "")
-                    + (f"-weights[{self.fraction_weights}]" if self.fraction_weights else ""))
+                    + (f"-weights[{self.fraction_weights}]" if self.fraction_weights else "")
+                    + (f"-unselected{self.unselected_decay:g}" if self.unselected_decay != 1.0 else "")
+                    + (f"-full-every{self.full_every}" if self.full_every else ""))
         if self.momentum_dtype:
             name += f"-momentum-{self.momentum_dtype}"
         if self.ns_coefficients != DEFAULT_NS:
             name += f"-{self.ns_coefficients}"
         return f"{name} lr={self.lr:g} mu={self.mu:g} h={self.horizon} seed={self.seed}" + (f" #{self.repeat}" if self.repeat else "")
-
-
-def _floats(text: str, flag: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"quality_study: {flag} expects comma-separated numbers, got {text!r}") from None
-    if not values:
-        raise SystemExit(f"quality_study: {flag} is empty")
-    return values
-
-
-def _ints(text: str, flag: str) -> list[int]:
-    values = _floats(text, flag)
-    if any(v != int(v) or v < 0 for v in values):
-        raise SystemExit(f"quality_study: {flag} expects comma-separated integers ≥ 0, got {text!r}")
-    return [int(v) for v in values]
-
-
-def _in_range(text: str, flag: str, low: float, high: float, closed_low: bool) -> list[float]:
-    """Comma-separated numbers, each in [low, high) (or (low, high) with closed_low=False)."""
-    values = _floats(text, flag)
-    if any(not ((low <= v if closed_low else low < v) and v < high) for v in values):
-        interval = f"{'[' if closed_low else '('}{low:g}, {high:g})"
-        raise SystemExit(f"quality_study: {flag} values must lie in {interval}, got {text!r}")
-    return values
-
-
-def learning_rates(text: str, flag: str) -> list[float]:
-    return _in_range(text, flag, 0.0, math.inf, closed_low=False)
-
-
-def momenta(text: str, flag: str) -> list[float]:
-    return _in_range(text, flag, 0.0, 1.0, closed_low=True)
 
 
 def check_schedule(args: argparse.Namespace) -> None:
@@ -184,45 +164,18 @@ def check_schedule(args: argparse.Namespace) -> None:
         raise SystemExit(f"quality_study: --cooldown is a share of the steps in [0, 1], got {args.cooldown}")
 
 
-def warmup_steps(spec: str, horizon: int) -> int:
-    """"200" → 200 steps; "15%" → 15% of the horizon."""
-    spec = spec.strip()
-    try:
-        steps = round(float(spec[:-1]) / 100 * horizon) if spec.endswith("%") else int(spec)
-    except ValueError:
-        raise SystemExit(f"quality_study: --fraction-warmup expects steps or P%, got {spec!r}") from None
-    if steps < 0:
-        raise SystemExit(f"quality_study: --fraction-warmup must not be negative, got {spec!r}")
-    return steps
-
-
-def fraction_weights_spec(text: str) -> Optional[str]:
-    """One --fraction-weights value → the Run field: "none" → None; "mlp=2,q_proj=1.5" → the same
-    parts in order of name with their weights as numbers (one spelling per setting)."""
-    text = text.strip()
-    if text == "none":
-        return None
-    weights = {}
-    for item in (part.strip() for part in text.split(",") if part.strip()):
-        name, sep, value = item.partition("=")
-        try:
-            weight = float(value)
-        except ValueError:
-            weight = math.nan
-        if not sep or not name.strip() or not 0.0 < weight < math.inf:
-            raise SystemExit(f"quality_study: --fraction-weights expects part=weight pairs with positive weights "
-                             f"(e.g. mlp=2,q_proj=1.5) or none, got {text!r}")
-        weights[name.strip()] = weight
-    if not weights:
-        raise SystemExit("quality_study: --fraction-weights got an empty value; give part=weight pairs or none")
-    return ",".join(f"{name}={weights[name]:g}" for name in sorted(weights))
-
-
 def selection_label(row_score: str, fraction_weights: Optional[str]) -> str:
     """What a Dion3 setting changes of the selection rule, for tables and plots: "" for the rule
     itself (L1 scores, every matrix's rows counted once)."""
     return ((f", rows by {row_score.upper()}" if row_score != "l1" else "")
             + (f", rows weighted {fraction_weights}" if fraction_weights else ""))
+
+
+def rule_label(unselected_decay: float, full_every: int) -> str:
+    """What a Dion3 setting changes of the update rule, for tables and plots: "" for the rule
+    itself (the unselected rows keep accumulating; the fraction on every step)."""
+    return ((f", unselected rows ×{unselected_decay:g} a step" if unselected_decay != 1.0 else "")
+            + (f", all rows every {full_every} steps" if full_every else ""))
 
 
 def schedule_label(ns_coefficients: str) -> str:
@@ -232,14 +185,6 @@ def schedule_label(ns_coefficients: str) -> str:
         return ""
     steps = len(SCHEDULES[ns_coefficients])
     return f", {steps} NS steps" if ns_coefficients.startswith(DEFAULT_NS) else f", NS {ns_coefficients} ({steps} steps)"
-
-
-def ns_schedules(text: str) -> list[str]:
-    """--ns-coefficients → the schedule names, each a name of dion3.ortho.SCHEDULES, in order."""
-    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
-    if not names or any(name not in SCHEDULES for name in names):
-        raise SystemExit(f"quality_study: --ns-coefficients expects some of {tuple(SCHEDULES)}, got {text!r}")
-    return names
 
 
 def with_ns_schedules(runs: Sequence[Run], names: Sequence[str]) -> list[Run]:
@@ -258,18 +203,6 @@ def parse_fraction_weights(spec: Optional[str]) -> Optional[tuple[tuple[str, flo
     return tuple((name, float(value)) for name, _, value in (item.partition("=") for item in spec.split(",")))
 
 
-MOMENTUM_DTYPES = ("float32", "bfloat16")
-
-
-def momentum_dtypes(text: str) -> list[Optional[str]]:
-    """--momentum-dtype → the Run field per dtype: None for float32 (the default, and the key of
-    runs from before the option), else the dtype's name."""
-    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
-    if not names or any(name not in MOMENTUM_DTYPES for name in names):
-        raise SystemExit(f"quality_study: --momentum-dtype expects some of {MOMENTUM_DTYPES}, got {text!r}")
-    return [None if name == "float32" else name for name in names]
-
-
 def with_momentum_dtypes(runs: Sequence[Run], dtypes: Sequence[Optional[str]]) -> list[Run]:
     """Each run once per momentum dtype; AdamW runs once (it has no matrix momentum)."""
     out = []
@@ -281,14 +214,14 @@ def with_momentum_dtypes(runs: Sequence[Run], dtypes: Sequence[Optional[str]]) -
 
 def plan_runs(args: argparse.Namespace) -> list[Run]:
     """Every run of the study, short horizons first (a partial study then covers every setting)."""
-    horizons, seeds = sorted(set(_ints(args.horizons, "--horizons"))), _ints(args.seeds, "--seeds")
+    horizons, seeds = sorted(set(ints(args.horizons, "--horizons"))), ints(args.seeds, "--seeds")
     if any(h < 1 for h in horizons):
         raise SystemExit("quality_study: --horizons must be positive")
     families = [f.strip() for f in args.optimizers.split(",") if f.strip()]
     for family in families:
         if family not in FAMILIES:
             raise SystemExit(f"quality_study: --optimizers: unknown {family!r}; expected some of {tuple(FAMILIES)}")
-    fractions = list(dict.fromkeys(_floats(args.fraction, "--fraction")))
+    fractions = list(dict.fromkeys(floats(args.fraction, "--fraction")))
     if any(not 0.0 < f <= 1.0 for f in fractions):
         raise SystemExit(f"quality_study: --fraction values must lie in (0, 1], got {args.fraction!r}")
     allocations = list(dict.fromkeys(a.strip() for a in args.fraction_allocation.split(",") if a.strip()))
@@ -299,6 +232,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     if not row_scores or any(s not in ROW_SCORES for s in row_scores):
         raise SystemExit(f"quality_study: --row-score expects some of {ROW_SCORES}, got {args.row_score!r}")
     weightings = list(dict.fromkeys(fraction_weights_spec(text) for text in args.fraction_weights))
+    decays, fulls = unselected_decays(args.unselected_decay), full_every_steps(args.full_every)
     if any(weightings) and allocations != ["cost"]:
         raise SystemExit("quality_study: --fraction-weights weigh the rows of fractions by cost: use it with "
                          "--fraction-allocation cost alone")
@@ -318,13 +252,13 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
                 runs.append(Run(optimizer=family, lr=lr, mu=mu, fraction=None, fraction_warmup=0, horizon=horizon, seed=seed, **common))
         if "dion3" in families:
             warmups = [warmup_steps(w, horizon) for w in args.fraction_warmup.split(",") if w.strip()]
-            for fraction, lr, mu, warm, allocation, score, weighting in itertools.product(
+            for fraction, lr, mu, warm, allocation, score, weighting, decay, full in itertools.product(
                     fractions, learning_rates(args.dion3_lr, "--dion3-lr"), momenta(args.dion3_mu, "--dion3-mu"),
-                    dict.fromkeys(warmups), allocations, row_scores, weightings):
+                    dict.fromkeys(warmups), allocations, row_scores, weightings, decays, fulls):
                 runs.append(Run(optimizer="dion3", lr=lr, mu=mu, fraction=fraction, fraction_warmup=warm,
                                 horizon=horizon, seed=seed, fraction_allocation=allocation,
                                 cost_rule=COST_RULE if allocation == "cost" else None, row_score=score,
-                                fraction_weights=weighting, **common))
+                                fraction_weights=weighting, unselected_decay=decay, full_every=full, **common))
     runs = with_ns_schedules(runs, ns_schedules(args.ns_coefficients))
     runs = with_momentum_dtypes(runs, momentum_dtypes(args.momentum_dtype))
     return [dataclasses.replace(run, repeat=r) for run in runs for r in range(args.repeats)]
@@ -349,13 +283,14 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
     variant has (a seed-0 sweep whose winner then ran more seeds is judged on seed 0), or over
     each setting's own seeds when they share none. Families: --optimizers, each once per schedule
     of --ns-coefficients; Dion3 variants: those of --fraction, --fraction-warmup (in steps),
-    --fraction-allocation and --row-score. Runs by cost of another rule than COST_RULE (the FLOP
+    --fraction-allocation, --row-score, --unselected-decay and --full-every. Runs by cost of another rule than COST_RULE (the FLOP
     rule's, cost_rule None) are left out: rerun now, they would allocate by COST_RULE."""
     families = [f.strip() for f in args.optimizers.split(",") if f.strip()]
-    fractions = set(_floats(args.fraction, "--fraction"))
-    warmups = set(_ints(args.fraction_warmup, "--fraction-warmup"))
+    fractions = set(floats(args.fraction, "--fraction"))
+    warmups = set(ints(args.fraction_warmup, "--fraction-warmup"))
     allocations = {a.strip() for a in args.fraction_allocation.split(",") if a.strip()}
     scores = {s.strip() for s in args.row_score.split(",") if s.strip()}
+    decays, fulls = set(unselected_decays(args.unselected_decay)), set(full_every_steps(args.full_every))
     schedules = set(ns_schedules(args.ns_coefficients))
     by_setting: dict[tuple, tuple[Run, dict[int, float]]] = {}  # setting → (a run of it, loss per seed)
     for record in records:
@@ -366,7 +301,8 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
                 or (run.optimizer != "adamw" and run.ns_coefficients not in schedules)):
             continue
         if run.optimizer == "dion3" and (run.fraction not in fractions or run.fraction_warmup not in warmups
-                                         or run.fraction_allocation not in allocations or run.row_score not in scores):
+                                         or run.fraction_allocation not in allocations or run.row_score not in scores
+                                         or run.unselected_decay not in decays or run.full_every not in fulls):
             continue
         if run.fraction_allocation == "cost" and run.cost_rule != COST_RULE:
             continue  # another rule's fractions: this code would rerun it under COST_RULE, another setting
@@ -375,7 +311,7 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
     variants: dict[tuple, list[tuple[Run, dict[int, float]]]] = {}
     for run, losses in by_setting.values():
         variant = (run.optimizer, run.fraction, run.fraction_warmup, run.fraction_allocation, run.row_score,
-                   run.fraction_weights, run.ns_coefficients)
+                   run.fraction_weights, run.ns_coefficients, run.unselected_decay, run.full_every)
         variants.setdefault(variant, []).append((run, losses))
     best: dict[tuple, tuple[float, Run]] = {}
     for variant, settings in variants.items():
@@ -384,7 +320,7 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
     if not best:
         raise SystemExit(f"quality_study: --best-from holds no finite {args.model} run at horizon {args.best_at} "
                          f"of {families} (and the Dion3 variants asked for)")
-    horizons, seeds = sorted(set(_ints(args.horizons, "--horizons"))), _ints(args.seeds, "--seeds")
+    horizons, seeds = sorted(set(ints(args.horizons, "--horizons"))), ints(args.seeds, "--seeds")
     ranked = sorted(best.values(), key=lambda item: item[0])
     for mean, run in ranked:
         print(f"best at {args.best_at} steps: {run.label.rsplit(' h=', 1)[0]} (mean {mean:.4f})", flush=True)

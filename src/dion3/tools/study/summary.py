@@ -9,16 +9,17 @@ from typing import Sequence
 
 from ..setting_names import Dion3Setting
 from .launch import read_results
-from .runs import MODELS, Run, schedule_label, selection_label
+from .runs import MODELS, Run, rule_label, schedule_label, selection_label
 
 
 def _setting_label(setting: tuple) -> tuple[str, str]:
     """(optimizer, fraction budget): the budget worded as `dion3 compare` words it ("1/4 by cost")."""
-    _, _, optimizer, fraction, warmup, _, _, allocation, _, _, cost_rule, row_score, weights, schedule, _ = setting
+    (_, _, optimizer, fraction, warmup, _, _, allocation, _, _, cost_rule, row_score, weights, schedule, decay,
+     full_every, _) = setting
     if optimizer != "dion3":
         return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[optimizer] + schedule_label(schedule), "—"
     rule = " (FLOP rule)" if allocation == "cost" and not cost_rule else ""
-    return ("Dion3" + selection_label(row_score, weights) + schedule_label(schedule),
+    return ("Dion3" + selection_label(row_score, weights) + schedule_label(schedule) + rule_label(decay, full_every),
             Dion3Setting(fraction, allocation, warmup).budget + rule)
 
 
@@ -51,7 +52,8 @@ def summary_table(records: Sequence[dict]) -> str:
     for (model, horizon, _, setting, count, bad, skipped, loss_text, train_text, fraction, step_ms,
          flops_text) in sorted(rows, key=lambda r: r[:3]):
         name, schedule = _setting_label(setting)
-        notes = ["compiled"] * setting[8] + ([f"batch {setting[14]}"] if model in MODELS and setting[14] != MODELS[model].batch_size else [])
+        batch = setting[-1]  # Run.setting: the batch size last
+        notes = ["compiled"] * setting[8] + ([f"batch {batch}"] if model in MODELS and batch != MODELS[model].batch_size else [])
         model = f"{model} ({', '.join(notes)})" if notes else model
         name = f"{name}, {setting[9]} momentum" if setting[9] else name
         lines.append(f"| {model} | {horizon} | {name} | {schedule} | {setting[5]:g} | {setting[6]:g} | {count} | {bad} | {skipped} | "

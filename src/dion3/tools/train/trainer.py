@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from ...optim import Dion3, FractionScheduler, FractionWarmup
+from ...optim import Dion3, FractionScheduler, FractionWarmup, PeriodicFull
 from ...optim.graph import CapturedStep
 from .data import TokenData, read_once_batches, train_batches, val_batches
 from ...optim.cost_fractions import matrix_shapes, step_orthogonalize_flops
@@ -49,6 +49,9 @@ class RunSpec:
     fraction_weights: Optional[tuple[tuple[str, float], ...]] = None
     # Muon/NorMuon/Dion3: the Newton–Schulz schedule's name (ns_coefficients); None keeps the optimizer's
     ns_coefficients: Optional[str] = None
+    # Dion3 only: the decay of the momentum rows a step does not select (unselected_decay); None keeps 1
+    unselected_decay: Optional[float] = None
+    full_every: int = 0  # Dion3 only: every row on every full_every-th step (PeriodicFull); 0: never
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,8 @@ def build_optimizer(model: GPT, spec: RunSpec) -> Dion3:
     # only supplies defaults that every group here overrides or does not read.
     options = {key: value for key, value in (("fraction", spec.fraction), ("mu", spec.mu),
                                              ("momentum_dtype", spec.momentum_dtype), ("row_score", spec.row_score),
-                                             ("ns_coefficients", spec.ns_coefficients))
+                                             ("ns_coefficients", spec.ns_coefficients),
+                                             ("unselected_decay", spec.unselected_decay))
                if value is not None}
     weights = None if spec.fraction_weights is None else dict(spec.fraction_weights)
     return Dion3(param_groups(model, lm_head=model.lm_head, algorithm=spec.algorithm, lr=spec.lr,
@@ -208,7 +212,8 @@ def train(
     model_factory: builds the model from the config (vocabulary padded to the data's); the
     model maps (tokens, targets) to the mean loss and has an `lm_head` module.
     captured: run the optimizer step through CapturedStep (CUDA only; see use_captured_step);
-    a fraction warm-up then runs its ramp eagerly and is captured once k settles.
+    a fraction warm-up then runs its ramp eagerly and is captured once k settles; periodic full
+    steps (spec.full_every) get a graph of their own beside the other steps'.
     compiled: the model's forward and backward through torch.compile (the optimizer step is not
     compiled); the same math with fused elementwise kernels, for throughput on a GPU."""
     config = dataclasses.replace(model_config, vocab_size=padded_vocab(data.vocab_size))
@@ -219,9 +224,10 @@ def train(
     forward = torch.compile(model, dynamic=False) if compiled else model
     for group in optimizer.param_groups:
         group["initial_lr"] = group["lr"]
-    fraction_schedule = None
-    if spec.fraction_warmup:
-        fraction_schedule = FractionScheduler(optimizer, FractionWarmup(spec.fraction, spec.fraction_warmup))
+    schedule_of_step = FractionWarmup(spec.fraction, spec.fraction_warmup) if spec.fraction_warmup else None
+    if spec.full_every:  # every row on every full_every-th step, the warm-up's (or fixed) fraction between
+        schedule_of_step = PeriodicFull(schedule_of_step or spec.fraction, every=spec.full_every)
+    fraction_schedule = FractionScheduler(optimizer, schedule_of_step) if schedule_of_step else None
     # the fraction at each step, a mean over the Dion3 groups weighted by their matrix rows (one group: its fraction)
     fractions = []
     selecting = [(group, sum(s.rows * s.count for s in matrix_shapes(group["params"], group.get("flatten", False))))
