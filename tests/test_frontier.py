@@ -99,11 +99,11 @@ def test_muon_quality_is_the_cheapest_dion3_within_one_sd_of_muon(tmp_path):
     assert chosen["fastest"].variant == frontier.Variant("dion3", 0.25, "cost")
 
 
-def command_inputs(tmp_path):
-    """(the command's --results/--steps/--out arguments for RECORDS and TIMES, the out folder)."""
+def command_inputs(tmp_path, records=RECORDS):
+    """(the command's --results/--steps/--out arguments for `records` and TIMES, the out folder)."""
     results = tmp_path / "study"
     results.mkdir()
-    (results / "results.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    (results / "results.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     steps = tmp_path / "steps.json"
     steps.write_text(json.dumps(bench_report("llama-8b", TIMES)))
     out = tmp_path / "out"
@@ -288,14 +288,8 @@ def test_a_batch_size_compares_the_runs_of_that_batch_alone(tmp_path):
     records += [record("dion3", 0.02, 0.6, s, loss, 0.375, "cost", batch_size=128) for s, loss in ((0, 0.614), (1, 0.616))]
     records += [record("muon", 0.02, 0.8, s, 0.70, batch_size=16) for s in (0, 1)]
     records += [record("dion3", 0.02, 0.6, s, 0.69, 0.375, "cost", batch_size=16) for s in (0, 1)]
-    results = tmp_path / "study"
-    results.mkdir()
-    (results / "results.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    steps = tmp_path / "steps.json"
-    steps.write_text(json.dumps(bench_report("llama-8b", TIMES)))
-    out = tmp_path / "out"
-    assert frontier.main(["--results", str(results), "--steps", str(steps), "--out", str(out), "--horizon", "100",
-                          "--batch-size", "128", "--name", "frontier-b128"]) == 0
+    common, out = command_inputs(tmp_path, records)
+    assert frontier.main(common + ["--horizon", "100", "--batch-size", "128", "--name", "frontier-b128"]) == 0
     text = (out / "frontier-b128.md").read_text()
     assert text.startswith("# Frontier at 100 steps, batch 128")
     assert "| Dion3 3⁄8 by cost | 0.02 | 0.6 | 2 | 0.6150 ± 0.0014 | +0.0040 |" in text

@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..setting_names import Dion3Setting
-from .frontier import MUON, Variant, best_points, write_report
+from .frontier import MUON, Variant, best_points
 from .launch import read_results
 from .regime import Regime, _variant_order, block_matrix_parameters, gap, regime_cards, regime_of
 from .runs import DEFAULT_NS, MODELS
+from .summary import write_report
 
 DATA = Path(__file__).resolve().parents[1] / "plan" / "step_efficiency.json"
 

@@ -38,6 +38,7 @@ from ..bench.step_time import parse_variant
 from ..setting_names import fraction_text
 from .launch import read_results
 from .runs import DEFAULT_NS, MODELS, best_on_shared_seeds, rule_label, schedule_label, selection_label
+from .summary import write_report
 
 
 @dataclass(frozen=True)
@@ -350,13 +351,6 @@ def frontier_picture(panels: Sequence[tuple[str, Sequence[Point]]], axis: tuple,
     return [model for model, _, _ in panels]
 
 
-def write_report(path: Path, sections: Sequence[str]) -> None:
-    """A report's markdown file, also printed (the study tools' outputs)."""
-    text = "\n".join(sections)
-    path.write_text(text)
-    print(text)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dion3.tools.study.frontier", description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, nargs="+", required=True, help="study folders or results.jsonl files")
@@ -377,8 +371,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     whole = {} if args.batch_size else read_whole_steps(args.steps)  # train_step timed each model's own batch
     args.out.mkdir(parents=True, exist_ok=True)
     models = sorted({r["config"]["model"] for r in records})
-    batch = f", batch {args.batch_size}" if args.batch_size else ""
-    sections = [f"# Frontier at {args.horizon} steps{batch} ({'eager' if args.eager else 'compiled'} runs)", "",
+    sections = [f"# Frontier at {args.horizon} steps" + (f", batch {args.batch_size}" if args.batch_size else "")
+                + f" ({'eager' if args.eager else 'compiled'} runs)", "",
                 "Command: `python -m dion3.tools.study.frontier " + " ".join(sys.argv[1:] if argv is None else argv) + "`", ""]
     panels = []
     for model in models:

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .frontier import MUON, Point, Variant, best_points, write_report
+from .frontier import MUON, Point, Variant, best_points
 from .launch import read_results
 from .runs import MODELS, ModelSpec
+from .summary import write_report
 
 
 def block_matrix_parameters(spec: ModelSpec) -> int:

@@ -89,3 +89,8 @@ def write_summary(out: Path) -> str:
     return table
 
 
+def write_report(path: Path, sections: Sequence[str]) -> None:
+    """A report's markdown file, also printed (the study tools' outputs)."""
+    text = "\n".join(sections)
+    path.write_text(text)
+    print(text)
