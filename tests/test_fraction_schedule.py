@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import io
 import pathlib
+import re
 
 import pytest
 import torch
@@ -292,10 +293,12 @@ def test_scheduler_state_dict_is_checked():
 
 
 # ------------------------------------------------------------------------- groups by cost: a budget
-def _readme_fastest_line() -> str:
-    """The README's "fastest" line, as written there."""
-    lines = README.read_text().splitlines()
-    return lines[next(i for i, line in enumerate(lines) if line.startswith('# "fastest"')) + 1]
+def _readme_usage_line() -> tuple[str, float]:
+    """The README's usage line (its one `optimizer = ...` of fractions by cost), as written there,
+    and the budget it names."""
+    line = next(line for line in README.read_text().splitlines()
+                if line.startswith("optimizer = dion3.Dion3(") and 'fraction_allocation="cost"' in line)
+    return line, float(re.search(r"fraction=([0-9.]+)", line)[1])
 
 
 def _allocated(groups, budget):
@@ -306,19 +309,20 @@ def _allocated(groups, budget):
     return [1.0] * len(groups) if budget == 1.0 else cost_allocated_fractions(shapes, budget)
 
 
-def test_the_readme_fastest_line_warms_up_its_budget_by_cost():
-    """The README's "fastest" groups under a fraction warm-up: the schedule is the budget, and at
-    each step every group holds the fraction that the allocation by cost gives its shape at the
-    scheduled budget (1 at the start, the README's fractions of ¼ at the end)."""
+def test_the_readme_usage_line_warms_up_its_budget_by_cost():
+    """The README's usage line (fractions by cost) under a fraction warm-up: the schedule is the
+    budget, and at each step every group holds the fraction that the allocation by cost gives its
+    shape at the scheduled budget (1 at the start, the README's fractions at the end)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=128, vocab_size=256))
     namespace = {"dion3": dion3, "model": model}
-    exec(_readme_fastest_line(), namespace)
+    line, budget_given = _readme_usage_line()
+    exec(line, namespace)
     optimizer = namespace["optimizer"]
     costed = [g for g in optimizer.param_groups if g["algorithm"] == "dion3"]
     given = [g["fraction"] for g in costed]
-    assert len(set(given)) > 1 and given == _allocated(costed, 0.25)
-    warmup = FractionWarmup(0.25, steps=6)
+    assert len(set(given)) > 1 and given == _allocated(costed, budget_given)
+    warmup = FractionWarmup(budget_given, steps=6)
     scheduler = FractionScheduler(optimizer, warmup)
     tokens = torch.randint(0, 256, (4, 16))
     losses, seen = [], []

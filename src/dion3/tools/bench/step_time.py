@@ -66,9 +66,9 @@ NAMED_VARIANTS = {
     "muon-gram": Variant("muon-gram", "muon"),  # auto: Gram NS for non-square, NS for square
     "normuon": Variant("normuon", "normuon"),
 }
-# the settings the README measures (½ and ¼ by cost among them; README "Which setting")
-DEFAULT_OPTIMIZERS = ("adamw,muon,muon-gram,normuon,dion3-1/2,dion3-1/4,dion3-1/8,dion3-1/2-cost,dion3-1/4-cost,"
-                      "dion3-1/4-warmup200")
+# the settings the README measures (½, ⅜ and ¼ by cost among them; README "Which setting")
+DEFAULT_OPTIMIZERS = ("adamw,muon,muon-gram,normuon,dion3-1/2,dion3-1/4,dion3-1/8,dion3-1/2-cost,dion3-3/8-cost,"
+                      "dion3-1/4-cost,dion3-1/4-warmup200")
 
 
 def parse_variant(name: str) -> Variant:
