@@ -254,7 +254,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         forward_backward = forward_backward_seconds(run.parameters, run.tokens_per_step, run.world_size,
                                                     run.flops_per_second)
         predictions = predict(optimizer_s, forward_backward, efficiencies[regime])
-        advice = dict(text=report(run, regime, predictions, {name: v.label for name, v in zip(SETTINGS, variants)}),
+        advice = dict(text=report(run, regime, forward_backward, predictions, {name: v.label for name, v in zip(SETTINGS, variants)}),
                       run=asdict(run), regime=asdict(regime), forward_backward_s=forward_backward,
                       predictions=[asdict(p) for p in predictions], recommendation=recommendation(predictions))
     if args.json:

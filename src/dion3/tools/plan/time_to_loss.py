@@ -146,10 +146,10 @@ class Run:
     flops_per_second: float  # the forward and backward's sustained rate per GPU
 
 
-def report(run: Run, regime: MeasuredRegime, predictions: Sequence[Prediction], labels: dict[str, str]) -> str:
-    """The plan's section on the time to Muon's loss: the run, the regime its efficiencies come
-    from, a row per setting and the recommend line."""
-    forward_backward = forward_backward_seconds(run.parameters, run.tokens_per_step, run.world_size, run.flops_per_second)
+def report(run: Run, regime: MeasuredRegime, forward_backward: float, predictions: Sequence[Prediction],
+           labels: dict[str, str]) -> str:
+    """The plan's section on the time to Muon's loss: the run, its modeled forward and backward
+    (seconds), the regime its efficiencies come from, a row per setting and the recommend line."""
     lines = [
         f"Time to Muon's loss: {run.tokens_per_step:,.0f} tokens a step over {run.world_size} rank"
         f"{'s' if run.world_size > 1 else ''}; forward and backward 6 · {run.parameters / 1e9:.3g} B parameters · "
