@@ -301,6 +301,83 @@ def test_cost_variant_names():
             step.parse_variant(bad)
 
 
+def test_rule_variant_names():
+    """The frontier's rule variants as the bench names them: a fixed Dion3 setting with
+    -unselectedD and/or -full-everyK last, its name the setting's one spelling; each fault named."""
+    decayed = step.parse_variant("dion3-0.5-cost-unselected0.90")
+    assert (decayed.name, decayed.fraction, decayed.allocation, decayed.unselected_decay, decayed.full_every) == \
+        ("dion3-1/2-cost-unselected0.9", 0.5, "cost", 0.9, 0)
+    both = step.parse_variant("dion3-3/8-unselected0.95-full-every8")
+    assert (both.name, both.allocation, both.unselected_decay, both.full_every) == \
+        ("dion3-3/8-unselected0.95-full-every8", "uniform", 0.95, 8)
+    assert step.parse_variant("dion3-1/2-cost:bf16").full_every == 0
+    faults = {"dion3-1/2-unselected1": "D in \\(0, 1\\)", "dion3-1/2-unselected0": "D in", "dion3-1/2-unselectedx": "cannot read",
+              "dion3-1/2-full-every1": "K ≥ 2", "dion3-1/2-full-every8-unselected0.9": "in that order",
+              "dion3-1/4-warmup200-full-every8": "drop the warm-up", "muon-full-every8": "follow a Dion3 setting"}
+    for bad, why in faults.items():
+        with pytest.raises(ValueError, match=r"--optimizers: .*" + re.escape(repr(bad))) as raised:
+            step.parse_variant(bad)
+        assert re.search(why, str(raised.value)), (bad, str(raised.value))
+
+
+def test_the_unselected_rows_decay_pass_moves_their_bytes():
+    # 8×4 at f = 1/4: 2 rows selected, the decay reads and writes the other 6 rows of 4 (fp32, then bf16)
+    shape = [MatrixShape("a", 8, 4, 3)]
+    plain = flops.step_cost(shape, "dion3", 0.25)
+    decayed = flops.step_cost(shape, "dion3", 0.25, decays_unselected=True)
+    assert decayed.bytes_moved - plain.bytes_moved == 3 * 2 * 4 * 6 * 4
+    assert decayed.dense_flops == plain.dense_flops
+    half = flops.step_cost(shape, "dion3", 0.25, momentum_bytes=2, decays_unselected=True)
+    assert half.bytes_moved - flops.step_cost(shape, "dion3", 0.25, momentum_bytes=2).bytes_moved == 3 * 2 * 2 * 6 * 4
+
+
+def test_periodic_full_steps_run_every_row_each_kth_step_and_are_timed_in_cycles(monkeypatch, tmp_path):
+    """-full-every4 over groups by cost: every 4th step runs every group at fraction 1, the others
+    at their by-cost fractions; timed steps come in whole cycles and the row is the median of the
+    cycles' means; its cost is one full step and three selecting ones over four. -unselected0.9
+    builds Dion3 with that decay and prices its pass."""
+    real = step.make_optimizer
+    seen: dict[str, list] = {}
+
+    def recording(variant, *args, **kwargs):
+        optimizer = real(variant, *args, **kwargs)
+        plain = optimizer.step
+        calls = seen.setdefault(variant.name, [])
+
+        def stepping(*a, **k):
+            calls.append(tuple(g["fraction"] for g in optimizer.param_groups))
+            return plain(*a, **k)
+
+        optimizer.step = stepping
+        seen[variant.name + " decay"] = [g["unselected_decay"] for g in optimizer.param_groups]
+        return optimizer
+
+    monkeypatch.setattr(step, "make_optimizer", recording)
+    shapes, path = "16x32:2,64x32", tmp_path / "bench.json"
+    assert step.main(["--device", "cpu", "--shapes", shapes, "--steps", "5", "--warmup", "1", "--json", str(path),
+                      "--optimizers", "dion3-1/2-cost,dion3-1/2-cost-full-every4,dion3-1/2-cost-unselected0.9"]) == 0
+    rule, periodic, decayed = json.loads(path.read_text())["results"]
+    assert all("error" not in r for r in (rule, periodic, decayed)), [r.get("error") for r in (rule, periodic, decayed)]
+    by_cost = seen["dion3-1/2-cost"][0]
+    assert any(f < 1 for f in by_cost)
+    calls = seen["dion3-1/2-cost-full-every4"]
+    assert len(calls) % 4 == 0 and len(calls) >= 4 * 4  # whole cycles; the warm-up captures both selections
+    for index, fractions in enumerate(calls):
+        assert fractions == ((1.0,) * len(by_cost) if index % 4 == 3 else by_cost), index
+    times = periodic["device_ms_all"]
+    assert len(times) == 8  # 5 timed steps asked: two cycles of 4
+    assert periodic["device_ms"] == pytest.approx((sum(times[:4]) / 4 + sum(times[4:]) / 4) / 2)  # median of two
+    assert "cycles of 4 steps" in periodic["statistic"]
+    matrices = parse_shapes(shapes).matrices
+    # one group per shape, in the shapes' order (test_cost_variant_builds_one_group_per_shape_at_the_cost_fractions)
+    full, selecting = (flops.step_cost(matrices, "dion3", f) for f in (1.0, list(by_cost)))
+    assert periodic["model"]["executed_flops"] == pytest.approx((full.executed_flops + 3 * selecting.executed_flops) / 4)
+    assert periodic["model"]["bytes_moved"] == pytest.approx((full.bytes_moved + 3 * selecting.bytes_moved) / 4)
+    assert seen["dion3-1/2-cost-unselected0.9 decay"] == [0.9] * len(by_cost)
+    assert decayed["model"]["bytes_moved"] > rule["model"]["bytes_moved"]
+    assert decayed["model"]["dense_flops"] == rule["model"]["dense_flops"]
+
+
 def test_default_list_times_every_setting_the_readme_measures():
     """`dion3 bench` with no --optimizers times the README's settings: ½, ⅜ and ¼ by cost (its "Which
     setting" table), and every fraction by cost in the README's usage code among them."""

@@ -194,7 +194,7 @@ def test_an_l2_row_score_is_its_own_point_timed_as_the_l1_rule(tmp_path):
 
 
 
-def test_rule_variants_are_points_of_their_own_that_no_bench_row_times(tmp_path):
+def test_rule_variants_are_points_of_their_own_that_the_rule_s_bench_rows_do_not_time(tmp_path):
     """Runs with unselected_decay or full_every never pool with ½ by cost's records (a variant with
     a lower loss stays its own point, labelled apart), and get no step time from the rule's bench
     row (their step does more); the rule's point keeps its records, its time and the picks."""
@@ -220,6 +220,23 @@ def test_rule_variants_are_points_of_their_own_that_no_bench_row_times(tmp_path)
     from dion3.tools.study.efficiency import setting_name
 
     assert setting_name(rule) == "dion3-1/2-cost" and setting_name(decayed) == decayed.label
+
+
+def test_rule_variants_are_timed_by_the_bench_rows_that_name_them(tmp_path):
+    """A real `dion3 bench` report (CPU) of ½ by cost, its -unselected0.9 and its -full-every4 rows:
+    each study point of those rules takes its own row's time, not the rule's."""
+    from dion3.tools.bench import step_time
+
+    path = tmp_path / "steps.json"
+    assert step_time.main(["--device", "cpu", "--shapes", "16x32:2,64x32", "--steps", "4", "--warmup", "1", "--json",
+                           str(path), "--optimizers",
+                           "dion3-1/2-cost,dion3-1/2-cost-unselected0.9,dion3-1/2-cost-full-every4"]) == 0
+    rows = {row["name"]: row["device_ms"] for row in json.loads(path.read_text())["results"]}
+    _, times = frontier.read_steps([path])
+    for variant, name in ((frontier.Variant("dion3", 0.5, "cost"), "dion3-1/2-cost"),
+                          (frontier.Variant("dion3", 0.5, "cost", unselected_decay=0.9), "dion3-1/2-cost-unselected0.9"),
+                          (frontier.Variant("dion3", 0.5, "cost", full_every=4), "dion3-1/2-cost-full-every4")):
+        assert times[frontier._rounded(variant)] == {("custom", "eager"): rows[name]}, name
 
 
 def test_a_four_step_schedule_is_its_own_point_timed_by_its_own_bench_rows(tmp_path):

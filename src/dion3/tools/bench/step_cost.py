@@ -100,11 +100,14 @@ def step_cost(
     method: str = "auto", symmetric: Symmetric = False, schedule="polar_express",
     restarts: Optional[Sequence[int]] = None, scalar_numel: int = 0,
     world_size: int = 1, layout: str = "fsdp", scope: str = "local", momentum_bytes: int = 4,
+    decays_unselected: bool = False,
 ) -> StepCost:
     """Cost of one step over the given matrices (and `scalar_numel` AdamW elements).
 
     fraction (Dion3 only): one fraction for every matrix, or one per entry of `matrices`
     (per-shape fractions, e.g. from dion3.optim.cost_fractions.cost_allocated_fractions).
+    decays_unselected (Dion3 only: unselected_decay < 1): the pass that reads and writes the
+    momentum rows a step does not select.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
@@ -122,6 +125,8 @@ def step_cost(
     for shape, f in zip(matrices, fractions):
         k = shape.rows if f is None else selected_row_count(shape.rows, f)
         moved += shape.count * elementwise_bytes(algorithm, shape.rows, shape.cols, k, momentum_bytes)
+        if decays_unselected and algorithm == "dion3":
+            moved += shape.count * 2.0 * momentum_bytes * (shape.rows - k) * shape.cols
         if algorithm == "adamw":
             continue
         d, e = orthogonalize_flops(k, shape.cols, method, symmetric, schedule, restarts)

@@ -32,71 +32,16 @@ import torch
 from ... import kernels
 from ...optim import Dion3, Muon, NorMuon
 from ...optim.cost_fractions import cost_allocated_fractions, cost_allocated_groups
+from ...optim.validation import BUDGET_KEY
 from ...ortho.coefficients import SCHEDULES, get_schedule
 from . import step_cost as flops
 from .launches import launches_per_step
 from .report import Progress, format_table
 from .presets import PRESETS, Preset, get_preset, parse_shapes
-from ..setting_names import GRAMMAR, Dion3Setting, canonical_name, parse_dion3
+from ..setting_names import canonical_name
+from .variants import BASELINE, DEFAULT_OPTIMIZERS, NAMED_VARIANTS, Variant, parse_variant  # noqa: F401 (users import them here)
 
 GRAPH_WARMUP = 3  # eager steps CapturedStep runs before capturing
-BASELINE = "muon"
-
-
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    algorithm: str  # adamw | muon | normuon | dion3
-    fraction: Optional[float] = None
-    orthogonalizer: str = "auto"
-    kernels: bool = True  # Triton kernels enabled (dion3.kernels.set_kernels_enabled)
-    # dion3: "uniform" (`fraction` on every matrix) or "cost" (one fraction per matrix shape, within
-    # the modeled H200 step time of `fraction` on every matrix: dion3.optim.cost_fractions)
-    allocation: str = "uniform"
-    # dion3: the fraction warms up from 1 to `fraction` over this many steps (FractionWarmup, the
-    # documented schedule); every step of the warm-up is timed and the row reports their mean
-    warmup_steps: Optional[int] = None
-    momentum_dtype: Optional[str] = None  # the matrix groups' momentum_dtype (NAME:bf16 variants)
-    ns_coefficients: str = "polar_express"  # the Newton–Schulz schedule (--ns-coefficients), not AdamW's
-
-
-NAMED_VARIANTS = {
-    "adamw": Variant("adamw", "adamw", kernels=False),
-    "muon": Variant("muon", "muon", orthogonalizer="newton_schulz", kernels=False),  # the baseline
-    "muon-gram": Variant("muon-gram", "muon"),  # auto: Gram NS for non-square, NS for square
-    "normuon": Variant("normuon", "normuon"),
-}
-# the settings the README measures (½, ⅜ and ¼ by cost among them; README "Which setting")
-DEFAULT_OPTIMIZERS = ("adamw,muon,muon-gram,normuon,dion3-1/2,dion3-1/4,dion3-1/8,dion3-1/2-cost,dion3-3/8-cost,"
-                      "dion3-1/4-cost,dion3-1/4-warmup200")
-
-
-def parse_variant(name: str) -> Variant:
-    """A named variant, or a Dion3 setting named as dion3.tools.setting_names spells it: dion3-F
-    with F a fraction in (0, 1] such as 1/4 or 0.25; dion3-F-cost: per-shape fractions within the
-    modeled H200 step time of dion3-F; dion3-F-warmupN: the fraction warmed up from 1 to F over N
-    steps (FractionWarmup). Any orthogonal variant with ":bf16" (e.g. dion3-1/4:bf16) keeps its
-    momentum in bf16 (momentum_dtype="bfloat16"). A Dion3 variant's name is the setting's one
-    spelling (dion3-0.25 and dion3-f0.25 become dion3-1/4)."""
-    if name.endswith(":bf16") and name != ":bf16":
-        base = parse_variant(name[: -len(":bf16")])
-        if base.algorithm == "adamw":
-            raise ValueError(f"--optimizers: {name!r}: AdamW has no momentum_dtype")
-        return dataclasses.replace(base, name=base.name + ":bf16", momentum_dtype="bfloat16")
-    if name in NAMED_VARIANTS:
-        return NAMED_VARIANTS[name]
-    try:
-        setting = parse_dion3(name)
-    except ValueError as error:
-        raise ValueError(f"--optimizers: unknown optimizer {name!r}: {error}") from None
-    if setting is None:
-        raise ValueError(f"--optimizers: unknown optimizer {name!r}; expected one of {sorted(NAMED_VARIANTS)} "
-                         f"or {GRAMMAR}, each also with :bf16 (bf16 momentum)")
-    if setting.allocation == "cost" and setting.warmup_steps:  # its steps' fractions are not priced here
-        raise ValueError(f"--optimizers: {name!r}: the bench times fractions by cost fixed; bench the warm-up's "
-                         f"end, {Dion3Setting(setting.fraction, 'cost').name}, or train the warm-up (dion3 compare)")
-    return Variant(setting.name, "dion3", fraction=setting.fraction, allocation=setting.allocation,
-                   warmup_steps=setting.warmup_steps or None)
 
 
 # ------------------------------------------------------------------------ building a run
@@ -120,12 +65,14 @@ def make_optimizer(variant: Variant, matrices, scalars, device: torch.device, gr
     if variant.allocation == "cost":  # one group per shape, each with its fraction by cost
         groups = cost_allocated_groups({"params": matrices, "orthogonalizer": variant.orthogonalizer,
                                         "ns_coefficients": variant.ns_coefficients}, variant.fraction)
+        for group in groups:  # the budget, as param_groups records it: a fraction schedule then sets the budget
+            group[BUDGET_KEY] = variant.fraction
     if scalars:
         groups.append({"params": scalars, "algorithm": "adamw", "lr": 1e-3})
     common = dict(lr=0.01, weight_decay=0.01, orthogonalizer=variant.orthogonalizer, momentum_dtype=variant.momentum_dtype,
                   ns_coefficients=variant.ns_coefficients)
     if variant.algorithm == "dion3":
-        return Dion3(groups, fraction=variant.fraction, **common)
+        return Dion3(groups, fraction=variant.fraction, unselected_decay=variant.unselected_decay, **common)
     return (Muon if variant.algorithm == "muon" else NorMuon)(groups, **common)
 
 
@@ -186,6 +133,8 @@ def measure(variant: Variant, graph: bool, preset: Preset, args, device: torch.d
         from ...optim.graph import CapturedStep  # the lead's capture wrapper
 
         step = CapturedStep(optimizer, warmup_steps=GRAPH_WARMUP)
+    if variant.full_every:
+        return _measure_periodic(optimizer, step, variant, args, device, start, progress)
     if variant.warmup_steps:  # the schedule: every one of its steps timed, from its first
         from ...optim.fraction_schedule import FractionScheduler, FractionWarmup
 
@@ -224,6 +173,40 @@ def measure(variant: Variant, graph: bool, preset: Preset, args, device: torch.d
     return result
 
 
+def _measure_periodic(optimizer, step, variant: Variant, args, device: torch.device, start: float, progress) -> dict:
+    """Periodic full steps (PeriodicFull): warm-up and timed steps in whole K-step cycles, the
+    warm-up long enough for a captured step to capture both selections (the full one comes once a
+    cycle); the row's time is the median over the timed cycles of the cycle's mean step."""
+    from ...optim.fraction_schedule import FractionScheduler, PeriodicFull
+
+    every = variant.full_every
+    scheduler = FractionScheduler(optimizer, PeriodicFull(variant.fraction, every=every))
+    plain_step = step
+
+    def step():
+        plain_step()
+        scheduler.step()
+
+    warmup = every * max(-(-args.warmup // every), GRAPH_WARMUP + 1)
+    cycles = max(1, -(-args.steps // every))
+    step()
+    synchronize(device)
+    first = time.perf_counter() - start
+    for i in range(1, warmup):
+        progress(f"warm-up {i + 1}/{warmup}")
+        step()
+    synchronize(device)
+    ready = time.perf_counter() - start
+    device_ms, host_ms = timed_calls(step, cycles * every, device, lambda i: progress(f"step {i}/{cycles * every}"))
+
+    def cycle_medians(times):
+        return statistics.median(statistics.mean(times[c * every:(c + 1) * every]) for c in range(cycles))
+
+    return dict(device_ms=cycle_medians(device_ms), host_ms=cycle_medians(host_ms), device_ms_all=device_ms,
+                first_step_s=first, ready_s=ready, bytes_sent=0.0, bytes_sent_source="none (a schedule)",
+                statistic=f"median over {cycles} cycles of {every} steps of the cycle's mean", **_peak(device))
+
+
 def _peak(device: torch.device) -> dict:
     return {"peak_gb": torch.cuda.max_memory_allocated(device) / 1e9} if device.type == "cuda" else {}
 
@@ -244,11 +227,20 @@ def cost_of(variant: Variant, preset: Preset, device: torch.device, with_scalars
     def symmetric(n: int) -> bool:  # the dispatch rule of dion3.kernels, asked as the run will ask it
         return variant.kernels and kernels.symmetric_kernels_available(device, n)
 
-    return flops.step_cost(
-        preset.matrices, variant.algorithm, shape_fractions(variant, preset), variant.orthogonalizer, symmetric,
-        scalar_numel=preset.scalar_numel if with_scalars else 0, momentum_bytes=2 if variant.momentum_dtype else 4,
-        schedule=variant.ns_coefficients,
-    )
+    def cost(fractions) -> flops.StepCost:
+        return flops.step_cost(
+            preset.matrices, variant.algorithm, fractions, variant.orthogonalizer, symmetric,
+            scalar_numel=preset.scalar_numel if with_scalars else 0, momentum_bytes=2 if variant.momentum_dtype else 4,
+            schedule=variant.ns_coefficients, decays_unselected=variant.unselected_decay != 1.0,
+        )
+
+    selected = cost(shape_fractions(variant, preset))
+    if not variant.full_every:
+        return selected
+    full, every = cost(1.0), variant.full_every  # a cycle: one full step, every − 1 selecting ones
+    dense, executed, moved, sent = ((a + (every - 1) * b) / every
+                                    for a, b in zip(dataclasses.astuple(full), dataclasses.astuple(selected)))
+    return flops.StepCost(round(dense), executed, moved, sent)
 
 
 def run_variant(variant: Variant, graph: bool, preset: Preset, args, device: torch.device, progress) -> dict:
@@ -291,7 +283,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help=f"comma list (default {DEFAULT_OPTIMIZERS}); dion3-F takes any fraction F in (0, 1], "
                         "dion3-F-cost (e.g. dion3-1/4-cost) fractions per matrix shape within dion3-F's modeled "
                         "H200 step time (dion3.ortho.cost.modeled_seconds), dion3-F-warmupN the fraction warmed up "
-                        "from 1 over N steps; `dion3 compare` names the same settings alike")
+                        "from 1 over N steps; `dion3 compare` names the same settings alike. Rule variants of a fixed "
+                        "Dion3 setting (bench only): -unselectedD (unselected momentum rows ×D a step) and "
+                        "-full-everyK (every row on every K-th step), e.g. dion3-1/2-cost-full-every8")
     parser.add_argument("--ns-coefficients", default="polar_express", metavar="NAME",
                         help="the Newton–Schulz schedule of every Muon, NorMuon and Dion3 variant, the muon baseline "
                              f"included (one of {', '.join(SCHEDULES)}; default polar_express); fractions by cost and "

@@ -135,16 +135,17 @@ def best_points(records: Sequence[dict], model: str, horizon: int, compiled: boo
 
 def bench_variant(row: dict) -> Optional[Variant]:
     """The frontier variant a `dion3 bench` row times, if any (the default Muon, NorMuon, AdamW,
-    fixed-fraction Dion3 in float32 momentum; with the row's Newton–Schulz schedule, `dion3 bench
-    --ns-coefficients`)."""
+    fixed-fraction Dion3 in float32 momentum, its rule variants; with the row's Newton–Schulz
+    schedule, `dion3 bench --ns-coefficients`)."""
     spec = row.get("variant", {})
     if spec.get("momentum_dtype") or spec.get("warmup_steps"):
         return None
     if spec.get("algorithm") == "muon" and spec.get("orthogonalizer", "auto") != "auto":
         return None  # the standard-NS baseline, not the Muon users get
     schedule = spec.get("ns_coefficients", DEFAULT_NS)
-    if spec.get("algorithm") == "dion3":
-        return Variant("dion3", spec["fraction"], spec.get("allocation", "uniform"), ns_coefficients=schedule)
+    if spec.get("algorithm") == "dion3":  # rule variants: bench's -unselectedD and -full-everyK names
+        return Variant("dion3", spec["fraction"], spec.get("allocation", "uniform"), ns_coefficients=schedule,
+                       unselected_decay=spec.get("unselected_decay", 1.0), full_every=spec.get("full_every", 0))
     if spec.get("algorithm") == "adamw":
         return Variant("adamw")
     return Variant(spec["algorithm"], ns_coefficients=schedule) if spec.get("algorithm") in ("muon", "normuon") else None
@@ -206,7 +207,7 @@ def _rounded(variant: Variant) -> Variant:
     measures the squared row norms either way, and the selection costs the same); the schedule is
     kept (fewer Newton–Schulz steps are what such a row times), and so are the unselected rows'
     decay (one more pass over the momentum) and periodic full steps (the full steps' time too),
-    which no bench row times: such a point has no step time."""
+    timed by bench rows named with -unselectedD and -full-everyK."""
     fraction = None if variant.fraction is None else round(variant.fraction, 9)
     return Variant(variant.optimizer, fraction, variant.allocation, ns_coefficients=variant.ns_coefficients,
                    unselected_decay=variant.unselected_decay, full_every=variant.full_every)
