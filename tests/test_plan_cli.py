@@ -108,12 +108,94 @@ def test_tokens_per_parameter_picks_the_regime(tmp_path, capsys):
 
 
 def test_bad_time_to_loss_inputs_are_refused_by_name(tmp_path, capsys):
-    base = ["--preset", "llama-1b", "--layout", "single", "--quiet"]
-    cases = [(["--tokens-per-step", "0"], "--tokens-per-step must be positive"),
-             (["--tokens-per-step", "8192", "--train-tflops", "-1"], "--train-tflops must be positive"),
-             (["--tokens-per-step", "8192", "--efficiency", str(tmp_path / "missing.json")],
+    base = ["--layout", "single", "--quiet"]
+    cases = [(["--preset", "llama-1b", "--tokens-per-step", "0"], "--tokens-per-step must be positive"),
+             (["--preset", "llama-1b", "--tokens-per-step", "8192", "--train-tflops", "-1"], "--train-tflops must be positive"),
+             (["--preset", "llama-1b", "--tokens-per-step", "8192", "--efficiency", str(tmp_path / "missing.json")],
               "--efficiency: cannot read step-efficiencies"),
              (["--shapes", "256x512:4", "--experts", "8", "--tokens-per-step", "8192"], "needs --parameters")]
     for extra, message in cases:
         assert cli.main(base + extra) == 2
         assert message in capsys.readouterr().err
+
+
+def _config(tmp_path, name, **fields):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(fields))
+    return str(folder / "config.json")
+
+
+LLAMA_3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+                  num_attention_heads=32, num_hidden_layers=32, num_key_value_heads=8, vocab_size=128256,
+                  tie_word_embeddings=False)
+
+
+def test_a_hugging_face_config_plans_as_its_preset(tmp_path, capsys):
+    """Llama-3-8B's config.json gives the matrices of the llama-8b preset: the same 6.98 B matrix
+    parameters (counted by hand) and the same priced steps, and the same time-to-loss answer."""
+    path = _config(tmp_path, "Meta-Llama-3-8B", **LLAMA_3_8B)
+    runs = {}
+    for model in (["--hf-config", path], ["--preset", "llama-8b"]):
+        out = tmp_path / "plan.json"
+        assert cli.main(model + ["--layout", "fsdp=8", "--tokens-per-step", "1048576", "--json", str(out), "--quiet"]) == 0
+        runs[model[0]] = json.loads(out.read_text())
+    hand = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096)
+    assert hand == 6_979_321_856 and f"{hand / 1e9:.2f} B matrix parameters" in runs["--hf-config"]["header"]
+    assert runs["--hf-config"]["model"] == "Meta-Llama-3-8B"
+    assert runs["--hf-config"]["optimizers"] == runs["--preset"]["optimizers"]
+    config, preset = (runs[k]["time_to_loss"] for k in ("--hf-config", "--preset"))
+    assert config["run"]["parameters"] == hand + 128256 * 4096  # the matrices and the LM head
+    assert config["predictions"] == preset["predictions"] and config["recommendation"] == preset["recommendation"]
+
+
+def test_a_mixture_of_experts_config_counts_every_expert_and_the_active_ones(tmp_path):
+    """A Mixtral-style config (4 experts, 2 a token) and a Qwen-MoE-style one with a shared expert
+    and head_dim · heads ≠ hidden_size: the hidden parameters count every expert, a token's
+    parameters the chosen ones (hand counts), and the experts' stacks are split by an ep axis."""
+    d, layers, vocab = 64, 2, 100
+    attention = layers * (2 * 64 * d + 2 * 32 * d)  # q, o: 4 heads × 16; k, v: 2 heads × 16
+    moe = _config(tmp_path, "mixtral", hidden_size=d, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=layers, num_local_experts=4, num_experts_per_tok=2, vocab_size=vocab)
+    out = tmp_path / "moe.json"
+    assert cli.main(["--hf-config", moe, "--layout", "ep=2,fsdp=2", "--tokens-per-step", "4096", "--json", str(out),
+                     "--quiet"]) == 0
+    data = json.loads(out.read_text())
+    router, expert = layers * 4 * d, 3 * 128 * d  # an expert: gate, up and down
+    hidden = attention + router + layers * 4 * expert
+    assert f"{hidden / 1e9:.2f} B matrix parameters" in data["header"]
+    assert data["time_to_loss"]["run"]["parameters"] == attention + router + layers * 2 * expert + vocab * d
+    assert data["time_to_loss"]["run"]["hidden_parameters"] == hidden
+    for entry in data["optimizers"]:  # one owner each: 2 layers × (q, o, k, v, router), and each ep half of 3 stacks
+        assert sum(r["owned"] for r in entry["ranks"]) == layers * 5 + layers * 3 * 2
+    wide = _config(tmp_path, "qwen-moe", hidden_size=d, head_dim=32, num_attention_heads=4, num_key_value_heads=1,
+                   num_hidden_layers=layers, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=96, vocab_size=vocab, tie_word_embeddings=True)
+    out = tmp_path / "wide.json"
+    assert cli.main(["--hf-config", wide, "--layout", "single", "--tokens-per-step", "4096", "--json", str(out),
+                     "--quiet"]) == 0
+    run = json.loads(out.read_text())["time_to_loss"]["run"]
+    attention = layers * (2 * 128 * d + 2 * 32 * d)  # q, o: 4 heads × 32 = 128; k, v: 1 head × 32
+    dense = attention + layers * 8 * d + layers * 3 * 96 * d  # the router and the shared expert
+    assert run["hidden_parameters"] == dense + layers * 8 * 3 * 32 * d
+    assert run["parameters"] == dense + layers * 2 * 3 * 32 * d + vocab * d
+
+
+def test_bad_hugging_face_configs_are_refused_by_name(tmp_path, capsys):
+    good = _config(tmp_path, "llama", **LLAMA_3_8B)
+    missing = _config(tmp_path, "no-layers", **{k: v for k, v in LLAMA_3_8B.items() if k != "num_hidden_layers"})
+    latent = _config(tmp_path, "deepseek", **LLAMA_3_8B, kv_lora_rank=512)
+    greedy = _config(tmp_path, "greedy", **LLAMA_3_8B, num_local_experts=4, num_experts_per_tok=8)
+    negative = _config(tmp_path, "negative", **{**LLAMA_3_8B, "hidden_size": -1})
+    (tmp_path / "broken.json").write_text("{not json")
+    cases = [(["--hf-config", missing], "has no 'num_hidden_layers'"),
+             (["--hf-config", latent], "sets kv_lora_rank (multi-head latent attention"),
+             (["--hf-config", greedy], "num_experts_per_tok 8 exceeds the 4 experts"),
+             (["--hf-config", negative], "hidden_size must be a positive integer, got -1"),
+             (["--hf-config", str(tmp_path / "broken.json")], "is not JSON"),
+             (["--hf-config", str(tmp_path / "absent.json")], "--hf-config: cannot read"),
+             (["--hf-config", good, "--preset", "llama-8b"], "--preset and --hf-config each name the model"),
+             (["--hf-config", good, "--experts", "8"], "--hf-config gives the experts itself")]
+    for extra, message in cases:
+        assert cli.main(extra + ["--layout", "single", "--quiet"]) == 2, extra
+        assert message in capsys.readouterr().err, extra

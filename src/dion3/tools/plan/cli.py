@@ -9,6 +9,7 @@ from dataclasses import asdict
 from typing import Optional
 
 from ..bench.presets import MODELS, parse_shapes
+from ..hf_config import ConfigModel, config_model
 from ..models import refusal
 from .pricing import Hardware, Network
 from .run import build_plans, price, setting_variant, stderr_progress, variant
@@ -45,8 +46,11 @@ GPUS = {
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dion3 plan", description=__doc__)
     what = p.add_argument_group("model and layout")
-    what.add_argument("--preset", default="llama-8b", help=f"one of {sorted(MODELS)} (default llama-8b)")
+    what.add_argument("--preset", help=f"one of {sorted(MODELS)} (default llama-8b)")
     what.add_argument("--shapes", help="custom matrices ROWSxCOLS[:COUNT],... instead of a preset")
+    what.add_argument("--hf-config", metavar="PATH",
+                      help="a Hugging Face config.json of a Llama-family decoder (Llama, Mistral, Qwen, Mixtral, "
+                           "Qwen-MoE) instead of a preset: its matrices, experts and parameters a token")
     what.add_argument("--experts", type=int, help="with --shapes: every shape is a stack [E, rows, cols] of E experts "
                       "(expert parallel: an ep axis splits the experts)")
     what.add_argument("--layout", default="fsdp=8", help="mesh axes, outermost first: fsdp=64,tp=8 · "
@@ -129,23 +133,39 @@ def settings(args) -> tuple[Hardware, Network]:
     return hw, net
 
 
-def model(args):
+def model(args) -> ConfigModel:
+    """The model's shapes, the experts of each stacked shape, and the parameters a token
+    multiplies by (None where only the user can say: --shapes with --experts)."""
+    given = [flag for flag, value in (("--preset", args.preset), ("--shapes", args.shapes), ("--hf-config", args.hf_config))
+             if value]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)} each name the model: give one")
+    if args.hf_config and args.experts:
+        raise ValueError("--hf-config gives the experts itself: leave out --experts")
+    if args.hf_config:
+        return config_model(args.hf_config)
+    if args.experts is not None and (args.experts < 1 or not args.shapes):
+        raise ValueError(f"--experts needs --shapes and a count ≥ 1, got {args.experts}")
     if args.shapes:
-        return parse_shapes(args.shapes)
-    if args.preset not in MODELS:
+        preset = parse_shapes(args.shapes)
+    elif (args.preset or "llama-8b") not in MODELS:
         raise ValueError(f"--preset: {refusal(args.preset, 'plan')}")
-    return MODELS[args.preset]
+    else:
+        preset = MODELS[args.preset or "llama-8b"]
+    if args.experts:
+        return ConfigModel(preset, {m.name: args.experts for m in preset.matrices}, None)
+    return ConfigModel(preset, None, preset.matrix_numel + head_numel(preset))
 
 
-def time_to_loss_run(args, preset, layout) -> tuple[Run, dict]:
+def time_to_loss_run(args, described: ConfigModel, layout) -> tuple[Run, dict]:
     """The user's run for the time to Muon's loss, and the measured step-efficiencies."""
     for flag in ("tokens_per_step", "train_tokens", "train_tflops", "parameters"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
-    if args.experts and args.parameters is None:
+    if described.active_parameters is None and args.parameters is None:
         raise ValueError("--tokens-per-step with --experts needs --parameters: the parameters one token multiplies by "
                          "(its experts', not every expert's)")
-    parameters = args.parameters or preset.matrix_numel + head_numel(preset)
-    hidden = preset.matrix_numel * (args.experts or 1)
+    parameters = args.parameters or described.active_parameters
+    hidden = described.hidden_parameters
     tokens = args.train_tokens or 20 * hidden
     rate = (args.train_tflops or GPUS[args.gpu]["train"]) * TB
     run = Run(args.tokens_per_step, layout.world_size, parameters, hidden, tokens / hidden, args.train_tokens is None, rate)
@@ -219,12 +239,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ValueError(f"--verify must be ≥ 0, got {args.verify}")
         hw, net = settings(args)
         layout = parse_layout(args.layout, args.world)
-        preset = model(args)
-        if args.experts is not None and (args.experts < 1 or not args.shapes):
-            raise ValueError(f"--experts needs --shapes and a count ≥ 1, got {args.experts}")
+        described = model(args)
+        preset = described.preset
         momentum = None if args.momentum_dtype == "float32" else args.momentum_dtype
         if args.tokens_per_step is not None:
-            run, efficiencies = time_to_loss_run(args, preset, layout)
+            run, efficiencies = time_to_loss_run(args, described, layout)
             variants = [setting_variant(n, args.scope, momentum) for n in SETTINGS]
         else:
             names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
@@ -233,12 +252,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"dion3 plan: {error}", file=sys.stderr)
         return 2
     progress = None if args.quiet else stderr_progress
-    experts = {m.name: args.experts for m in preset.matrices} if args.experts else None
-    planned = build_plans(model_weights(preset.matrices, experts), layout, variants, verify=args.verify,
+    planned = build_plans(model_weights(preset.matrices, described.experts), layout, variants, verify=args.verify,
                           progress=progress)
     steps = price(planned, variants, hw, net, preset.scalar_numel)
     overlap = not args.no_overlap
-    head = (f"{preset.name} ({preset.description}; {preset.matrix_numel * (args.experts or 1) / 1e9:.2f} B matrix parameters) on "
+    head = (f"{preset.name} ({preset.description}; {described.hidden_parameters / 1e9:.2f} B matrix parameters) on "
             f"{layout.describe()} = {layout.world_size} ranks, {hw.name}: {hw.symmetric_flops / TB:.0f}/"
             f"{hw.dense_flops / TB:.0f} TFLOP/s (kernels/cuBLAS NS), {hw.memory_bytes / TB:.2f} TB/s, "
             f"{hw.bucket_overhead * 1e3:.1f} ms per distributed bucket, {hw.launch_s * 1e6:.0f} µs host time "
