@@ -3,6 +3,7 @@ the budget property), and the host-side FLOP count of a step."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -390,6 +391,30 @@ def test_describe_fractions_prints_the_groups_allocation():
         describe_fractions(groups, 0.5, lm_head="lm_head")
     with pytest.raises(ValueError, match="fraction must lie in"):
         describe_fractions(groups, 1.5)
+
+
+def test_dion3_fractions_of_a_hugging_face_config(tmp_path, capsys):
+    """--hf-config: Llama-3-8B's config.json gets llama-8b's fractions; a Mixtral-style config's
+    experts are stacks whose every expert counts as a matrix (8 experts × 2 stacks × 2 layers)
+    and share their shape's fraction; a model named twice is refused."""
+    from dion3.tools.cli import main
+
+    config = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_hidden_layers=32,
+                  num_key_value_heads=8, vocab_size=128256)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["fractions", "--hf-config", str(tmp_path / "config.json"), "--fraction", "3/8"]) == 0
+    from_config = _table(capsys.readouterr().out)
+    assert main(["fractions", "--preset", "llama-8b", "--fraction", "3/8"]) == 0
+    assert from_config == _table(capsys.readouterr().out)
+    moe = dict(hidden_size=128, intermediate_size=512, num_attention_heads=4, num_hidden_layers=2, num_local_experts=8,
+               num_experts_per_tok=2, vocab_size=100)
+    (tmp_path / "moe.json").write_text(json.dumps(moe))
+    assert main(["fractions", "--hf-config", str(tmp_path / "moe.json"), "--fraction", "1/2"]) == 0
+    rows = {r["parameters"]: r for r in _table(capsys.readouterr().out)}
+    assert (rows["experts.gate,up"]["rows × cols"], rows["experts.gate,up"]["matrices"]) == ("512×128", str(8 * 2 * 2))
+    assert (rows["experts.down"]["rows × cols"], rows["experts.down"]["matrices"]) == ("128×512", str(8 * 2))
+    assert main(["fractions", "--hf-config", str(tmp_path / "moe.json"), "--preset", "llama-8b"]) == 2
+    assert "--preset and --hf-config each name the model" in capsys.readouterr().err
 
 
 def test_dion3_fractions_command(capsys):

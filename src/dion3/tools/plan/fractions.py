@@ -13,6 +13,7 @@ import torch
 from ...optim.cost_fractions import cost_allocated_groups
 from ...optim.fraction_table import describe_fractions
 from ..bench.presets import MODELS, parse_shapes
+from ..hf_config import config_model
 from ..models import refusal
 from ..setting_names import Dion3Setting, fraction_text, parse_fraction
 
@@ -21,9 +22,11 @@ ORTHOGONALIZERS = ("auto", "newton_schulz", "gram")
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dion3 fractions", description=__doc__)
-    p.add_argument("--preset", default="llama-8b", help=f"one of {', '.join(sorted(MODELS))}: every model name of "
+    p.add_argument("--preset", help=f"one of {', '.join(sorted(MODELS))}: every model name of "
                    "dion3.tools.models, every layer of the model (default llama-8b)")
     p.add_argument("--shapes", help="custom matrices ROWSxCOLS[:COUNT],... instead of a preset")
+    p.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json of a Llama-family decoder instead "
+                   "of a preset (as `dion3 plan --hf-config`; experts as stacks of their matrices)")
     p.add_argument("--fraction", default="1/4",
                    help="the uniform fraction to allocate, written 1/4 or 0.25 (default 1/4: dion3-1/4-cost, as "
                         "`dion3 compare` and `dion3 bench` name it)")
@@ -32,12 +35,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def groups(matrices, fraction: float, orthogonalizer: str = "auto") -> list[dict]:
-    """One Dion3 group of meta matrices (named as the preset names them), split by cost as
-    param_groups splits a model's."""
+def groups(matrices, fraction: float, orthogonalizer: str = "auto", experts: Optional[dict] = None) -> list[dict]:
+    """One Dion3 group of meta matrices (named as the preset names them; a shape in `experts` as
+    stacks [E, rows, cols]), split by cost as param_groups splits a model's."""
     params, names = [], []
     for shape in matrices:
-        params += [torch.empty(shape.rows, shape.cols, device="meta") for _ in range(shape.count)]
+        stack = (experts or {}).get(shape.name)
+        size = (stack, shape.rows, shape.cols) if stack else (shape.rows, shape.cols)
+        params += [torch.empty(size, device="meta") for _ in range(shape.count)]
         names += [shape.name] * shape.count
     group = dict(params=params, param_names=names)
     if orthogonalizer != "auto":
@@ -52,10 +57,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             fraction = parse_fraction(args.fraction)
         except ValueError as error:
             raise ValueError(f"--fraction: {error}") from None
-        if args.shapes:
+        given = [flag for flag, value in (("--preset", args.preset), ("--shapes", args.shapes),
+                                          ("--hf-config", args.hf_config)) if value]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} each name the model: give one")
+        experts = None
+        if args.hf_config:
+            described = config_model(args.hf_config)
+            preset, experts = described.preset, described.experts
+        elif args.shapes:
             preset = parse_shapes(args.shapes)
-        elif args.preset in MODELS:
-            preset = MODELS[args.preset]
+        elif (args.preset or "llama-8b") in MODELS:
+            preset = MODELS[args.preset or "llama-8b"]
         else:
             raise ValueError(f"--preset: {refusal(args.preset, 'fractions')}")
     except ValueError as error:
@@ -66,7 +79,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"modeled H200 step time of {fraction_text(fraction)} on every matrix "
           f"(param_groups(..., fraction={fraction!r}, fraction_allocation=\"cost\"), "
           f"orthogonalizer {args.orthogonalizer})\n")
-    print(describe_fractions(groups(preset.matrices, fraction, args.orthogonalizer), fraction))
+    print(describe_fractions(groups(preset.matrices, fraction, args.orthogonalizer, experts), fraction))
     return 0
 
 
