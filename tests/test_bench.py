@@ -301,6 +301,33 @@ def test_cost_variant_names():
             step.parse_variant(bad)
 
 
+def test_bench_times_a_hugging_face_config_s_matrices_each_expert_one(tmp_path, capsys):
+    config = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                  num_local_experts=4, num_experts_per_tok=2, vocab_size=100)
+    path, out = tmp_path / "config.json", tmp_path / "bench.json"
+    path.write_text(json.dumps(config))
+    assert step.main(["--device", "cpu", "--hf-config", str(path), "--optimizers", "muon-gram,dion3-1/2", "--steps", "1",
+                      "--warmup", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    counts = {m["name"]: (m["rows"], m["cols"], m["count"]) for m in report["source"]["matrices"]}
+    assert counts == {"q": (64, 64, 2), "o": (64, 64, 2), "k,v": (32, 64, 4), "router": (4, 64, 2),
+                      "experts.gate,up": (128, 64, 2 * 2 * 4), "experts.down": (64, 128, 2 * 4)}
+    assert all("error" not in row for row in report["results"])
+
+
+def test_bench_refuses_a_model_larger_than_the_free_memory(monkeypatch, capsys):
+    ran = []
+    monkeypatch.setattr(step, "run_variant", lambda *args: ran.append(args) or dict(name="muon", mode="eager", error="not run here"))
+    monkeypatch.setattr(step, "free_bytes", lambda device: 10 ** 9)
+    assert step.main(["--device", "cpu", "--preset", "llama-1b", "--optimizers", "muon"]) == 2 and not ran
+    message = capsys.readouterr().err
+    need = 12 * PRESETS["llama-1b"].matrix_numel / 1e9  # fp32 matrices, gradients and momentum
+    assert f"llama-1b: its matrices need {need:.1f} GB" in message and "1.0 GB free" in message
+    monkeypatch.setattr(step, "free_bytes", lambda device: None)  # unknown: no refusal
+    step.main(["--device", "cpu", "--preset", "llama-1b", "--optimizers", "muon"])
+    assert len(ran) == 1
+
+
 def test_rule_variant_names():
     """The frontier's rule variants as the bench names them: a fixed Dion3 setting with
     -unselectedD and/or -full-everyK last, its name the setting's one spelling; each fault named."""

@@ -38,6 +38,7 @@ from . import step_cost as flops
 from .launches import launches_per_step
 from .report import Progress, format_table
 from .presets import PRESETS, Preset, get_preset, parse_shapes
+from ..hf_config import config_model
 from ..setting_names import canonical_name
 from .variants import BASELINE, DEFAULT_OPTIMIZERS, NAMED_VARIANTS, Variant, parse_variant  # noqa: F401 (users import them here)
 
@@ -279,6 +280,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     source.add_argument("--preset", default="llama-1b", metavar="NAME",
                         help=f"model shapes, one of {', '.join(sorted(PRESETS))} (default llama-1b)")
     source.add_argument("--shapes", help="custom matrices ROWSxCOLS[:COUNT],... e.g. 4096x4096:32,1024x4096:64")
+    source.add_argument("--hf-config", metavar="PATH",
+                        help="a Hugging Face config.json of a Llama-family decoder (as `dion3 plan --hf-config`): "
+                             "every matrix of the model, each expert one matrix, on one device")
     parser.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS,
                         help=f"comma list (default {DEFAULT_OPTIMIZERS}); dion3-F takes any fraction F in (0, 1], "
                         "dion3-F-cost (e.g. dion3-1/4-cost) fractions per matrix shape within dion3-F's modeled "
@@ -305,7 +309,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--warmup must be ≥ 1 (the first step is always untimed), got {args.warmup}")
     try:
         args.device = torch.device(args.device)
-        args.source = parse_shapes(args.shapes) if args.shapes else get_preset(args.preset)
+        args.source = (parse_shapes(args.shapes) if args.shapes else
+                       config_matrices(args.hf_config) if args.hf_config else get_preset(args.preset))
         skip = {canonical_name(name.strip()) for name in args.skip.split(",") if name.strip()}
         given = [n.strip() for n in args.optimizers.split(",") if n.strip() and canonical_name(n.strip()) not in skip]
         if args.ns_coefficients not in SCHEDULES:
@@ -328,6 +333,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def free_bytes(device: torch.device) -> Optional[int]:
+    """Memory free on the device now (CPU: the kernel's MemAvailable), None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(source: Preset, device: torch.device, scalars: bool) -> None:
+    """Refuse a model whose fp32 matrices, gradients and momentum alone exceed the free memory
+    (a run would fail every variant, or on a CPU swap the machine to a halt)."""
+    need = 12 * source.matrix_numel + (16 * source.scalar_numel if scalars else 0)
+    free = free_bytes(device)
+    if free is not None and need > free:
+        raise ValueError(f"{source.name}: its matrices need {need / 1e9:.1f} GB in fp32 with their gradients and "
+                         f"momentum, and {device} has {free / 1e9:.1f} GB free; time a slice of its layers with "
+                         "--shapes, or price the whole model with `dion3 plan`")
+
+
+def config_matrices(path: str) -> Preset:
+    """The matrices of a Hugging Face config's model as the bench allocates them: an expert
+    stack [E, rows, cols] as E matrices of its shape (the same work on one device)."""
+    described = config_model(path)
+    experts = described.experts or {}
+    matrices = tuple(dataclasses.replace(m, count=m.count * experts.get(m.name, 1)) for m in described.preset.matrices)
+    return dataclasses.replace(described.preset, matrices=matrices)
+
+
 def environment(device: torch.device) -> dict:
     info = {"torch": torch.__version__, "device": str(device)}
     if device.type == "cuda":
@@ -344,6 +383,11 @@ def environment(device: torch.device) -> dict:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    try:
+        check_fits(args.source, args.device, args.scalars)
+    except ValueError as error:
+        print(f"dion3 bench: error: {error}", file=sys.stderr)
+        return 2
     if args.steps < 10:
         print(f"note: --steps {args.steps} < 10; medians of so few steps are noisy", file=sys.stderr)
     modes = [False, True] if args.graph else [False]
