@@ -33,12 +33,14 @@ def stop() -> None:
     process), and let destroy_process_group free every group (_leaving_no_group says why): a
     mesh holds its groups, DTensor's caches hold each mesh they saw, and a flattened mesh and
     its root refer to each other. The caches are emptied and the cycles collected before the
-    groups are destroyed: done after, the meshes of the (dp, tp) layouts worker stayed alive."""
+    groups are destroyed: done after, the meshes of the (dp, tp) layouts worker stayed alive.
+    A mesh that something still holds then lets go of its groups (_drop_mesh_groups)."""
     try:
         dist.barrier()
     finally:
         _clear_dtensor_caches()
         gc.collect()
+        _drop_mesh_groups()
         dist.destroy_process_group()
 
 
@@ -75,6 +77,22 @@ def _clear_dtensor_caches() -> None:
                   getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)):
         if clear is not None:
             clear()
+
+
+def _drop_mesh_groups() -> None:
+    """Empty the process-group table (_pg_registry) of every DeviceMesh still alive, so that
+    destroy_process_group frees the groups. torch 2.11 (2.10 too, pytorch/pytorch#181761) keeps
+    every mesh a DTensor op saw: building an OpSchema leaks a reference to a tuple of its
+    arguments (in the C++ comparison key), which holds their DTensorSpecs and so their meshes,
+    beyond the reach of gc and of any cache to clear. No mesh is usable once its groups are gone."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:
+        return
+    for obj in gc.get_objects():
+        # by type: isinstance would ask proxies for their __class__
+        if issubclass(type(obj), DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
+            obj._pg_registry.clear()
 
 
 def _gloo_worker_threads() -> int:

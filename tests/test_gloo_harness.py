@@ -1,8 +1,9 @@
 """The spawned-test harness (tests/gloo.py) on workers that crash or leak on purpose: a rank
 aborted in its work, or after leaving the group, fails the run with that rank's own stderr; a
 process group the worker leaves alive fails the run (interpreter shutdown would tear it down,
-where a late gloo worker thread aborts the process); DTensor's caches, which hold every mesh
-they saw, keep none once the worker returned; a clean run warns of nothing."""
+where a late gloo worker thread aborts the process), while a mesh kept alive lets go of its
+groups; DTensor's caches, which hold every mesh they saw, keep none once the worker returned; a
+clean run warns of nothing."""
 import json
 import os
 import sys
@@ -29,6 +30,10 @@ def crashing_worker(rank: int, world: int, out_path: str, when: str) -> None:
         os.abort()
     if when == "keep_group":
         KEPT.append(dist.new_group([0, 1]))
+    if when == "keep_mesh":  # as torch 2.10–2.11's leak of OpSchema arguments keeps every mesh
+        from torch.distributed.device_mesh import init_device_mesh
+
+        KEPT.append(init_device_mesh("cpu", (world,)))
     if when == "dtensor":
         total = _redistributed_sum(rank, world)
     if rank == 0:
@@ -79,6 +84,12 @@ def test_abort_after_leaving_the_group_fails_the_run(tmp_path):
 def test_a_group_kept_past_the_worker_fails_the_run(tmp_path):
     with pytest.raises(RuntimeError, match="gloo worker threads outlive the worker"):
         _run(tmp_path, "keep_group")
+
+
+def test_a_mesh_kept_past_the_worker_lets_go_of_its_groups(tmp_path):
+    """stop() empties the group table of every mesh still alive: destroy_process_group frees
+    the groups, and no gloo worker thread is left for interpreter shutdown."""
+    assert _run(tmp_path, "keep_mesh") == {"sum": 3.0}
 
 
 def test_dtensor_caches_keep_no_mesh_past_the_worker(tmp_path):

@@ -59,7 +59,11 @@ def _accumulate_kernel(
     total = tl.zeros([BLOCK_R], dtype=tl.float32)
     total_sq = tl.zeros([BLOCK_R], dtype=tl.float32)
     bad = tl.zeros([BLOCK_R], dtype=tl.int32)
-    for start in range(0, C, BLOCK_C):
+    # while, not `for start in range(0, C, BLOCK_C)`: Triton 3.6's interpreter takes a runtime
+    # loop bound through int() of a 1-element array, which NumPy 2.4 refuses (triton-lang/triton
+    # #9171). Compiled, both give the same instructions; 0 * C counts in C's type, as range would.
+    start = 0 * C
+    while start < C:
         cols = start + tl.arange(0, BLOCK_C)
         inside = row_inside[:, None] & (cols[None, :] < C)
         offsets = rows[:, None] * C + cols[None, :]
@@ -78,6 +82,7 @@ def _accumulate_kernel(
             total += tl.sum(tl.abs(stored.to(tl.float32)), axis=1)
         if SQUARES:
             total_sq += tl.sum(stored.to(tl.float32) * stored.to(tl.float32), axis=1)
+        start += BLOCK_C
     # a row whose gradient was not finite measures NaN: selected first, and its matrix's norm is NaN
     if SCORES:
         tl.store(scores_ptr + rows, tl.where(bad > 0, float("nan"), total), mask=row_inside)
@@ -268,7 +273,8 @@ def _restore_kernel(
             grad_rows = piece_start + (rows - piece * piece_rows) * C
         else:
             grad_rows = grad_ptr + rows * C
-        for start in range(0, C, BLOCK_C):
+        start = 0 * C  # a while loop for Triton 3.6's interpreter, as in _accumulate_kernel
+        while start < C:
             cols = start + tl.arange(0, BLOCK_C)
             inside = undo[:, None] & (cols[None, :] < C)
             offsets = rows[:, None] * C + cols[None, :]
@@ -278,6 +284,7 @@ def _restore_kernel(
             finite = tl.abs(g) < float("inf")  # such entries were never added (accumulate kernel)
             old = tl.where(finite, (before - g) / decay, before)
             tl.store(momentum_ptr + offsets, old.to(m.dtype), mask=inside)
+            start += BLOCK_C
 
 
 RESTORE_BLOCK_ROWS = 8

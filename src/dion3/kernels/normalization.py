@@ -33,10 +33,14 @@ def _row_normalization_kernel(
     matrix = tl.program_id(0).to(tl.int64)
     # the guard's verdict first: ‖O‖_F from the row norms, finite and (HAS_LIMIT) within limit
     total = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, k, BLOCK):
+    # while loops, not range(0, k, BLOCK): Triton 3.6's interpreter cannot take a runtime bound
+    # under NumPy 2.4 (momentum._accumulate_kernel says why); compiled, the same instructions
+    start = 0 * k
+    while start < k:
         slots = start + tl.arange(0, BLOCK)
         norm = tl.load(norms_ptr + matrix * k + slots, mask=slots < k, other=0.0)
         total += norm * norm
+        start += BLOCK
     frobenius_sq = tl.sum(total, axis=0)
     good = frobenius_sq < float("inf")  # NaN compares false too
     if HAS_LIMIT:
@@ -44,7 +48,8 @@ def _row_normalization_kernel(
     tl.store(ok_ptr + matrix, good.to(tl.int8))
     if good:
         scaled_total = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, k, BLOCK):
+        start = 0 * k
+        while start < k:
             slots = start + tl.arange(0, BLOCK)
             inside = slots < k
             norm = tl.load(norms_ptr + matrix * k + slots, mask=inside, other=0.0)
@@ -61,17 +66,22 @@ def _row_normalization_kernel(
             tl.store(variance_ptr + matrix * R + rows, new, mask=inside)
             tl.store(scale_ptr + matrix * k + slots, inverse_rms, mask=inside)
             scaled_total += row_sq * (inverse_rms * inverse_rms)
+            start += BLOCK
         ratio = tl.sqrt(frobenius_sq) / tl.maximum(tl.sqrt(tl.sum(scaled_total, axis=0)), eps)
         tl.debug_barrier()  # the factors stored above, by whichever threads stored them
-        for start in range(0, k, BLOCK):
+        start = 0 * k
+        while start < k:
             slots = start + tl.arange(0, BLOCK)
             inside = slots < k
             inverse_rms = tl.load(scale_ptr + matrix * k + slots, mask=inside, other=0.0)
             tl.store(scale_ptr + matrix * k + slots, inverse_rms * ratio, mask=inside)
+            start += BLOCK
     else:  # skipped: its rows keep their variance, its factors are NaN (rules.update_verdict)
-        for start in range(0, k, BLOCK):
+        start = 0 * k
+        while start < k:
             slots = start + tl.arange(0, BLOCK)
             tl.store(scale_ptr + matrix * k + slots, tl.full([BLOCK], float("nan"), tl.float32), mask=slots < k)
+            start += BLOCK
 
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of O

@@ -48,21 +48,28 @@ def _select_top_rows(scores_ptr, rows_ptr, matrix, R, k, BLOCK: tl.constexpr):
     for _ in range(31):  # the largest pattern t with at least k scores ≥ t, one bit at a time
         candidate = kth | step
         count = tl.full([], 0, tl.int32)
-        for start in range(0, R, BLOCK):
+        # while loops, not range(0, R, BLOCK): Triton 3.6's interpreter cannot take a runtime
+        # bound under NumPy 2.4 (momentum._accumulate_kernel says why); compiled, the same instructions
+        start = 0 * R
+        while start < R:
             offsets = start + tl.arange(0, BLOCK)
             bits = _score_bits(scores_ptr, matrix, R, offsets)
             count += tl.sum((bits >= candidate).to(tl.int32), axis=0)
+            start += BLOCK
         kth = tl.where(count >= k, candidate, kth)
         step = step >> 1
     above = tl.full([], 0, tl.int32)
-    for start in range(0, R, BLOCK):
+    start = 0 * R
+    while start < R:
         offsets = start + tl.arange(0, BLOCK)
         bits = _score_bits(scores_ptr, matrix, R, offsets)
         above += tl.sum((bits > kth).to(tl.int32), axis=0)
+        start += BLOCK
     ties_wanted = k - above
     ties_seen = tl.full([], 0, tl.int32)
     written = tl.full([], 0, tl.int32)
-    for start in range(0, R, BLOCK):
+    start = 0 * R
+    while start < R:
         offsets = start + tl.arange(0, BLOCK)
         bits = _score_bits(scores_ptr, matrix, R, offsets)
         tie = (bits == kth).to(tl.int32)
@@ -71,6 +78,7 @@ def _select_top_rows(scores_ptr, rows_ptr, matrix, R, k, BLOCK: tl.constexpr):
         tl.store(rows_ptr + matrix * k + slots, offsets.to(tl.int64), mask=chosen == 1)
         ties_seen += tl.sum(tie, axis=0)
         written += tl.sum(chosen, axis=0)
+        start += BLOCK
 
 
 @triton.jit
@@ -84,25 +92,31 @@ def _selection_kernel(
         tl.debug_barrier()  # the rows stored above, by whichever threads stored them
     if NORM:
         total = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, k, BLOCK):
+        start = 0 * k  # while loops for Triton 3.6's interpreter, as in _select_top_rows
+        while start < k:
             slots = start + tl.arange(0, BLOCK)
             inside = slots < k
             rows = tl.load(rows_ptr + matrix * k + slots, mask=inside, other=0)
             total += tl.load(squares_ptr + matrix * R + rows, mask=inside, other=0.0)
+            start += BLOCK
         norm = tl.sqrt(tl.sum(total, axis=0))
         tl.store(norm_ptr + matrix, norm)
         if FACTOR:
             tl.store(factor_ptr + matrix, 1.0 / (norm * norm_scale + eps))
     if POSITIONS:
-        for start in range(0, R, BLOCK):
+        start = 0 * R
+        while start < R:
             offsets = start + tl.arange(0, BLOCK)
             tl.store(position_ptr + matrix * R + offsets, tl.full([BLOCK], -1, tl.int32), mask=offsets < R)
+            start += BLOCK
         tl.debug_barrier()  # every −1 lands before any slot: no thread overwrites another's slot
-        for start in range(0, k, BLOCK):
+        start = 0 * k
+        while start < k:
             slots = start + tl.arange(0, BLOCK)
             inside = slots < k
             rows = tl.load(rows_ptr + matrix * k + slots, mask=inside, other=0)
             tl.store(position_ptr + matrix * R + rows, slots.to(tl.int32), mask=inside)
+            start += BLOCK
 
 
 def _version(rows: Tensor) -> Optional[int]:
