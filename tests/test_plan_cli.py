@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dion3.tools.plan import cli
 
 
@@ -94,6 +96,19 @@ def test_the_shipped_efficiencies_answer_both_runs_and_name_their_regime(capsys)
     assert "step-efficiency from the measured regime nearest this run: llama-384" in out
     last = out.strip().splitlines()[-1]
     assert last.startswith("recommend muon:") or last.startswith("recommend normuon:")
+
+
+def test_a_measured_tokens_per_second_sets_the_forward_and_backward(capsys):
+    """--train-tps (torchtitan's logged tps, tokens a second a GPU): the forward and backward of a
+    step is the step's tokens over the world's tokens a second, whatever the parameters."""
+    base = ["--preset", "llama-8b", "--layout", "fsdp=8", "--tokens-per-step", "1048576"]
+    advice = _advice(base + ["--train-tps", "7000"], capsys)
+    assert advice["forward_backward_s"] == pytest.approx(1048576 / (8 * 7000), rel=1e-12)
+    assert advice["run"]["flops_per_second"] == pytest.approx(6 * advice["run"]["parameters"] * 7000)
+    for extra, message in ((["--train-tps", "7000", "--train-tflops", "400"], "give one"),
+                           (["--train-tps", "0"], "--train-tps must be positive")):
+        assert cli.main(base + extra + ["--quiet"]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_tokens_per_parameter_picks_the_regime(tmp_path, capsys):

@@ -90,6 +90,10 @@ def parser() -> argparse.ArgumentParser:
                      help="the forward and backward pass's sustained rate per GPU, TFLOP/s of 6 · parameters · tokens "
                           "(default: --gpu's, measured on a 350 M model; `python -m dion3.tools.study.train_step` measures "
                           "a model's)")
+    run.add_argument("--train-tps", type=float, metavar="TPS",
+                     help="instead of --train-tflops: the tokens per second per GPU your training step runs at now, as "
+                          "torchtitan logs `tps`, with an optimizer whose step is small (AdamW); the rate is then "
+                          "6 · parameters · TPS")
     run.add_argument("--parameters", type=float,
                      help="parameters the forward and backward multiply by (default: the preset's matrices and LM head; "
                           "with --experts, the active parameters per token, required)")
@@ -159,15 +163,18 @@ def model(args) -> ConfigModel:
 
 def time_to_loss_run(args, described: ConfigModel, layout) -> tuple[Run, dict]:
     """The user's run for the time to Muon's loss, and the measured step-efficiencies."""
-    for flag in ("tokens_per_step", "train_tokens", "train_tflops", "parameters"):
+    for flag in ("tokens_per_step", "train_tokens", "train_tflops", "train_tps", "parameters"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.train_tflops and args.train_tps:
+        raise ValueError("--train-tflops and --train-tps both give the forward and backward's rate: give one")
     if described.active_parameters is None and args.parameters is None:
         raise ValueError("--tokens-per-step with --experts needs --parameters: the parameters one token multiplies by "
                          "(its experts', not every expert's)")
     parameters = args.parameters or described.active_parameters
     hidden = described.hidden_parameters
     tokens = args.train_tokens or 20 * hidden
-    rate = (args.train_tflops or GPUS[args.gpu]["train"]) * TB
+    # tps tokens a second a GPU, each costing 6 · parameters: the rate in the plan's own terms
+    rate = 6.0 * parameters * args.train_tps if args.train_tps else (args.train_tflops or GPUS[args.gpu]["train"]) * TB
     run = Run(args.tokens_per_step, layout.world_size, parameters, hidden, tokens / hidden, args.train_tokens is None, rate)
     return run, load_efficiencies(args.efficiency)
 
