@@ -214,3 +214,12 @@ def test_bad_hugging_face_configs_are_refused_by_name(tmp_path, capsys):
     for extra, message in cases:
         assert cli.main(extra + ["--layout", "single", "--quiet"]) == 2, extra
         assert message in capsys.readouterr().err, extra
+    # a model_type the reading was not written for is read, with a note that says what was assumed;
+    # a null head_dim (as some configs write it) is the default hidden_size / heads
+    fused = _config(tmp_path, "phi3", **{**LLAMA_3_8B, "model_type": "phi3", "head_dim": None})
+    assert cli.main(["--hf-config", fused, "--layout", "single", "--quiet", "--ranks", "0"]) == 0
+    captured = capsys.readouterr()
+    assert "note: model_type 'phi3' is not one this reading was written for" in captured.err
+    assert "6.98 B matrix parameters" in captured.out
+    assert cli.main(["--hf-config", good, "--layout", "single", "--quiet", "--ranks", "0"]) == 0
+    assert "note:" not in capsys.readouterr().err  # llama: no note

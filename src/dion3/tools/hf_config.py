@@ -29,6 +29,10 @@ UNSUPPORTED = {
     "mlp_only_layers": "MoE on some layers only",
 }
 EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+# model_type values whose Hugging Face modules hold q, k, v, o and gate, up, down (or their experts)
+# as separate matrices, the layout above; another type is read the same way, with a note
+KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2",
+               "gemma3_text", "olmo2", "granite")
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class ConfigModel:
     preset: Preset
     experts: Optional[dict]  # shape name → experts in its stack; None for a dense model
     active_parameters: int
+    note: str = ""  # what the reading assumed, for the user to check (an unlisted model_type)
 
     @property
     def hidden_parameters(self) -> int:
@@ -60,7 +65,9 @@ def read_config(path: str) -> dict:
 
 
 def _field(config: dict, name: str, path: str, default=None) -> int:
-    value = config.get(name, default)
+    value = config.get(name)
+    if value is None:  # absent, or null as some configs write an unused field
+        value = default
     if value is None:
         raise ValueError(f"--hf-config: {path} has no {name!r}; the plan needs hidden_size, intermediate_size, "
                          "num_hidden_layers, num_attention_heads and vocab_size (a Llama-family decoder)")
@@ -72,6 +79,11 @@ def _field(config: dict, name: str, path: str, default=None) -> int:
 def config_model(path: str) -> ConfigModel:
     """The shapes of the decoder `path` describes (module docstring)."""
     config = read_config(path)
+    kind = config.get("model_type")
+    note = ("" if kind is None or kind in KNOWN_TYPES else
+            f"model_type {kind!r} is not one this reading was written for ({', '.join(KNOWN_TYPES)}): its matrices are "
+            "read as separate q, k, v, o and gate, up, down; where the model fuses them (qkv_proj, gate_up_proj), "
+            "its fractions by cost and step differ")
     for name, meaning in UNSUPPORTED.items():
         if config.get(name):
             raise ValueError(f"--hf-config: {path} sets {name} ({meaning}), which the plan's Llama-family layout "
@@ -95,7 +107,7 @@ def config_model(path: str) -> ConfigModel:
                 MatrixShape("gate,up", ffn, d, 2 * layers), MatrixShape("down", d, ffn, layers)), vocab, tied,
                 f"ffn={ffn}")
         head = vocab * d
-        return ConfigModel(preset, None, preset.matrix_numel + head)
+        return ConfigModel(preset, None, preset.matrix_numel + head, note)
     experts = _field(config, expert_field, path)
     chosen = _field(config, "num_experts_per_tok", path)
     if chosen > experts:
@@ -112,7 +124,7 @@ def config_model(path: str) -> ConfigModel:
                              + (f", a shared expert of ffn={shared}" if shared else ""))
     stacked = {"experts.gate,up": experts, "experts.down": experts}
     per_token = sum(m.numel * (chosen if m.name in stacked else 1) for m in preset.matrices)
-    return ConfigModel(preset, stacked, per_token + vocab * d)
+    return ConfigModel(preset, stacked, per_token + vocab * d, note)
 
 
 def _with_attention(name: str, layers: int, d: int, q_dim: int, kv_dim: int, mlp: tuple, vocab: int, tied: bool,

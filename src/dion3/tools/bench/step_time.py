@@ -362,6 +362,8 @@ def config_matrices(path: str) -> Preset:
     """The matrices of a Hugging Face config's model as the bench allocates them: an expert
     stack [E, rows, cols] as E matrices of its shape (the same work on one device)."""
     described = config_model(path)
+    if described.note:
+        print(f"note: {described.note}", file=sys.stderr)
     experts = described.experts or {}
     matrices = tuple(dataclasses.replace(m, count=m.count * experts.get(m.name, 1)) for m in described.preset.matrices)
     return dataclasses.replace(described.preset, matrices=matrices)

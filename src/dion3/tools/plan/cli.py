@@ -248,6 +248,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         layout = parse_layout(args.layout, args.world)
         described = model(args)
         preset = described.preset
+        if described.note:
+            print(f"dion3 plan: note: {described.note}", file=sys.stderr)
         momentum = None if args.momentum_dtype == "float32" else args.momentum_dtype
         if args.tokens_per_step is not None:
             run, efficiencies = time_to_loss_run(args, described, layout)

@@ -64,6 +64,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         experts = None
         if args.hf_config:
             described = config_model(args.hf_config)
+            if described.note:
+                print(f"dion3 fractions: note: {described.note}", file=sys.stderr)
             preset, experts = described.preset, described.experts
         elif args.shapes:
             preset = parse_shapes(args.shapes)
