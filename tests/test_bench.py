@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dion3.tools import cli
-from dion3.tools.bench import step_cost as flops, step_time as step
+from dion3.tools.bench import presets, step_cost as flops, step_time as step
 from dion3.tools.bench.presets import PRESETS, MatrixShape, parse_shapes
 from dion3.tools.models import COMMANDS, REGISTRY, takes
 from dion3.optim.cost_fractions import cost_allocated_fractions
@@ -318,12 +318,12 @@ def test_bench_times_a_hugging_face_config_s_matrices_each_expert_one(tmp_path, 
 def test_bench_refuses_a_model_larger_than_the_free_memory(monkeypatch, capsys):
     ran = []
     monkeypatch.setattr(step, "run_variant", lambda *args: ran.append(args) or dict(name="muon", mode="eager", error="not run here"))
-    monkeypatch.setattr(step, "free_bytes", lambda device: 10 ** 9)
+    monkeypatch.setattr(presets, "free_bytes", lambda device: 10 ** 9)
     assert step.main(["--device", "cpu", "--preset", "llama-1b", "--optimizers", "muon"]) == 2 and not ran
     message = capsys.readouterr().err
     need = 12 * PRESETS["llama-1b"].matrix_numel / 1e9  # fp32 matrices, gradients and momentum
     assert f"llama-1b: its matrices need {need:.1f} GB" in message and "1.0 GB free" in message
-    monkeypatch.setattr(step, "free_bytes", lambda device: None)  # unknown: no refusal
+    monkeypatch.setattr(presets, "free_bytes", lambda device: None)  # unknown: no refusal
     step.main(["--device", "cpu", "--preset", "llama-1b", "--optimizers", "muon"])
     assert len(ran) == 1
 

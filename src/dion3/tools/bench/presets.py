@@ -3,11 +3,19 @@ names (dion3.tools.models, where each name's architecture and the commands that 
 
 PRESETS: the shapes `dion3 bench` allocates on one device, for every name it takes (llama-70b: 8
 of its 80 layers). MODELS: every name's whole model (its slice for llama-70b-slice), which `dion3
-plan` and `dion3 fractions` read on meta tensors, never allocated.
+plan` and `dion3 fractions` read on meta tensors, never allocated. config_matrices: a Hugging Face
+config's matrices as the bench allocates them; check_fits: whether they fit the device.
 """
 from __future__ import annotations
 
+import dataclasses
+import sys
+from typing import Optional
+
+import torch
+
 from ...ortho.cost import MatrixShape  # noqa: F401 (the presets' matrices; re-exported)
+from ..hf_config import config_model
 from ..models import REGISTRY, Preset, ScalarShape, llama, lookup, parse_shapes  # noqa: F401 (re-exported)
 
 PRESETS = {name: model.bench_preset() for name, model in REGISTRY.items() if "bench" in model.commands}
@@ -21,3 +29,39 @@ def get_preset(name: str) -> Preset:
         return lookup(name, "bench").bench_preset()
     except ValueError as error:
         raise ValueError(f"--preset: {error}") from None
+
+
+def free_bytes(device: torch.device) -> Optional[int]:
+    """Memory free on the device now (CPU: the kernel's MemAvailable), None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(source: Preset, device: torch.device, scalars: bool) -> None:
+    """Refuse a model whose fp32 matrices, gradients and momentum alone exceed the free memory
+    (a run would fail every variant, or on a CPU swap the machine to a halt)."""
+    need = 12 * source.matrix_numel + (16 * source.scalar_numel if scalars else 0)
+    free = free_bytes(device)
+    if free is not None and need > free:
+        raise ValueError(f"{source.name}: its matrices need {need / 1e9:.1f} GB in fp32 with their gradients and "
+                         f"momentum, and {device} has {free / 1e9:.1f} GB free; time a slice of its layers with "
+                         "--shapes, or price the whole model with `dion3 plan`")
+
+
+def config_matrices(path: str) -> Preset:
+    """The matrices of a Hugging Face config's model as the bench allocates them: an expert
+    stack [E, rows, cols] as E matrices of its shape (the same work on one device)."""
+    described = config_model(path)
+    if described.note:
+        print(f"note: {described.note}", file=sys.stderr)
+    experts = described.experts or {}
+    matrices = tuple(dataclasses.replace(m, count=m.count * experts.get(m.name, 1)) for m in described.preset.matrices)
+    return dataclasses.replace(described.preset, matrices=matrices)

@@ -37,8 +37,7 @@ from ...ortho.coefficients import SCHEDULES, get_schedule
 from . import step_cost as flops
 from .launches import launches_per_step
 from .report import Progress, format_table
-from .presets import PRESETS, Preset, get_preset, parse_shapes
-from ..hf_config import config_model
+from .presets import PRESETS, Preset, check_fits, config_matrices, get_preset, parse_shapes
 from ..setting_names import canonical_name
 from .variants import BASELINE, DEFAULT_OPTIMIZERS, NAMED_VARIANTS, Variant, parse_variant  # noqa: F401 (users import them here)
 
@@ -331,42 +330,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.graph and args.warmup <= GRAPH_WARMUP:
         args.warmup = GRAPH_WARMUP + 1  # so that every timed step is a graph replay
     return args
-
-
-def free_bytes(device: torch.device) -> Optional[int]:
-    """Memory free on the device now (CPU: the kernel's MemAvailable), None where unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def check_fits(source: Preset, device: torch.device, scalars: bool) -> None:
-    """Refuse a model whose fp32 matrices, gradients and momentum alone exceed the free memory
-    (a run would fail every variant, or on a CPU swap the machine to a halt)."""
-    need = 12 * source.matrix_numel + (16 * source.scalar_numel if scalars else 0)
-    free = free_bytes(device)
-    if free is not None and need > free:
-        raise ValueError(f"{source.name}: its matrices need {need / 1e9:.1f} GB in fp32 with their gradients and "
-                         f"momentum, and {device} has {free / 1e9:.1f} GB free; time a slice of its layers with "
-                         "--shapes, or price the whole model with `dion3 plan`")
-
-
-def config_matrices(path: str) -> Preset:
-    """The matrices of a Hugging Face config's model as the bench allocates them: an expert
-    stack [E, rows, cols] as E matrices of its shape (the same work on one device)."""
-    described = config_model(path)
-    if described.note:
-        print(f"note: {described.note}", file=sys.stderr)
-    experts = described.experts or {}
-    matrices = tuple(dataclasses.replace(m, count=m.count * experts.get(m.name, 1)) for m in described.preset.matrices)
-    return dataclasses.replace(described.preset, matrices=matrices)
 
 
 def environment(device: torch.device) -> dict:
