@@ -93,6 +93,12 @@ def steps_to_loss(curve: Sequence[tuple[int, float]], loss: float) -> tuple[floa
     return math.exp(log_h), outside
 
 
+def muon_curve(points: dict) -> list[tuple[int, float]]:
+    """(horizon, Muon's best mean loss) at each horizon of `points` (horizon → best_points) where
+    Muon ran: the curve steps_to_loss reads."""
+    return [(h, p[MUON].mean) for h, p in sorted(points.items()) if MUON in p]
+
+
 def regime_efficiencies(records: Sequence[dict], compiled: bool = True) -> list[Efficiency]:
     """Every setting's efficiency at every horizon of every (model, batch) whose Muon has two or
     more horizons; AdamW is left out (its losses lie far outside Muon's curve)."""
@@ -104,7 +110,7 @@ def regime_efficiencies(records: Sequence[dict], compiled: bool = True) -> list[
     rows = []
     for (model, batch), horizons in sorted(by_batch.items()):
         points = {h: best_points(records, model, h, compiled, batch) for h in sorted(horizons)}
-        curve = [(h, p[MUON].mean) for h, p in points.items() if MUON in p]
+        curve = muon_curve(points)
         if len(curve) < 2:
             continue
         muon_seeds = tuple((h, len(p[MUON].losses)) for h, p in points.items() if MUON in p)

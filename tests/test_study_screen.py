@@ -1,0 +1,56 @@
+"""`python -m dion3.tools.study.screen`: each rule variant beside the rule's run of its seed, lr and
+fraction, with the screening verdict and its step-efficiency on Muon's curve (hand-worked)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dion3.tools.study import screen
+from dion3.tools.study.runs import Run
+
+LANDED = Path(__file__).parent.parent / "benchmarks/results/frontier/results.jsonl"
+
+
+def _record(loss: float, **fields) -> dict:
+    """A llama-384 batch-128 compiled record (a landed run's config) with the given fields changed."""
+    template = json.loads(LANDED.read_text().splitlines()[-1])["config"]
+    config = {**template, "horizon": 1500, "seed": 0, "optimizer": "dion3", "fraction": 0.5, "lr": 0.02, "mu": 0.6,
+              "fraction_allocation": "cost", "cost_rule": "time", **fields}
+    assert config["model"] == "llama-384" and config["batch_size"] == 128 and config["compiled"]
+    return dict(key=Run(**config).key, config=config, seed=config["seed"], horizon=config["horizon"],
+                final_val_loss=loss)
+
+
+def test_each_variant_faces_the_rule_s_run_of_its_seed_and_gets_the_screening_verdict(tmp_path, capsys):
+    muon = dict(optimizer="muon", fraction=None, mu=0.8, fraction_allocation="uniform", cost_rule=None)
+    records = [_record(0.64, horizon=1000, **muon), _record(0.61, **muon),
+               _record(0.614),  # the rule: ½ by cost, μ 0.6
+               _record(0.611, fraction_allocation="uniform", cost_rule=None),  # 0.003 ahead: seeded next
+               _record(0.6145, mu=0.8),  # within 0.002
+               _record(0.6175, unselected_decay=0.9),  # 0.0035 behind
+               _record(0.612, fraction=0.375, row_score="l2"),  # no ⅜ rule run here
+               _record(0.600, seed=1, fraction_allocation="uniform", cost_rule=None)]  # another seed
+    rows = {r["variant"].split(" ")[0] + f" mu={r['variant'].split('mu=')[1].split(' ')[0]}": r
+            for r in screen.screen(records, "llama-384", 128, 1500, 0)}
+    assert set(rows) == {"dion3-1/2 mu=0.6", "dion3-1/2-cost mu=0.8", "dion3-1/2-cost-unselected0.9 mu=0.6",
+                         "dion3-3/8-cost-l2 mu=0.6"}
+    uniform = rows["dion3-1/2 mu=0.6"]
+    assert uniform["difference"] == pytest.approx(-0.003) and uniform["verdict"].startswith("ahead by more than 0.002")
+    assert uniform["reference"] == "dion3-1/2-cost lr=0.02 mu=0.6 h=1500 seed=0"
+    # Muon's curve: 0.64 at 1000 steps, 0.61 at 1500, linear in log steps
+    steps = 1000 * 1.5 ** ((0.611 - 0.64) / (0.61 - 0.64))
+    assert uniform["efficiency"] == (round(steps / 1500, 3), False)
+    assert rows["dion3-1/2-cost mu=0.8"]["verdict"] == "not kept: within 0.002 of the rule"
+    assert rows["dion3-1/2-cost-unselected0.9 mu=0.6"]["verdict"] == "not kept: behind by more than 0.002"
+    assert rows["dion3-3/8-cost-l2 mu=0.6"]["verdict"] == "no run of the rule to compare with"
+    path = tmp_path / "results.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert screen.main(["--results", str(path), "--model", "llama-384", "--batch-size", "128"]) == 0
+    text = capsys.readouterr().out
+    assert "| dion3-1/2 lr=0.02 mu=0.6 h=1500 seed=0 | 0.6110 | dion3-1/2-cost lr=0.02 mu=0.6 h=1500 seed=0 | 0.6140 | " \
+           f"-0.0030 | {steps / 1500:.3f} | ahead by more than 0.002: seeds 1 and 2 next |" in text
+    with pytest.raises(SystemExit):
+        screen.main(["--results", str(path), "--model", "llama-384", "--batch-size", "128", "--margin", "-1"])
+    assert "--margin must be ≥ 0" in capsys.readouterr().err
