@@ -12,7 +12,6 @@ the verdict: ahead of the rule by more than --margin (default 0.002, about two s
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
