@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .launch import read_results
+from .launch import parse_results, read_results
 from .runs import Run
 
 
@@ -28,16 +28,6 @@ from .runs import Run
 class Found:
     source: str  # the archive (or folder) and the run folder in it
     record: dict
-
-
-def _records(text: str) -> list[dict]:
-    records = []
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # cut short by a kill: the study runs it again
-    return records
 
 
 def read_job(path: Path) -> tuple[list[Found], str]:
@@ -61,7 +51,7 @@ def read_job(path: Path) -> tuple[list[Found], str]:
             data = archive.extractfile(member).read().decode(errors="replace")
             if name.endswith("/results.jsonl") or name == "results.jsonl":
                 found += [Found(f"{path.name}/{name.rsplit('/', 1)[0] if '/' in name else '.'}", r)
-                          for r in _records(data)]
+                          for r in parse_results(data)]
             elif name == "machine.txt":
                 machine = data
     return found, machine

@@ -19,10 +19,13 @@ SRC = Path(__file__).resolve().parents[3]  # the folder holding the dion3 packag
 
 def read_results(path: Path) -> list[dict]:
     """Finished runs; a line cut short by a kill is ignored (the run is done again)."""
-    if not path.exists():
-        return []
+    return parse_results(path.read_text()) if path.exists() else []
+
+
+def parse_results(text: str) -> list[dict]:
+    """The records of a results.jsonl's text, without a line cut short by a kill."""
     records = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:

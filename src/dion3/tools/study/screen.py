@@ -26,10 +26,6 @@ RULE = dict(fraction_allocation="cost", cost_rule=COST_RULE, row_score="l1", fra
             ns_coefficients=DEFAULT_NS, unselected_decay=1.0, full_every=0, momentum_dtype=None, fraction_warmup=0)
 
 
-def _run(config: dict) -> Run:
-    return Run(**config)
-
-
 def rule_config(config: dict, rule_mu: float) -> dict:
     """The config of the rule's run a variant is compared with: the variant's with every screened
     field set to the rule's."""
@@ -49,12 +45,12 @@ def screen(records: Sequence[dict], model: str, batch: int, horizon: int, seed: 
         if (config["optimizer"] != "dion3" or config["model"] != model or config.get("batch_size") != batch
                 or config["horizon"] != horizon or record["seed"] != seed or config.get("compiled", False) != compiled):
             continue
-        reference_config = rule_config(config, rule_mu)
-        if _run(reference_config).key == record["key"]:
+        rule = Run(**rule_config(config, rule_mu))
+        if rule.key == record["key"]:
             continue  # the rule itself
-        reference = by_key.get(_run(reference_config).key)
+        reference = by_key.get(rule.key)
         loss = record["final_val_loss"]
-        row = dict(variant=_run(config).label, loss=loss, reference=_run(reference_config).label,
+        row = dict(variant=Run(**config).label, loss=loss, reference=rule.label,
                    reference_loss=None, difference=None, efficiency=None, verdict="")
         if len(curve) >= 2:
             steps, outside = steps_to_loss(curve, loss)
