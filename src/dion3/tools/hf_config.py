@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..ortho.cost import MatrixShape
-from .models import Preset, ScalarShape, llama
+from .models import Preset, decoder_scalars, llama
 
 # fields of configs whose layout is not the one above, and what they mean
 UNSUPPORTED = {
@@ -131,8 +131,7 @@ def _with_attention(name: str, layers: int, d: int, q_dim: int, kv_dim: int, mlp
                     mlp_text: str) -> Preset:
     matrices = (MatrixShape("q", q_dim, d, layers), MatrixShape("o", d, q_dim, layers),
                 MatrixShape("k,v", kv_dim, d, 2 * layers)) + mlp
-    scalars = (ScalarShape("embedding" if tied else "embedding,lm_head", (vocab, d), 1 if tied else 2),
-               ScalarShape("rmsnorm", (d,), 2 * layers + 1))
+    scalars = decoder_scalars(layers, d, vocab, tied)
     description = (f"{layers} layers, d={d}, q={q_dim}, kv={kv_dim}, {mlp_text}, vocab={vocab}"
                    + (", tied embeddings" if tied else ""))
     return Preset(name, matrices, scalars, description, layers)

@@ -56,6 +56,13 @@ class Preset:
         return sum(s.numel for s in self.scalars)
 
 
+def decoder_scalars(layers: int, dim: int, vocab: int, tied: bool) -> tuple[ScalarShape, ...]:
+    """A Llama-family decoder's parameters that go to AdamW: the token embedding (and the LM head
+    unless tied) and the RMSNorm gains, two per layer plus the final norm."""
+    return (ScalarShape("embedding" if tied else "embedding,lm_head", (vocab, dim), 1 if tied else 2),
+            ScalarShape("rmsnorm", (dim,), 2 * layers + 1))
+
+
 def llama(name: str, layers: int, dim: int, kv_dim: int, hidden: int, vocab: int, tied: bool,
           of_layers: int = 0) -> Preset:
     """Matrices of a Llama decoder (weights stored out_features × in_features, as nn.Linear).
@@ -67,10 +74,7 @@ def llama(name: str, layers: int, dim: int, kv_dim: int, hidden: int, vocab: int
         MatrixShape("gate,up", hidden, dim, 2 * layers),
         MatrixShape("down", dim, hidden, layers),
     )
-    scalars = (
-        ScalarShape("embedding" if tied else "embedding,lm_head", (vocab, dim), 1 if tied else 2),
-        ScalarShape("rmsnorm", (dim,), 2 * layers + 1),  # two per layer plus the final norm
-    )
+    scalars = decoder_scalars(layers, dim, vocab, tied)
     count = f"{layers} of its {of_layers} layers" if of_layers > layers else f"{layers} layers"
     description = f"{count}, d={dim}, kv={kv_dim}, ffn={hidden}, vocab={vocab}" + (", tied embeddings" if tied else "")
     return Preset(name, matrices, scalars, description, layers)

@@ -15,11 +15,34 @@ from typing import Optional
 import torch
 
 from ...ortho.cost import MatrixShape  # noqa: F401 (the presets' matrices; re-exported)
-from ..hf_config import config_model
-from ..models import REGISTRY, Preset, ScalarShape, llama, lookup, parse_shapes  # noqa: F401 (re-exported)
+from ..hf_config import ConfigModel, config_model
+from ..models import REGISTRY, Preset, ScalarShape, llama, lookup, parse_shapes, refusal  # noqa: F401 (re-exported)
 
 PRESETS = {name: model.bench_preset() for name, model in REGISTRY.items() if "bench" in model.commands}
 MODELS = {name: model.preset() for name, model in REGISTRY.items()}
+
+
+def named_model(preset: Optional[str], shapes: Optional[str], hf_config: Optional[str], command: str) -> ConfigModel:
+    """The whole model a command's --preset, --shapes or --hf-config names (one of them; llama-8b
+    where none is), with the parameters a token multiplies by: its matrices and LM head."""
+    given = [flag for flag, value in (("--preset", preset), ("--shapes", shapes), ("--hf-config", hf_config)) if value]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)} each name the model: give one")
+    if hf_config:
+        return config_model(hf_config)
+    if shapes:
+        model = parse_shapes(shapes)
+    elif (preset or "llama-8b") in MODELS:
+        model = MODELS[preset or "llama-8b"]
+    else:
+        raise ValueError(f"--preset: {refusal(preset, command)}")
+    return ConfigModel(model, None, model.matrix_numel + head_numel(model))
+
+
+def head_numel(preset) -> int:
+    """The LM head's parameters (the embedding when tied): a matrix the forward multiplies by."""
+    heads = [s for s in preset.scalars if "lm_head" in s.name or s.name == "embedding"]
+    return heads[0].numel // heads[0].count if heads else 0
 
 
 def get_preset(name: str) -> Preset:

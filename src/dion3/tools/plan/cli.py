@@ -8,9 +8,8 @@ import sys
 from dataclasses import asdict
 from typing import Optional
 
-from ..bench.presets import MODELS, parse_shapes
-from ..hf_config import ConfigModel, config_model
-from ..models import refusal
+from ..bench.presets import MODELS, named_model
+from ..hf_config import ConfigModel
 from .pricing import Hardware, Network
 from .run import build_plans, price, setting_variant, stderr_progress, variant
 from .step_plan import StepPlan
@@ -140,25 +139,14 @@ def settings(args) -> tuple[Hardware, Network]:
 def model(args) -> ConfigModel:
     """The model's shapes, the experts of each stacked shape, and the parameters a token
     multiplies by (None where only the user can say: --shapes with --experts)."""
-    given = [flag for flag, value in (("--preset", args.preset), ("--shapes", args.shapes), ("--hf-config", args.hf_config))
-             if value]
-    if len(given) > 1:
-        raise ValueError(f"{' and '.join(given)} each name the model: give one")
     if args.hf_config and args.experts:
         raise ValueError("--hf-config gives the experts itself: leave out --experts")
-    if args.hf_config:
-        return config_model(args.hf_config)
     if args.experts is not None and (args.experts < 1 or not args.shapes):
         raise ValueError(f"--experts needs --shapes and a count ≥ 1, got {args.experts}")
-    if args.shapes:
-        preset = parse_shapes(args.shapes)
-    elif (args.preset or "llama-8b") not in MODELS:
-        raise ValueError(f"--preset: {refusal(args.preset, 'plan')}")
-    else:
-        preset = MODELS[args.preset or "llama-8b"]
+    described = named_model(args.preset, args.shapes, args.hf_config, "plan")
     if args.experts:
-        return ConfigModel(preset, {m.name: args.experts for m in preset.matrices}, None)
-    return ConfigModel(preset, None, preset.matrix_numel + head_numel(preset))
+        return ConfigModel(described.preset, {m.name: args.experts for m in described.preset.matrices}, None)
+    return described
 
 
 def time_to_loss_run(args, described: ConfigModel, layout) -> tuple[Run, dict]:
@@ -177,12 +165,6 @@ def time_to_loss_run(args, described: ConfigModel, layout) -> tuple[Run, dict]:
     rate = 6.0 * parameters * args.train_tps if args.train_tps else (args.train_tflops or GPUS[args.gpu]["train"]) * TB
     run = Run(args.tokens_per_step, layout.world_size, parameters, hidden, tokens / hidden, args.train_tokens is None, rate)
     return run, load_efficiencies(args.efficiency)
-
-
-def head_numel(preset) -> int:
-    """The LM head's parameters (the embedding when tied): a matrix the forward multiplies by."""
-    heads = [s for s in preset.scalars if "lm_head" in s.name or s.name == "embedding"]
-    return heads[0].numel // heads[0].count if heads else 0
 
 
 def summary(step: StepPlan, overlap: bool) -> dict:

@@ -12,9 +12,7 @@ import torch
 
 from ...optim.cost_fractions import cost_allocated_groups
 from ...optim.fraction_table import describe_fractions
-from ..bench.presets import MODELS, parse_shapes
-from ..hf_config import config_model
-from ..models import refusal
+from ..bench.presets import MODELS, named_model
 from ..setting_names import Dion3Setting, fraction_text, parse_fraction
 
 ORTHOGONALIZERS = ("auto", "newton_schulz", "gram")
@@ -57,22 +55,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             fraction = parse_fraction(args.fraction)
         except ValueError as error:
             raise ValueError(f"--fraction: {error}") from None
-        given = [flag for flag, value in (("--preset", args.preset), ("--shapes", args.shapes),
-                                          ("--hf-config", args.hf_config)) if value]
-        if len(given) > 1:
-            raise ValueError(f"{' and '.join(given)} each name the model: give one")
-        experts = None
-        if args.hf_config:
-            described = config_model(args.hf_config)
-            if described.note:
-                print(f"dion3 fractions: note: {described.note}", file=sys.stderr)
-            preset, experts = described.preset, described.experts
-        elif args.shapes:
-            preset = parse_shapes(args.shapes)
-        elif (args.preset or "llama-8b") in MODELS:
-            preset = MODELS[args.preset or "llama-8b"]
-        else:
-            raise ValueError(f"--preset: {refusal(args.preset, 'fractions')}")
+        described = named_model(args.preset, args.shapes, args.hf_config, "fractions")
+        if described.note:
+            print(f"dion3 fractions: note: {described.note}", file=sys.stderr)
+        preset, experts = described.preset, described.experts
     except ValueError as error:
         print(f"dion3 fractions: {error}", file=sys.stderr)
         return 2
