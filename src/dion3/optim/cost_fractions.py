@@ -24,6 +24,7 @@ from ..algorithms import MATRIX_ALGORITHMS, SELECTING_ALGORITHMS
 from ..buckets import matrix_view
 from ..ortho.cost import MatrixShape, Symmetric, h200_symmetric, modeled_seconds, orthogonalize_flops
 from ..rules import selected_row_count
+from .validation import BUDGET_KEY, WEIGHTS_KEY
 
 # cost(k, cols): what selecting k rows of one k × cols matrix costs a step (seconds, FLOPs, ...)
 Cost = Callable[[int, int], float]
@@ -209,7 +210,11 @@ def cost_allocated_groups(group: Union[dict, Sequence[dict]], fraction: float, f
     then groups in order); the cost is the first group's.
     weights: {part of a parameter name: weight} (e.g. {"mlp": 2.0}): the weight of every matrix
     whose name contains that part (1 for the others), handed to cost_allocated_fractions per
-    shape; needs the groups' param_names."""
+    shape; needs the groups' param_names.
+    With the default cost and no floor, each group records the budget ("fraction_budget") and
+    the weights ("fraction_weights"), so that a FractionScheduler can allocate another budget
+    alike (budget_schedule)."""
+    schedulable = floor is None and cost is None
     groups = [group] if isinstance(group, dict) else list(group)
     members = []  # (group index, parameter index, its matrices' (rows, cols), their count)
     for g, each in enumerate(groups):
@@ -237,6 +242,10 @@ def cost_allocated_groups(group: Union[dict, Sequence[dict]], fraction: float, f
                 split = dict(each, params=[each["params"][i] for i in mine], fraction=fractions[key])
                 if each.get("param_names") is not None:  # each parameter keeps its name
                     split["param_names"] = [each["param_names"][i] for i in mine]
+                if schedulable:
+                    split[BUDGET_KEY] = float(fraction)
+                    if weights is not None:
+                        split[WEIGHTS_KEY] = dict(weights)
                 out.append(split)
     return out
 

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Optional, Union
 
 from torch import nn
 
-from .validation import ALIASES, BUDGET_KEY, MATRIX_ALGORITHMS, MATRIX_SETTINGS, SCALAR_ALGORITHMS, WEIGHTS_KEY
+from .validation import ALIASES, MATRIX_ALGORITHMS, MATRIX_SETTINGS, SCALAR_ALGORITHMS
 from .cost_fractions import cost_allocated_groups
 
 FRACTION_ALLOCATIONS = ("uniform", "cost")  # param_groups(fraction_allocation=...)
@@ -164,10 +164,6 @@ def param_groups(
             matrix_groups = cost_allocated_groups(matrix_groups, options["fraction"], weights=fraction_weights)
         except ValueError as error:  # the fraction, the weights: said as param_groups' other errors are
             raise ValueError(f"param_groups: {error}") from None
-        for each in matrix_groups:  # what a schedule needs to allocate another budget alike
-            each[BUDGET_KEY] = float(options["fraction"])
-            if fraction_weights is not None:
-                each[WEIGHTS_KEY] = dict(fraction_weights)
     groups = [
         *matrix_groups,
         group(buckets["head"], algorithm=scalar_algorithm, lr=head_lr),

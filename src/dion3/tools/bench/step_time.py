@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable, Optional
 
 import torch
@@ -32,7 +32,6 @@ import torch
 from ... import kernels
 from ...optim import Dion3, Muon, NorMuon
 from ...optim.cost_fractions import cost_allocated_fractions, cost_allocated_groups
-from ...optim.validation import BUDGET_KEY
 from ...ortho.coefficients import SCHEDULES, get_schedule
 from . import step_cost as flops
 from .launches import launches_per_step
@@ -65,8 +64,6 @@ def make_optimizer(variant: Variant, matrices, scalars, device: torch.device, gr
     if variant.allocation == "cost":  # one group per shape, each with its fraction by cost
         groups = cost_allocated_groups({"params": matrices, "orthogonalizer": variant.orthogonalizer,
                                         "ns_coefficients": variant.ns_coefficients}, variant.fraction)
-        for group in groups:  # the budget, as param_groups records it: a fraction schedule then sets the budget
-            group[BUDGET_KEY] = variant.fraction
     if scalars:
         groups.append({"params": scalars, "algorithm": "adamw", "lr": 1e-3})
     common = dict(lr=0.01, weight_decay=0.01, orthogonalizer=variant.orthogonalizer, momentum_dtype=variant.momentum_dtype,
