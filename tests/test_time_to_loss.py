@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from dion3.tools.plan.time_to_loss import (DATA, Efficiency, MeasuredRegime, forward_backward_seconds,
-                                           load_efficiencies, nearest_regime, predict, recommendation)
+from dion3.tools.plan.time_to_loss import (DATA, Efficiency, MeasuredRegime, Run, forward_backward_seconds,
+                                           load_efficiencies, nearest_regime, other_shapes, predict, recommendation,
+                                           report, shape_check)
 from dion3.tools.study.efficiency import regime_efficiencies, steps_to_loss, write_data
 
 
@@ -143,3 +144,28 @@ def test_a_setting_not_measured_in_the_regime_is_left_out_of_the_advice():
     predictions = predict({"muon": 0.05, "dion3-1/2-cost": 0.02}, 0.1, {})
     assert predictions[1].efficiency is None and predictions[1].time_ratio is None
     assert recommendation(predictions).startswith("recommend muon")
+
+
+def test_other_shapes_are_the_same_tokens_a_step_on_another_model_nearest_in_tokens_per_parameter():
+    def regime(model, tokens_per_step, tokens_per_parameter):
+        return MeasuredRegime(model, 10**6, tokens_per_step, 1500, tokens_per_parameter)
+
+    base = regime("a", 65536, 5.0)
+    near, nearer, other_batch, too_long = (regime("b", 65536, 7.0), regime("b", 65536, 5.5), regime("c", 8192, 5.0),
+                                           regime("d", 65536, 7.6))  # 7.6 / 5 > 1.5
+    same_model = regime("a", 65536, 5.5)
+    table = {g: {} for g in (base, near, nearer, other_batch, too_long, same_model)}
+    assert other_shapes(table, base) == [nearer]
+
+
+def test_a_shape_check_divides_the_same_whole_steps_by_the_other_shapes_efficiencies():
+    # forward/backward 0.1 s, Muon's optimizer 0.05 s, ½'s 0.02 (whole 0.8×): e 0.9 here, 0.8 on the
+    # other shape, so 0.889× here and 1.0× there; a setting the other shape did not measure is left out
+    predictions = predict({"muon": 0.05, "dion3-1/2-cost": 0.02, "dion3-1/4-cost": 0.01}, 0.1,
+                          {"dion3-1/2-cost": Efficiency(0.9, 0.88, 0.92, 3), "dion3-1/4-cost": Efficiency(0.8, 0.7, 0.9, 3)})
+    times = shape_check(predictions, {"dion3-1/2-cost": Efficiency(0.8, 0.78, 0.82, 2)})
+    assert times == {"dion3-1/2-cost": pytest.approx(0.8 / 0.8)}
+    other = MeasuredRegime("held-out", 2 * 10**6, 65536, 1500, 5.0)
+    text = report(Run(65536, 1, 1e8, 1e8, 5.0, False, 350e12), other, 0.1, predictions, {},
+                  [(other, {"dion3-1/2-cost": Efficiency(0.8, 0.78, 0.82, 2)})])
+    assert "another shape, held-out (2 M hidden parameters)" in text and "dion3-1/2-cost e 0.800 (2 seeds) → 1.000×" in text

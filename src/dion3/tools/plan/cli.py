@@ -14,8 +14,8 @@ from .pricing import Hardware, Network
 from .run import build_plans, price, setting_variant, stderr_progress, variant
 from .step_plan import StepPlan
 from .time_to_loss import DATA as EFFICIENCY_DATA
-from .time_to_loss import (SETTINGS, Run, forward_backward_seconds, load_efficiencies, nearest_regime, predict,
-                           recommendation, report)
+from .time_to_loss import (SETTINGS, Run, forward_backward_seconds, load_efficiencies, nearest_regime, other_shapes,
+                           predict, recommendation, report, shape_check)
 from .world import model_weights, parse_layout
 
 TB, GB, MB = 1e12, 1e9, 1e6
@@ -263,9 +263,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         forward_backward = forward_backward_seconds(run.parameters, run.tokens_per_step, run.world_size,
                                                     run.flops_per_second)
         predictions = predict(optimizer_s, forward_backward, efficiencies[regime])
-        advice = dict(text=report(run, regime, forward_backward, predictions, {name: v.label for name, v in zip(SETTINGS, variants)}),
+        checks = [(g, efficiencies[g]) for g in other_shapes(efficiencies, regime)]
+        labels = {name: v.label for name, v in zip(SETTINGS, variants)}
+        advice = dict(text=report(run, regime, forward_backward, predictions, labels, checks),
                       run=asdict(run), regime=asdict(regime), forward_backward_s=forward_backward,
-                      predictions=[asdict(p) for p in predictions], recommendation=recommendation(predictions))
+                      predictions=[asdict(p) for p in predictions], recommendation=recommendation(predictions),
+                      other_shapes=[dict(regime=asdict(g), time_ratios=shape_check(predictions, e)) for g, e in checks])
     if args.json:
         data = dict(header=head, model=preset.name, layout=layout.describe(), world_size=layout.world_size,
                     hardware=asdict(hw), network=asdict(net), planning_seconds=planned.seconds,

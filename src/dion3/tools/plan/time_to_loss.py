@@ -76,6 +76,27 @@ def nearest_regime(table: dict[MeasuredRegime, dict[str, Efficiency]], tokens_pe
     return min(candidates, key=lambda g: (distance(g), -g.horizon))
 
 
+def other_shapes(table: dict[MeasuredRegime, dict[str, Efficiency]], regime: MeasuredRegime,
+                 within: float = 1.5) -> list[MeasuredRegime]:
+    """Regimes measured on another model at the same tokens a step and within `within` times the
+    regime's tokens per parameter (one per model, the nearest): how far e moves with the shape alone."""
+    nearest: dict[str, MeasuredRegime] = {}
+    for g in table:
+        if g.model == regime.model or g.tokens_per_step != regime.tokens_per_step:
+            continue
+        gap = abs(math.log(g.tokens_per_parameter / regime.tokens_per_parameter))
+        if gap <= math.log(within) and (g.model not in nearest or gap < abs(
+                math.log(nearest[g.model].tokens_per_parameter / regime.tokens_per_parameter))):
+            nearest[g.model] = g
+    return [nearest[m] for m in sorted(nearest)]
+
+
+def shape_check(predictions: Sequence[Prediction], efficiencies: dict[str, Efficiency]) -> dict[str, float]:
+    """Each setting's time to Muon's loss with another regime's efficiencies (the same whole steps)."""
+    return {p.setting: p.step_ratio / efficiencies[p.setting].value for p in predictions
+            if p.setting != "muon" and p.setting in efficiencies}
+
+
 def forward_backward_seconds(parameters: float, tokens_per_step: float, world_size: int, flops_per_second: float) -> float:
     """The forward and backward pass of one step on each rank: 6 · parameters · tokens, the
     world's ranks sharing the tokens (data parallel) or the matrices (tensor parallel)."""
@@ -147,9 +168,11 @@ class Run:
 
 
 def report(run: Run, regime: MeasuredRegime, forward_backward: float, predictions: Sequence[Prediction],
-           labels: dict[str, str]) -> str:
+           labels: dict[str, str],
+           checks: Sequence[tuple[MeasuredRegime, dict[str, Efficiency]]] = ()) -> str:
     """The plan's section on the time to Muon's loss: the run, its modeled forward and backward
-    (seconds), the regime its efficiencies come from, a row per setting and the recommend line."""
+    (seconds), the regime its efficiencies come from, a row per setting, the same settings' times
+    with the efficiencies of another shape measured alike (`checks`), and the recommend line."""
     lines = [
         f"Time to Muon's loss: {run.tokens_per_step:,.0f} tokens a step over {run.world_size} rank"
         f"{'s' if run.world_size > 1 else ''}; forward and backward 6 · {run.parameters / 1e9:.3g} B parameters · "
@@ -173,4 +196,10 @@ def report(run: Run, regime: MeasuredRegime, forward_backward: float, prediction
             time = f"{p.time_ratio:.3f} ({p.time_low:.3f}–{p.time_high:.3f})"
         lines.append(f"| {labels.get(p.setting, p.setting)} ({p.setting}) | {p.optimizer_s * 1e3:,.1f} | "
                      f"{p.whole_s * 1e3:,.1f} | {p.step_ratio:.3f} | {efficiency} | {time} |")
+    for other, efficiencies in checks:
+        times = shape_check(predictions, efficiencies)
+        if times:
+            lines += ["", f"the same settings with the efficiencies of another shape, {other.label}: " + ", ".join(
+                f"{s} e {efficiencies[s].value:.3f} ({efficiencies[s].seeds} seed{'s' if efficiencies[s].seeds != 1 else ''})"
+                f" → {t:.3f}×" for s, t in times.items())]
     return "\n".join(lines + ["", recommendation(predictions)])
