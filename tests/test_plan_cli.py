@@ -92,6 +92,8 @@ def test_the_shipped_efficiencies_answer_both_runs_and_name_their_regime(capsys)
     assert out.strip().splitlines()[-1].startswith("recommend dion3-")
     # the held-out shape was measured at the same tokens a step: its efficiencies are shown beside
     assert "with the efficiencies of another shape, llama-512-6l" in out
+    # by cost, Llama-1B's budget buys fewer rows than llama-384's (where e was measured): said
+    assert "rows selected: this model / llama-384" in out and "fewer rows on this model" in out
     assert cli.main(["--preset", "llama-8b", "--layout", "fsdp=8", "--tokens-per-step", "4194304", "--quiet",
                      "--ranks", "0"]) == 0
     out = capsys.readouterr().out

@@ -169,3 +169,47 @@ def test_a_shape_check_divides_the_same_whole_steps_by_the_other_shapes_efficien
     text = report(Run(65536, 1, 1e8, 1e8, 5.0, False, 350e12), other, 0.1, predictions, {},
                   [(other, {"dion3-1/2-cost": Efficiency(0.8, 0.78, 0.82, 2)})])
     assert "another shape, held-out (2 M hidden parameters)" in text and "dion3-1/2-cost e 0.800 (2 seeds) → 1.000×" in text
+
+
+def test_a_settings_row_share_is_the_average_fraction_its_landed_runs_recorded():
+    # the study's runs record the share of the rows their optimizer selected (from the real model's
+    # param_groups); the plan's row_share reads the same share from the preset's shapes alone
+    from pathlib import Path
+
+    from dion3.tools.bench.presets import named_model
+    from dion3.tools.plan.fractions import row_share
+
+    records = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "frontier" / "results.jsonl"
+    recorded: dict[tuple[str, float], set[float]] = {}
+    for line in records.read_text().splitlines():
+        record = json.loads(line)
+        c = record["config"]
+        if (c["optimizer"] == "dion3" and c.get("fraction_allocation") == "cost" and c.get("fraction_warmup") == 0
+                and not c.get("fraction_weights") and not c.get("full_every") and "average_fraction" in record):
+            recorded.setdefault((c["model"], c["fraction"]), set()).add(round(record["average_fraction"], 9))
+    assert {("llama-384", 0.5), ("llama-384", 0.375), ("llama-512-6l", 0.5), ("llama-512-6l", 0.375)} <= set(recorded)
+    for (model, fraction), shares in recorded.items():
+        described = named_model(model, None, None, "plan")
+        expected = row_share(described.preset.matrices, fraction, described.experts)
+        assert all(share == pytest.approx(expected, abs=1e-9) for share in shares), (model, fraction, shares, expected)
+
+
+def test_every_row_selected_is_a_share_of_one():
+    from dion3.tools.bench.presets import named_model
+    from dion3.tools.plan.fractions import row_share
+
+    described = named_model("llama-1b", None, None, "plan")
+    assert row_share(described.preset.matrices, 1.0) == 1.0
+
+
+def test_the_report_says_where_a_setting_selects_fewer_rows_than_where_it_was_measured():
+    predictions = predict({"muon": 0.05, "dion3-1/2-cost": 0.02, "dion3-3/8-cost": 0.015}, 0.1,
+                          {"dion3-1/2-cost": Efficiency(0.9, 0.88, 0.92, 3), "dion3-3/8-cost": Efficiency(0.9, 0.88, 0.92, 3)})
+    regime = MeasuredRegime("study", 10**6, 65536, 1500, 5.0)
+    run = Run(65536, 1, 1e8, 1e8, 5.0, False, 350e12)
+    # ½: 0.40 here against 0.52 (0.12 fewer: said); ⅜: 0.46 against 0.48 (within 0.05: not)
+    text = report(run, regime, 0.1, predictions, {}, (), {"dion3-1/2-cost": (0.40, 0.52), "dion3-3/8-cost": (0.46, 0.48)})
+    assert "| 0.40 / 0.52 |" in text and "| 0.46 / 0.48 |" in text
+    fewer = [line for line in text.splitlines() if line.startswith("fewer rows")]
+    assert len(fewer) == 1 and "dion3-1/2-cost 0.40 against 0.52" in fewer[0] and "3/8" not in fewer[0]
+    assert not any(line.startswith("fewer rows") for line in report(run, regime, 0.1, predictions, {}).splitlines())

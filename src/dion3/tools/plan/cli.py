@@ -10,6 +10,7 @@ from typing import Optional
 
 from ..bench.presets import MODELS, named_model
 from ..hf_config import ConfigModel
+from .fractions import row_share
 from .pricing import Hardware, Network
 from .run import build_plans, price, setting_variant, stderr_progress, variant
 from .step_plan import StepPlan
@@ -149,6 +150,19 @@ def model(args) -> ConfigModel:
     return described
 
 
+def row_shares(described: ConfigModel, measured_model: str,
+               fractions: dict[str, float]) -> dict[str, tuple[float, Optional[float]]]:
+    """Each by-cost setting's share of the rows on the user's model and on the model its
+    efficiency was measured on (None where that model is not one of the presets)."""
+    try:
+        measured = named_model(measured_model, None, None, "plan")
+    except ValueError:
+        measured = None
+    return {name: (row_share(described.preset.matrices, f, described.experts),
+                   None if measured is None else row_share(measured.preset.matrices, f, measured.experts))
+            for name, f in fractions.items()}
+
+
 def time_to_loss_run(args, described: ConfigModel, layout) -> tuple[Run, dict]:
     """The user's run for the time to Muon's loss, and the measured step-efficiencies."""
     for flag in ("tokens_per_step", "train_tokens", "train_tflops", "train_tps", "parameters"):
@@ -265,10 +279,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         predictions = predict(optimizer_s, forward_backward, efficiencies[regime])
         checks = [(g, efficiencies[g]) for g in other_shapes(efficiencies, regime)]
         labels = {name: v.label for name, v in zip(SETTINGS, variants)}
-        advice = dict(text=report(run, regime, forward_backward, predictions, labels, checks),
+        shares = row_shares(described, regime.model, {name: v.fraction for name, v in zip(SETTINGS, variants)
+                                                      if v.algorithm == "dion3"})
+        advice = dict(text=report(run, regime, forward_backward, predictions, labels, checks, shares),
                       run=asdict(run), regime=asdict(regime), forward_backward_s=forward_backward,
                       predictions=[asdict(p) for p in predictions], recommendation=recommendation(predictions),
-                      other_shapes=[dict(regime=asdict(g), time_ratios=shape_check(predictions, e)) for g, e in checks])
+                      other_shapes=[dict(regime=asdict(g), time_ratios=shape_check(predictions, e)) for g, e in checks],
+                      row_shares={name: dict(this_model=here, measured_model=there) for name, (here, there) in shares.items()})
     if args.json:
         data = dict(header=head, model=preset.name, layout=layout.describe(), world_size=layout.world_size,
                     hardware=asdict(hw), network=asdict(net), planning_seconds=planned.seconds,

@@ -12,6 +12,7 @@ import torch
 
 from ...optim.cost_fractions import cost_allocated_groups
 from ...optim.fraction_table import describe_fractions
+from ...rules import selected_row_count
 from ..bench.presets import MODELS, named_model
 from ..setting_names import Dion3Setting, fraction_text, parse_fraction
 
@@ -46,6 +47,19 @@ def groups(matrices, fraction: float, orthogonalizer: str = "auto", experts: Opt
     if orthogonalizer != "auto":
         group["orthogonalizer"] = orthogonalizer
     return cost_allocated_groups(group, fraction)
+
+
+def row_share(matrices, fraction: float, experts: Optional[dict] = None) -> float:
+    """The share of all the rows (each matrix of a stack counted) that `fraction` by cost selects:
+    what the study records as a Dion3 run's average_fraction, so the same name ("½ by cost") can
+    be compared across models, where the same budget buys different shares."""
+    selected = total = 0
+    for group in groups(matrices, fraction, experts=experts):
+        for p in group["params"]:
+            matrices_in = p.numel() // (p.shape[-2] * p.shape[-1])
+            selected += matrices_in * selected_row_count(p.shape[-2], group["fraction"])
+            total += matrices_in * p.shape[-2]
+    return selected / total
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -169,10 +169,14 @@ class Run:
 
 def report(run: Run, regime: MeasuredRegime, forward_backward: float, predictions: Sequence[Prediction],
            labels: dict[str, str],
-           checks: Sequence[tuple[MeasuredRegime, dict[str, Efficiency]]] = ()) -> str:
+           checks: Sequence[tuple[MeasuredRegime, dict[str, Efficiency]]] = (),
+           row_shares: Optional[dict[str, tuple[float, Optional[float]]]] = None) -> str:
     """The plan's section on the time to Muon's loss: the run, its modeled forward and backward
     (seconds), the regime its efficiencies come from, a row per setting, the same settings' times
-    with the efficiencies of another shape measured alike (`checks`), and the recommend line."""
+    with the efficiencies of another shape measured alike (`checks`), and the recommend line.
+    row_shares: setting → (share of the rows it selects on this model, on the regime's model or
+    None), for the Dion3 settings: one budget buys different shares on different shapes."""
+    row_shares = row_shares or {}
     lines = [
         f"Time to Muon's loss: {run.tokens_per_step:,.0f} tokens a step over {run.world_size} rank"
         f"{'s' if run.world_size > 1 else ''}; forward and backward 6 · {run.parameters / 1e9:.3g} B parameters · "
@@ -183,8 +187,9 @@ def report(run: Run, regime: MeasuredRegime, forward_backward: float, prediction
         + (f"; cards {regime.cards}" if regime.cards else ""),
         f"measured at {regime.parameters / 1e6:.0f} M hidden parameters, this run has {run.hidden_parameters / 1e9:.3g} B: "
         "the study has not measured ≥ 1 B parameters or ≥ 20 tokens per parameter", "",
-        "| setting | optimizer step ms | whole step ms | × Muon's whole step | step-efficiency (band; seeds) | "
-        "time to Muon's loss, × Muon's (band) |", "|---|---|---|---|---|---|"]
+        f"| setting | rows selected: this model / {regime.model} | optimizer step ms | whole step ms | "
+        "× Muon's whole step | step-efficiency (band; seeds) | time to Muon's loss, × Muon's (band) |",
+        "|---|---|---|---|---|---|---|"]
     for p in predictions:
         if p.setting == "muon":
             efficiency, time = "1 (the reference)", "1"
@@ -194,8 +199,20 @@ def report(run: Run, regime: MeasuredRegime, forward_backward: float, prediction
             e = p.efficiency
             efficiency = f"{e.value:.3f} ({e.low:.3f}–{e.high:.3f}; {e.seeds})"
             time = f"{p.time_ratio:.3f} ({p.time_low:.3f}–{p.time_high:.3f})"
-        lines.append(f"| {labels.get(p.setting, p.setting)} ({p.setting}) | {p.optimizer_s * 1e3:,.1f} | "
+        if p.setting in REFERENCES:
+            rows = "all"
+        elif p.setting in row_shares:
+            here, there = row_shares[p.setting]
+            rows = f"{here:.2f} / " + ("—" if there is None else f"{there:.2f}")
+        else:
+            rows = "—"
+        lines.append(f"| {labels.get(p.setting, p.setting)} ({p.setting}) | {rows} | {p.optimizer_s * 1e3:,.1f} | "
                      f"{p.whole_s * 1e3:,.1f} | {p.step_ratio:.3f} | {efficiency} | {time} |")
+    fewer = [f"{s} {here:.2f} against {there:.2f}" for s, (here, there) in row_shares.items()
+             if there is not None and here < there - 0.05]
+    if fewer:
+        lines += ["", f"fewer rows on this model than where the efficiencies were measured ({regime.model}): "
+                  + ", ".join(fewer) + "; a step of fewer rows may be worth fewer of Muon's steps"]
     for other, efficiencies in checks:
         times = shape_check(predictions, efficiencies)
         if times:
