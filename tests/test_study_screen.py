@@ -15,7 +15,8 @@ LANDED = Path(__file__).parent.parent / "benchmarks/results/frontier/results.jso
 
 def _record(loss: float, **fields) -> dict:
     """A llama-384 batch-128 compiled record (a landed run's config) with the given fields changed."""
-    template = json.loads(LANDED.read_text().splitlines()[-1])["config"]
+    landed = [json.loads(line)["config"] for line in LANDED.read_text().splitlines()]
+    template = [c for c in landed if c["model"] == "llama-384" and c["batch_size"] == 128 and c["compiled"]][-1]
     config = {**template, "horizon": 1500, "seed": 0, "optimizer": "dion3", "fraction": 0.5, "lr": 0.02, "mu": 0.6,
               "fraction_allocation": "cost", "cost_rule": "time", **fields}
     assert config["model"] == "llama-384" and config["batch_size"] == 128 and config["compiled"]
