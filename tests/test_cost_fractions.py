@@ -196,6 +196,75 @@ def test_modeled_time_moves_rows_back_to_the_mlp_on_llama_8b():
         1.05 * _total(shapes, [0.25] * 4, modeled_seconds)
 
 
+# A step cost by blocks of 128 rows (the grid most_rows searches): T (cols 1) is concave past its
+# second block, S (cols 2) convex; a block's rows all cost its price, so only block ends are worth buying.
+_BLOCKS = {1: [10, 36, 37, 38], 2: [4, 12, 24, 40]}
+
+
+def _block_cost(k: int, cols: int) -> float:
+    return _BLOCKS[cols][-(-k // 128) - 1]
+
+
+def test_most_rows_passes_the_concave_block_that_the_water_filling_stops_before():
+    """T and S, 512 rows each; uniform ½ (256 rows each) costs 36 + 12 = 48, the ⅛ floor (128 each)
+    4 + 10 = 14. Water-filling: S's next block (+8, 22), S's next (+12, 34); then T's +26 and S's
+    +16 both pass 48: T ¼, S ¾, 512 rows. The most rows within 48: all of T (38) and S's floor (4),
+    640 rows at 42, where S's next block (+8) no longer fits."""
+    shapes = [MatrixShape("t", 512, 1, 1), MatrixShape("s", 512, 2, 1)]
+    assert cost_allocated_fractions(shapes, 0.5, cost=_block_cost) == [0.25, 0.75]
+    assert cost_allocated_fractions(shapes, 0.5, cost=_block_cost, most_rows=True) == [1.0, 0.25]
+    # weighted rows: S's rows at weight 3 make T's floor and S's 384 rows (128 + 3·384 = 1280 at 34)
+    # the most, against all of T and S's floor (512 + 3·128 = 896)
+    assert cost_allocated_fractions(shapes, 0.5, cost=_block_cost, most_rows=True, weights=[1, 3]) == [0.25, 0.75]
+
+
+@pytest.mark.parametrize("fraction", [0.375, 0.5])
+def test_most_rows_selects_at_least_the_rows_of_every_allocation_on_the_grid(fraction):
+    """Against every allocation of llama-384's shapes on the 128-row grid (each shape's floor, the
+    multiples of 128 above it and all its rows, enumerated) within the modeled time of the uniform
+    fraction: none selects more rows than most_rows, and most_rows stays within that time. The
+    water-filling selects fewer (its greedy step stops below the tall matrices' cheap rows)."""
+    import itertools
+
+    shapes = LLAMA_384
+    budget = _total(shapes, [fraction] * len(shapes), modeled_seconds) * (1 + 1e-9)
+    choices = []
+    for shape in shapes:
+        low = selected_row_count(shape.rows, fraction / 4)
+        choices.append(sorted({low, shape.rows, *range(128 * -(-low // 128), shape.rows, 128)}))
+    best = 0
+    for ks in itertools.product(*choices):
+        spent = sum(s.count * modeled_seconds(k, s.cols) for s, k in zip(shapes, ks))
+        if spent <= budget:
+            best = max(best, sum(s.count * k for s, k in zip(shapes, ks)))
+
+    def rows(fractions):
+        return sum(s.count * selected_row_count(s.rows, f) for s, f in zip(shapes, fractions))
+
+    most = cost_allocated_fractions(shapes, fraction, most_rows=True)
+    assert rows(most) >= best and _total(shapes, most, modeled_seconds) <= budget
+    assert rows(cost_allocated_fractions(shapes, fraction)) < best
+
+
+def test_most_rows_groups_record_their_rule_and_a_schedule_follows_it():
+    """param_groups(fraction_allocation="most_rows") marks its groups, and a FractionScheduler's
+    allocation of the groups' own budget gives back their fractions (it would not with the
+    water-filling: ½ by cost is another allocation on these shapes)."""
+    from dion3 import Dion3
+    from dion3.optim.budget_schedule import BudgetAllocation
+    from dion3.optim.param_groups import param_groups
+
+    model = nn.Sequential(nn.Linear(384, 1024, bias=False), nn.Linear(1024, 384, bias=False),
+                          nn.Linear(384, 384, bias=False))
+    groups = param_groups(model, fraction=0.5, fraction_allocation="most_rows")
+    assert all(g["fraction_most_rows"] is True and g["fraction_budget"] == 0.5 for g in groups)
+    optimizer = Dion3(groups)
+    allocation = BudgetAllocation(optimizer, range(len(groups)))
+    assert allocation.fractions(0.5) == [g["fraction"] for g in groups]
+    by_cost = param_groups(model, fraction=0.5, fraction_allocation="cost")
+    assert sorted(g["fraction"] for g in by_cost) != sorted(g["fraction"] for g in groups)
+
+
 def test_identical_shapes_get_the_uniform_fraction():
     for cost in (None, orthogonalize_cost()):
         for rows, cols, fraction in ((384, 384, 0.25), (1024, 384, 0.3), (10, 7, 0.5)):

@@ -311,7 +311,7 @@ def test_fraction_weights_are_their_own_settings_and_reach_the_allocation(study)
     for bad in ("mlp", "mlp=0", "=2"):
         with pytest.raises(SystemExit, match="--fraction-weights expects part=weight pairs"):
             study.plan_runs(study.parse_args(args + ["--fraction-weights", bad]))
-    with pytest.raises(SystemExit, match="use it with --fraction-allocation cost alone"):
+    with pytest.raises(SystemExit, match="use it with --fraction-allocation cost and/or most_rows alone"):
         study.plan_runs(study.parse_args(args[:-1] + ["uniform", "--fraction-weights", "mlp.=2"]))
 
 

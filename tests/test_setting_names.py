@@ -31,6 +31,8 @@ SPELLINGS = [
     ("dion3-f0.25-warmup50", "dion3-1/4-warmup50", 0.25, "uniform", 50),
     ("dion3-1/4-cost-warmup200", "dion3-1/4-cost-warmup200", 0.25, "cost", 200),  # the budget warms up
     ("dion3-0.5-cost-warmup8", "dion3-1/2-cost-warmup8", 0.5, "cost", 8),
+    ("dion3-1/2-rows", "dion3-1/2-rows", 0.5, "most_rows", 0),  # the most rows within ½'s modeled time
+    ("dion3-0.375-rows-warmup8", "dion3-3/8-rows-warmup8", 0.375, "most_rows", 8),
     ("dion3-1", "dion3-1", 1.0, "uniform", 0),
     ("dion3-1.0-cost", "dion3-1-cost", 1.0, "cost", 0),
     ("dion3-0.3", "dion3-3/10", 0.3, "uniform", 0),
@@ -51,6 +53,7 @@ def test_every_spelling_reads_as_its_setting(spelling, name, fraction, allocatio
     "dion3-0", "dion3-3/2", "dion3-x", "dion3-", "dion3-cost", "dion3--cost", "dion3-1/4-costs", "dion3-1/4-cost-cost",
     "dion3-1/0", "dion3-f", "dion3-f-cost", "dion3-f0-cost", "dion3-1/4-warmup", "dion3-1/4-warmup0",
     "dion3-f0.25-warm", "dion3-1/4-warmupx", "dion3-1/4-warmup10-cost", "dion3-f0.25-warm10-cost",
+    "dion3-1/2-rows-cost", "dion3-1/2-cost-rows", "dion3-1/2-warmup8-rows", "dion3-rows",
 ])
 def test_names_that_spell_no_setting_are_refused(name):
     with pytest.raises(ValueError):
@@ -85,6 +88,7 @@ def test_budgets_say_what_the_fraction_spends():
     assert Dion3Setting(0.5).budget == "1/2 on every matrix"
     assert Dion3Setting(0.25, warmup_steps=200).budget == "1 → 1/4 over 200 steps"
     assert Dion3Setting(0.25, "cost", 200).budget == "1 → 1/4 by cost over 200 steps"
+    assert Dion3Setting(0.5, "most_rows").budget == "1/2 by cost, most rows"
 
 
 def test_a_warmup_by_cost_is_trained_not_benched():

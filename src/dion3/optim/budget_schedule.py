@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from .cost_fractions import cost_allocated_groups
-from .validation import BUDGET_KEY, WEIGHTS_KEY, check_range
+from .validation import BUDGET_KEY, MOST_ROWS_KEY, WEIGHTS_KEY, check_range
 
 # What the allocation reads of a group: its matrices, their names (the weights pick them by name),
 # how they are viewed as matrices, and the orthogonalizer settings the cost model prices.
@@ -49,6 +49,7 @@ class BudgetAllocation:
                          for key in ALLOCATION_KEYS if key in g} for g in groups]
         weights = groups[0].get(WEIGHTS_KEY)
         self._weights = None if weights is None else dict(weights)
+        self._most_rows = bool(groups[0].get(MOST_ROWS_KEY, False))
         self._owner = {id(p): n for n, g in enumerate(self._inputs) for p in g["params"]}
         self._cache: dict[float, list[float]] = {}
 
@@ -62,7 +63,7 @@ class BudgetAllocation:
             return [1.0] * len(self._inputs)
         fractions: list[Optional[float]] = [None] * len(self._inputs)
         # the rule param_groups applied: shapes merged over the groups, each shape one fraction
-        for part in cost_allocated_groups(self._inputs, budget, weights=self._weights):
+        for part in cost_allocated_groups(self._inputs, budget, weights=self._weights, most_rows=self._most_rows):
             n = self._owner[id(part["params"][0])]
             if fractions[n] not in (None, part["fraction"]):
                 raise ValueError(f"FractionScheduler: parameter group {self.indices[n]} holds matrices of several "
@@ -91,16 +92,18 @@ def budget_allocation(optimizer: torch.optim.Optimizer, indices: Sequence[int]) 
     for i in costed:
         check_range(f"parameter group {i}", BUDGET_KEY, groups[i][BUDGET_KEY], 0.0, 1.0, low_open=True)
         weights = groups[i].get(WEIGHTS_KEY)
-        key = (float(groups[i][BUDGET_KEY]), None if weights is None else tuple(sorted(dict(weights).items())))
+        key = (float(groups[i][BUDGET_KEY]), None if weights is None else tuple(sorted(dict(weights).items())),
+               bool(groups[i].get(MOST_ROWS_KEY, False)))
         allocations.setdefault(key, []).append(i)
     if len(allocations) > 1:
         listed = "; ".join(f"{_groups(members)}: budget {budget:g}"
                            + (f", fraction_weights {dict(weights)}" if weights else "")
-                           for (budget, weights), members in allocations.items())
+                           + (", the most rows" if most_rows else "")
+                           for (budget, weights, most_rows), members in allocations.items())
         raise ValueError(f"FractionScheduler: the groups by cost were allocated apart ({listed}), and a schedule "
                          "sets one budget; build one FractionScheduler per allocation, each with groups=[...] "
                          "naming its groups")
-    ((budget, _),) = allocations
+    ((budget, _, _),) = allocations
     allocation = BudgetAllocation(optimizer, costed)
     for i, expected in zip(costed, allocation.fractions(budget)):
         if groups[i]["fraction"] != expected:

@@ -25,11 +25,12 @@ SCOPES = ("local", "global")
 # their names (torch.optim keeps "param_names"), what torch's LR schedulers and SWA write into
 # a running optimizer's groups (a group copied from one holds them; dion3.tools.train reads
 # initial_lr), and BY_COST_KEYS. Any other key is refused by name: it would be kept and never read.
-# BY_COST_KEYS: what param_groups(fraction_allocation="cost") writes into each group it allocates,
-# the budget (the uniform fraction whose modeled step time the fractions share) and the row
-# weights, so that a FractionScheduler can allocate another budget by the same rule.
-BUDGET_KEY, WEIGHTS_KEY = "fraction_budget", "fraction_weights"
-BY_COST_KEYS = (BUDGET_KEY, WEIGHTS_KEY)
+# BY_COST_KEYS: what param_groups(fraction_allocation="cost" or "most_rows") writes into each
+# group it allocates, the budget (the uniform fraction whose modeled step time the fractions
+# share), the row weights and, for "most_rows", that rule, so that a FractionScheduler can
+# allocate another budget by the same rule.
+BUDGET_KEY, WEIGHTS_KEY, MOST_ROWS_KEY = "fraction_budget", "fraction_weights", "fraction_most_rows"
+BY_COST_KEYS = (BUDGET_KEY, WEIGHTS_KEY, MOST_ROWS_KEY)
 GROUP_KEYS = ("params", "param_names", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr",
               *BY_COST_KEYS)
 # Settings that only the orthogonal rules (Dion3, Dion2, Muon, NorMuon) read; an AdamW or Lion

@@ -8,6 +8,8 @@
     dion3-1/4-cost-warmup200
                             fractions by cost whose budget warms up from 1 to ¼ over 200 steps
                             (a FractionScheduler over groups by cost)
+    dion3-1/4-rows          the most rows within that modeled time (fraction_allocation="most_rows");
+                            -rows-warmupN as -cost-warmupN
 
 The fraction is written p/q where a denominator up to 64 gives it exactly (1/2, 3/8, 1, 3/10),
 else as a decimal (0.333). Read back as well: any fraction spelling (dion3-0.25), and the old
@@ -21,7 +23,9 @@ from fractions import Fraction
 from typing import Optional
 
 PREFIX = "dion3-"
-GRAMMAR = "dion3-F (F in (0, 1], e.g. dion3-1/4), dion3-F-cost, dion3-F-warmupN or dion3-F-cost-warmupN"
+GRAMMAR = ("dion3-F (F in (0, 1], e.g. dion3-1/4), dion3-F-cost, dion3-F-rows, dion3-F-warmupN or "
+           "dion3-F-cost-warmupN")
+SUFFIXES = {"cost": "-cost", "most_rows": "-rows"}  # a setting's allocation (param_groups') → its name's suffix
 _DENOMINATOR = 64  # the largest denominator a fraction is written with (as the frontier's labels)
 
 
@@ -49,12 +53,14 @@ class Dion3Setting:
     fixed or warmed up from 1 (by cost: the budget warms up)."""
 
     fraction: float
-    allocation: str = "uniform"  # "uniform" (the fraction on every matrix) or "cost" (per matrix shape)
+    # "uniform" (the fraction on every matrix), "cost" or "most_rows" (per matrix shape: param_groups'
+    # fraction_allocation)
+    allocation: str = "uniform"
     warmup_steps: int = 0  # > 0: the fraction warms up linearly from 1 over this many steps
 
     @property
     def name(self) -> str:
-        suffix = ("-cost" if self.allocation == "cost" else "") + (f"-warmup{self.warmup_steps}" if self.warmup_steps else "")
+        suffix = SUFFIXES.get(self.allocation, "") + (f"-warmup{self.warmup_steps}" if self.warmup_steps else "")
         return f"{PREFIX}{fraction_text(self.fraction)}{suffix}"
 
     @property
@@ -62,7 +68,7 @@ class Dion3Setting:
         """What the fraction spends, in words: "1/4 by cost", "1/4 on every matrix",
         "1 → 1/4 over 200 steps", "1 → 1/4 by cost over 200 steps"."""
         text = fraction_text(self.fraction)
-        by_cost = " by cost" if self.allocation == "cost" else ""
+        by_cost = {"cost": " by cost", "most_rows": " by cost, most rows"}.get(self.allocation, "")
         if self.warmup_steps:
             return f"1 → {text}{by_cost} over {self.warmup_steps} step{'s' if self.warmup_steps > 1 else ''}"
         return f"{text}{by_cost}" if by_cost else f"{text} on every matrix"
@@ -76,17 +82,22 @@ def parse_dion3(name: str) -> Optional[Dion3Setting]:
     rest = name[len(PREFIX):]
     if rest[:1] == "f" and rest[1:2] not in ("", "-"):  # the old compare spelling: dion3-f0.25
         rest = rest[1:]
-    allocation, warmup_text = "uniform", None
-    if rest.endswith("-cost"):
-        rest, allocation = rest[: -len("-cost")], "cost"
+    def allocation_of(text: str) -> tuple[str, str]:
+        for allocation, suffix in SUFFIXES.items():
+            if text.endswith(suffix):
+                return text[: -len(suffix)], allocation
+        return text, "uniform"
+
+    rest, allocation = allocation_of(rest)
+    warmup_text = None
     for marker in ("-warmup", "-warm"):  # -warm: the old compare spelling
         if marker in rest:
             rest, _, warmup_text = rest.partition(marker)
             break
-    if warmup_text is not None and allocation == "cost":
+    if warmup_text is not None and allocation != "uniform":
         raise ValueError("a warm-up by cost is spelled with the warm-up last: dion3-F-cost-warmupN")
-    if warmup_text is not None and rest.endswith("-cost"):  # dion3-F-cost-warmupN
-        rest, allocation = rest[: -len("-cost")], "cost"
+    if warmup_text is not None:  # dion3-F-cost-warmupN
+        rest, allocation = allocation_of(rest)
     if warmup_text is not None and not (warmup_text.isdigit() and int(warmup_text) > 0):
         raise ValueError("the warm-up needs a positive number of steps, e.g. dion3-1/4-warmup200")
     return Dion3Setting(parse_fraction(rest), allocation, int(warmup_text) if warmup_text else 0)

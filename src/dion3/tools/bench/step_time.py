@@ -32,6 +32,7 @@ import torch
 from ... import kernels
 from ...optim import Dion3, Muon, NorMuon
 from ...optim.cost_fractions import cost_allocated_fractions, cost_allocated_groups
+from ...optim.param_groups import BY_COST
 from ...ortho.coefficients import SCHEDULES, get_schedule
 from . import step_cost as flops
 from .launches import launches_per_step
@@ -61,9 +62,10 @@ def make_optimizer(variant: Variant, matrices, scalars, device: torch.device, gr
         mode = {"fused": True} if device.type == "cuda" else {"foreach": True}
         return torch.optim.AdamW(matrices + scalars, lr=1e-3, weight_decay=0.01, capturable=graph, **mode)
     groups = [{"params": matrices}]
-    if variant.allocation == "cost":  # one group per shape, each with its fraction by cost
+    if variant.allocation in BY_COST:  # one group per shape, each with its fraction by cost
         groups = cost_allocated_groups({"params": matrices, "orthogonalizer": variant.orthogonalizer,
-                                        "ns_coefficients": variant.ns_coefficients}, variant.fraction)
+                                        "ns_coefficients": variant.ns_coefficients}, variant.fraction,
+                                       most_rows=variant.allocation == "most_rows")
     if scalars:
         groups.append({"params": scalars, "algorithm": "adamw", "lr": 1e-3})
     common = dict(lr=0.01, weight_decay=0.01, orthogonalizer=variant.orthogonalizer, momentum_dtype=variant.momentum_dtype,
@@ -209,12 +211,12 @@ def _peak(device: torch.device) -> dict:
 
 
 def shape_fractions(variant: Variant, preset: Preset):
-    """The fraction the variant runs at: variant.fraction, or for allocation "cost" one per entry
+    """The fraction the variant runs at: variant.fraction, or for an allocation by cost one per entry
     of preset.matrices, as make_optimizer's cost_allocated_groups gives them to its groups (chosen
     under the H200 dispatch of dion3.optim.cost_fractions, as for training, whatever the bench's device)."""
-    if variant.allocation == "cost":
+    if variant.allocation in BY_COST:
         return cost_allocated_fractions(preset.matrices, variant.fraction, method=variant.orthogonalizer,
-                                        schedule=variant.ns_coefficients)
+                                        schedule=variant.ns_coefficients, most_rows=variant.allocation == "most_rows")
     if variant.warmup_steps:  # the warm-up's mean step: priced at its mean fraction
         return (1.0 + variant.fraction) / 2
     return variant.fraction

@@ -82,9 +82,10 @@ def parse_variant(name: str) -> Variant:
     if setting is None:
         raise ValueError(f"--optimizers: unknown optimizer {name!r}; expected one of {sorted(NAMED_VARIANTS)} "
                          f"or {GRAMMAR}, each also with :bf16 (bf16 momentum)")
-    if setting.allocation == "cost" and setting.warmup_steps:  # its steps' fractions are not priced here
+    if setting.allocation != "uniform" and setting.warmup_steps:  # its steps' fractions are not priced here
         raise ValueError(f"--optimizers: {name!r}: the bench times fractions by cost fixed; bench the warm-up's "
-                         f"end, {Dion3Setting(setting.fraction, 'cost').name}, or train the warm-up (dion3 compare)")
+                         f"end, {Dion3Setting(setting.fraction, setting.allocation).name}, or train the warm-up "
+                         "(dion3 compare)")
     if setting.warmup_steps and (decay != 1.0 or every):
         raise ValueError(f"--optimizers: {name!r}: the rule suffixes ({RULE_SUFFIXES}) time a fixed fraction; "
                          f"drop the warm-up")

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ...optim.param_groups import BY_COST
 from ..setting_names import fraction_text, parse_dion3
 from .buckets import BucketPlan, plans_of, same_owners
 from .pricing import Hardware, Network, Variant
@@ -49,11 +50,13 @@ def setting_variant(name: str, scope: str = "local", momentum_dtype: Optional[st
         return variant(name, momentum_dtype=momentum_dtype)
     setting = parse_dion3(name)
     if setting is None or setting.warmup_steps:
-        raise ValueError(f"the plan prices muon, normuon and fixed Dion3 settings (dion3-F, dion3-F-cost), not {name!r}")
+        raise ValueError(f"the plan prices muon, normuon and fixed Dion3 settings (dion3-F, dion3-F-cost, "
+                         f"dion3-F-rows), not {name!r}")
     base = variant("dion3", setting.fraction, scope, momentum_dtype)
-    if setting.allocation != "cost":
+    if setting.allocation == "uniform":
         return base
-    return dataclasses.replace(base, label=base.label.replace("f=", "") + " by cost", allocation="cost")
+    by_cost = setting.budget[len(fraction_text(setting.fraction)):]  # " by cost", " by cost, most rows"
+    return dataclasses.replace(base, label=base.label.replace("f=", "") + by_cost, allocation=setting.allocation)
 
 
 def _optimizer(v: Variant, params: list):
@@ -63,8 +66,8 @@ def _optimizer(v: Variant, params: list):
     # the planned weights are linear layers and expert stacks [E, rows, cols] (--experts)
     if v.algorithm == "dion3":
         groups = [dict(params=params)]
-        if v.allocation == "cost":  # as param_groups(..., fraction_allocation="cost") splits a model's matrices
-            groups = cost_allocated_groups(groups[0], v.fraction)
+        if v.allocation in BY_COST:  # as param_groups(..., fraction_allocation=...) splits a model's matrices
+            groups = cost_allocated_groups(groups[0], v.fraction, most_rows=v.allocation == "most_rows")
         return Dion3(groups, fraction=v.fraction, selection_scope=v.scope, orthogonalizer=v.orthogonalizer,
                      momentum_dtype=v.momentum_dtype, stacked=True)
     cls = NorMuon if v.algorithm == "normuon" else Muon

@@ -37,9 +37,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--fraction-warmup", default="0,200",
                         help="Dion3 fraction warm-ups from 1, comma-separated: steps, or P%% of the horizon; 0 = fixed fraction")
     parser.add_argument("--fraction-allocation", default="uniform",
-                        help="Dion3 fractions, comma-separated: uniform (--fraction on every matrix) and/or cost (per "
+                        help="Dion3 fractions, comma-separated: uniform (--fraction on every matrix), cost (per "
                              "matrix shape, within the uniform fraction's modeled H200 step time, dion3.ortho.cost.modeled_seconds; "
-                             "a --fraction-warmup warms that budget up)")
+                             "a --fraction-warmup warms that budget up) and/or most_rows (as cost, the most rows that "
+                             "time buys: param_groups' fraction_allocation)")
     parser.add_argument("--row-score", default="l1",
                         help="Dion3's selection score, comma-separated: l1 (each momentum row's L1 norm, the rule) "
                              "and/or l2 (its L2 norm); each Dion3 setting runs with each")

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ...optim.param_groups import BY_COST
 from ..bench.step_time import parse_variant
 from ..setting_names import fraction_text
 from .launch import read_results
@@ -61,7 +62,8 @@ class Variant:
             family = {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[self.optimizer]
             return family + schedule_label(self.ns_coefficients)
         text = fraction_text(self.fraction).replace("/", "⁄")  # the fraction slash, for prose
-        return (f"Dion3 {text}" + (" by cost" if self.allocation == "cost" else " on every matrix")
+        allocation = {"cost": " by cost", "most_rows": " by cost, most rows"}.get(self.allocation, " on every matrix")
+        return (f"Dion3 {text}" + allocation
                 + selection_label(self.row_score, self.weights) + schedule_label(self.ns_coefficients)
                 + rule_label(self.unselected_decay, self.full_every))
 
@@ -106,7 +108,7 @@ def best_points(records: Sequence[dict], model: str, horizon: int, compiled: boo
                 or config.get("batch_size", batch_size) != batch_size or config.get("momentum_dtype") or config.get("fraction_warmup", 0)):
             continue
         allocation = config.get("fraction_allocation", "uniform")
-        if allocation == "cost" and not config.get("cost_rule"):
+        if allocation in BY_COST and not config.get("cost_rule"):
             continue  # allocated by the FLOP rule that fractions by cost no longer follow
         if not math.isfinite(record["final_val_loss"]) or record.get("nonfinite_parameters"):
             continue

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ...optim.cost_fractions import COST_RULE
+from ...optim.param_groups import BY_COST
+from ...optim.param_groups import FRACTION_ALLOCATIONS as PARAM_GROUP_ALLOCATIONS
 from ...ortho.coefficients import SCHEDULES
 from ...rules import ROW_SCORES
 from ..models import REGISTRY
@@ -62,7 +64,7 @@ MODELS = {name: study_model(name, seq_len, batch_size) for name, (seq_len, batch
 }.items()}
 # family → (lr flag default, μ flag default or None where the family has no μ)
 FAMILIES = {"adamw": ("0.003", None), "muon": ("0.02", "0.95"), "normuon": ("0.02", "0.6,0.8"), "dion3": ("0.04,0.08", "0.3,0.6")}
-FRACTION_ALLOCATIONS = ("uniform", "cost")  # Dion3's fractions: dion3.optim.param_groups.FRACTION_ALLOCATIONS
+FRACTION_ALLOCATIONS = PARAM_GROUP_ALLOCATIONS  # Dion3's fractions: param_groups' fraction_allocation
 DEFAULT_NS = "polar_express"  # the optimizers' Newton–Schulz schedule (ns_coefficients)
 
 
@@ -142,7 +144,7 @@ class Run:
             name = self.optimizer
         else:  # the setting as `dion3 compare` and `dion3 bench` name it, then what the study varies besides
             name = Dion3Setting(self.fraction, self.fraction_allocation, self.fraction_warmup).name
-            name = (name + ("-flops" if self.fraction_allocation == "cost" and not self.cost_rule else "")
+            name = (name + ("-flops" if self.fraction_allocation in BY_COST and not self.cost_rule else "")
                     + (f"-{self.row_score}" if self.row_score != "l1" else "")
                     + (f"-weights[{self.fraction_weights}]" if self.fraction_weights else "")
                     + (f"-unselected{self.unselected_decay:g}" if self.unselected_decay != 1.0 else "")
@@ -233,9 +235,9 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
         raise SystemExit(f"quality_study: --row-score expects some of {ROW_SCORES}, got {args.row_score!r}")
     weightings = list(dict.fromkeys(fraction_weights_spec(text) for text in args.fraction_weights))
     decays, fulls = unselected_decays(args.unselected_decay), full_every_steps(args.full_every)
-    if any(weightings) and allocations != ["cost"]:
+    if any(weightings) and not set(allocations) <= set(BY_COST):
         raise SystemExit("quality_study: --fraction-weights weigh the rows of fractions by cost: use it with "
-                         "--fraction-allocation cost alone")
+                         "--fraction-allocation cost and/or most_rows alone")
     check_schedule(args)
     model = MODELS[args.model]
     common = dict(model=args.model, batch_size=args.batch_size or model.batch_size, lr_warmup=args.lr_warmup,
@@ -257,7 +259,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
                     dict.fromkeys(warmups), allocations, row_scores, weightings, decays, fulls):
                 runs.append(Run(optimizer="dion3", lr=lr, mu=mu, fraction=fraction, fraction_warmup=warm,
                                 horizon=horizon, seed=seed, fraction_allocation=allocation,
-                                cost_rule=COST_RULE if allocation == "cost" else None, row_score=score,
+                                cost_rule=COST_RULE if allocation in BY_COST else None, row_score=score,
                                 fraction_weights=weighting, unselected_decay=decay, full_every=full, **common))
     runs = with_ns_schedules(runs, ns_schedules(args.ns_coefficients))
     runs = with_momentum_dtypes(runs, momentum_dtypes(args.momentum_dtype))
@@ -304,7 +306,7 @@ def plan_best_runs(args: argparse.Namespace, records: Sequence[dict]) -> list[Ru
                                          or run.fraction_allocation not in allocations or run.row_score not in scores
                                          or run.unselected_decay not in decays or run.full_every not in fulls):
             continue
-        if run.fraction_allocation == "cost" and run.cost_rule != COST_RULE:
+        if run.fraction_allocation in BY_COST and run.cost_rule != COST_RULE:
             continue  # another rule's fractions: this code would rerun it under COST_RULE, another setting
         if math.isfinite(record["final_val_loss"]) and not record.get("nonfinite_parameters"):
             by_setting.setdefault(run.setting, (run, {}))[1][run.seed] = record["final_val_loss"]

@@ -9,6 +9,7 @@ from typing import Sequence
 
 from ..setting_names import Dion3Setting
 from .launch import read_results
+from ...optim.param_groups import BY_COST
 from .runs import MODELS, Run, rule_label, schedule_label, selection_label
 
 
@@ -18,7 +19,7 @@ def _setting_label(setting: tuple) -> tuple[str, str]:
      full_every, _) = setting
     if optimizer != "dion3":
         return {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[optimizer] + schedule_label(schedule), "—"
-    rule = " (FLOP rule)" if allocation == "cost" and not cost_rule else ""
+    rule = " (FLOP rule)" if allocation in BY_COST and not cost_rule else ""
     return ("Dion3" + selection_label(row_score, weights) + schedule_label(schedule) + rule_label(decay, full_every),
             Dion3Setting(fraction, allocation, warmup).budget + rule)
 

@@ -39,8 +39,9 @@ class RunSpec:
     fraction: Optional[float] = None  # Dion3 only
     mu: Optional[float] = None  # momentum of the matrix group; None keeps the optimizer default
     fraction_warmup: int = 0  # Dion3 only: steps of a linear fraction warm-up from 1 to `fraction` (by cost: the budget)
-    # Dion3 only: param_groups' fraction_allocation, "uniform" (`fraction` on every matrix) or "cost" (one
-    # group per matrix shape, fractions within the modeled H200 step time of the uniform `fraction`)
+    # Dion3 only: param_groups' fraction_allocation, "uniform" (`fraction` on every matrix), "cost" (one
+    # group per matrix shape, fractions within the modeled H200 step time of the uniform `fraction`) or
+    # "most_rows" (as "cost", the most rows that time buys)
     fraction_allocation: str = "uniform"
     momentum_dtype: Optional[str] = None  # the matrix group's momentum_dtype; None keeps the optimizer's (float32)
     row_score: Optional[str] = None  # Dion3 only: the selection score ("l1", "l2"); None keeps the optimizer's (l1)
