@@ -134,13 +134,18 @@ job() {
       run b128-three8-unselected0.95 128 $(fraction 0.375 0.02) --unselected-decay 0.95 --seeds 0
       run b128-half-full8 128 $(fraction 0.5 0.02) --full-every 8 --seeds 0
       run b128-three8-full8 128 $(fraction 0.375 0.02) --full-every 8 --seeds 0 ;;
+    b128-screen-d)  # the most rows within ½'s and ⅜'s modeled time (fraction_allocation most_rows): 0.78 and 0.68 of the rows
+      run b128-half-rows 128 --optimizers dion3 --fraction-warmup 0 --fraction-allocation most_rows --dion3-mu 0.6 \
+        --fraction 0.5 --dion3-lr 0.02 --seeds 0
+      run b128-three8-rows 128 --optimizers dion3 --fraction-warmup 0 --fraction-allocation most_rows --dion3-mu 0.6 \
+        --fraction 0.375 --dion3-lr 0.02 --seeds 0 ;;
     b128-long-[abc]-s[0-2])  # step-efficiency: each setting at 3000 steps and Muon's curve (750-3000), one seed
       long_part "${1:10:1}" "${1: -1}" ;;
     *) echo "regime_jobs: unknown job '$1' (jobs: $JOBS)" >&2; return 2 ;;
   esac
 }
 
-JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4 b128-long-a-s0 b128-long-b-s0 b128-long-a-s1 b128-long-b-s1 b128-long-c-s1 b128-long-a-s2 b128-long-b-s2 b128-long-c-s2 b32-muon-horizons heldout-a-s0 heldout-b-s0 heldout-a-s1 heldout-b-s1 heldout-a-s2 heldout-b-s2 heldout-c-s01 heldout-c-s2 b128-alone-muon b128-alone-normuon b128-screen-a b128-screen-b b128-screen-c"
+JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4 b128-long-a-s0 b128-long-b-s0 b128-long-a-s1 b128-long-b-s1 b128-long-c-s1 b128-long-a-s2 b128-long-b-s2 b128-long-c-s2 b32-muon-horizons heldout-a-s0 heldout-b-s0 heldout-a-s1 heldout-b-s1 heldout-a-s2 heldout-b-s2 heldout-c-s01 heldout-c-s2 b128-alone-muon b128-alone-normuon b128-screen-a b128-screen-b b128-screen-c b128-screen-d"
 case ${1:-} in
   --dry-run) dry=1; for j in $([ "${2:?JOB or all}" = all ] && echo $JOBS || echo "$2"); do echo "### $j"; job "$j" || exit $?; done; exit 0 ;;
   "") echo "usage: regime_jobs.sh JOB | --dry-run JOB|all (jobs: $JOBS)" >&2; exit 2 ;;

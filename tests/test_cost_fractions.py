@@ -503,6 +503,12 @@ def test_dion3_fractions_command(capsys):
         == [128, 128, 128, 256]
     assert [int(r["k at 0.25"]) for r in rows] == [96, 32, 256, 96]
     assert "CPU included" in text
+    # --most-rows: at ½ the llama-384 MLP's gate/up keep every row (of 1024; past 384 rows the price
+    # of a row is small) and q/o and down ⅓, 0.78 of all rows
+    assert main(["fractions", "--preset", "llama-384", "--fraction", "1/2", "--most-rows"]) == 0
+    text = capsys.readouterr().out
+    assert "dion3-1/2-rows" in text and 'fraction_allocation="most_rows"' in text
+    assert [int(r["k"]) for r in _table(text)] == [128, 128, 1024, 128]
     assert main(["fractions", "--shapes", "64x64:2,16x64:3", "--fraction", "0.5"]) == 0
     assert [(r["rows × cols"], r["matrices"]) for r in _table(capsys.readouterr().out)] == [("64×64", "2"), ("16×64", "3")]
     assert main(["fractions", "--preset", "nope"]) == 2

@@ -29,14 +29,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fraction", default="1/4",
                    help="the uniform fraction to allocate, written 1/4 or 0.25 (default 1/4: dion3-1/4-cost, as "
                         "`dion3 compare` and `dion3 bench` name it)")
+    p.add_argument("--most-rows", action="store_true",
+                   help="the most rows within that time (fraction_allocation=\"most_rows\", dion3-F-rows) instead of "
+                        "the water-filling's (\"cost\")")
     p.add_argument("--orthogonalizer", default="auto", choices=ORTHOGONALIZERS,
                    help="the group's orthogonalizer, which the time model prices (default auto)")
     return p
 
 
-def groups(matrices, fraction: float, orthogonalizer: str = "auto", experts: Optional[dict] = None) -> list[dict]:
+def groups(matrices, fraction: float, orthogonalizer: str = "auto", experts: Optional[dict] = None,
+           most_rows: bool = False) -> list[dict]:
     """One Dion3 group of meta matrices (named as the preset names them; a shape in `experts` as
-    stacks [E, rows, cols]), split by cost as param_groups splits a model's."""
+    stacks [E, rows, cols]), split by cost as param_groups splits a model's (with most_rows: as
+    fraction_allocation="most_rows" does)."""
     params, names = [], []
     for shape in matrices:
         stack = (experts or {}).get(shape.name)
@@ -46,15 +51,15 @@ def groups(matrices, fraction: float, orthogonalizer: str = "auto", experts: Opt
     group = dict(params=params, param_names=names)
     if orthogonalizer != "auto":
         group["orthogonalizer"] = orthogonalizer
-    return cost_allocated_groups(group, fraction)
+    return cost_allocated_groups(group, fraction, most_rows=most_rows)
 
 
-def row_share(matrices, fraction: float, experts: Optional[dict] = None) -> float:
+def row_share(matrices, fraction: float, experts: Optional[dict] = None, most_rows: bool = False) -> float:
     """The share of all the rows (each matrix of a stack counted) that `fraction` by cost selects:
     what the study records as a Dion3 run's average_fraction, so the same name ("½ by cost") can
     be compared across models, where the same budget buys different shares."""
     selected = total = 0
-    for group in groups(matrices, fraction, experts=experts):
+    for group in groups(matrices, fraction, experts=experts, most_rows=most_rows):
         for p in group["params"]:
             matrices_in = p.numel() // (p.shape[-2] * p.shape[-1])
             selected += matrices_in * selected_row_count(p.shape[-2], group["fraction"])
@@ -76,12 +81,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as error:
         print(f"dion3 fractions: {error}", file=sys.stderr)
         return 2
-    setting = Dion3Setting(fraction, "cost")
+    allocation = "most_rows" if args.most_rows else "cost"
+    setting = Dion3Setting(fraction, allocation)
     print(f"{preset.name} ({preset.description}): {setting.name}, fractions per matrix shape within the "
-          f"modeled H200 step time of {fraction_text(fraction)} on every matrix "
-          f"(param_groups(..., fraction={fraction!r}, fraction_allocation=\"cost\"), "
+          f"modeled H200 step time of {fraction_text(fraction)} on every matrix"
+          + (", the most rows" if args.most_rows else "")
+          + f" (param_groups(..., fraction={fraction!r}, fraction_allocation=\"{allocation}\"), "
           f"orthogonalizer {args.orthogonalizer})\n")
-    print(describe_fractions(groups(preset.matrices, fraction, args.orthogonalizer, experts), fraction))
+    print(describe_fractions(groups(preset.matrices, fraction, args.orthogonalizer, experts, args.most_rows), fraction))
     return 0
 
 
