@@ -35,6 +35,8 @@ run() {
 muon() { echo --optimizers muon --muon-lr "$1" --muon-mu "${2:-0.8}"; }
 normuon() { echo --optimizers normuon --normuon-lr "$1" --normuon-mu 0.6; }
 fraction() { echo $DION3 --fraction "$1" --dion3-lr "$2"; }
+# the most rows within FRACTION's modeled time (fraction_allocation most_rows), at the by-cost settings' lr 0.02 and μ 0.6
+rows() { echo --optimizers dion3 --fraction-warmup 0 --fraction-allocation most_rows --dion3-mu 0.6 --fraction "$1" --dion3-lr 0.02; }
 # seeds of every best at BATCH: Muon, NorMuon, ½, ⅜ and ¼ by cost, five runs
 best_seed() {
   run "b$1-best-seed$2" "$1" --best-from $RECORDS --seeds "$2" --optimizers muon,normuon,dion3 --fraction 0.5,0.375,0.25 \
@@ -135,17 +137,25 @@ job() {
       run b128-half-full8 128 $(fraction 0.5 0.02) --full-every 8 --seeds 0
       run b128-three8-full8 128 $(fraction 0.375 0.02) --full-every 8 --seeds 0 ;;
     b128-screen-d)  # the most rows within ½'s and ⅜'s modeled time (fraction_allocation most_rows): 0.78 and 0.68 of the rows
-      run b128-half-rows 128 --optimizers dion3 --fraction-warmup 0 --fraction-allocation most_rows --dion3-mu 0.6 \
-        --fraction 0.5 --dion3-lr 0.02 --seeds 0
-      run b128-three8-rows 128 --optimizers dion3 --fraction-warmup 0 --fraction-allocation most_rows --dion3-mu 0.6 \
-        --fraction 0.375 --dion3-lr 0.02 --seeds 0 ;;
+      run b128-half-rows 128 $(rows 0.5) --seeds 0
+      run b128-three8-rows 128 $(rows 0.375) --seeds 0 ;;
+    b128-rows-seeds)  # seeds 1 and 2 of b128-screen-d's runs, should one be 0.002 ahead of its rule run
+      for seed in 1 2; do
+        run "b128-half-rows-s$seed" 128 $(rows 0.5) --seeds "$seed"
+        run "b128-three8-rows-s$seed" 128 $(rows 0.375) --seeds "$seed"
+      done ;;
+    heldout-rows)  # the held-out check of the most rows: llama-512-6l at batch 128, ½ and ⅜, seeds 0-2 at 1500
+      for seed in 0 1 2; do
+        run "heldout-half-rows-s$seed" 128 --model llama-512-6l $(rows 0.5) --seeds "$seed"
+        run "heldout-three8-rows-s$seed" 128 --model llama-512-6l $(rows 0.375) --seeds "$seed"
+      done ;;
     b128-long-[abc]-s[0-2])  # step-efficiency: each setting at 3000 steps and Muon's curve (750-3000), one seed
       long_part "${1:10:1}" "${1: -1}" ;;
     *) echo "regime_jobs: unknown job '$1' (jobs: $JOBS)" >&2; return 2 ;;
   esac
 }
 
-JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4 b128-long-a-s0 b128-long-b-s0 b128-long-a-s1 b128-long-b-s1 b128-long-c-s1 b128-long-a-s2 b128-long-b-s2 b128-long-c-s2 b32-muon-horizons heldout-a-s0 heldout-b-s0 heldout-a-s1 heldout-b-s1 heldout-a-s2 heldout-b-s2 heldout-c-s01 heldout-c-s2 b128-alone-muon b128-alone-normuon b128-screen-a b128-screen-b b128-screen-c b128-screen-d"
+JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4 b128-long-a-s0 b128-long-b-s0 b128-long-a-s1 b128-long-b-s1 b128-long-c-s1 b128-long-a-s2 b128-long-b-s2 b128-long-c-s2 b32-muon-horizons heldout-a-s0 heldout-b-s0 heldout-a-s1 heldout-b-s1 heldout-a-s2 heldout-b-s2 heldout-c-s01 heldout-c-s2 b128-alone-muon b128-alone-normuon b128-screen-a b128-screen-b b128-screen-c b128-screen-d b128-rows-seeds heldout-rows"
 case ${1:-} in
   --dry-run) dry=1; for j in $([ "${2:?JOB or all}" = all ] && echo $JOBS || echo "$2"); do echo "### $j"; job "$j" || exit $?; done; exit 0 ;;
   "") echo "usage: regime_jobs.sh JOB | --dry-run JOB|all (jobs: $JOBS)" >&2; exit 2 ;;
