@@ -54,6 +54,7 @@ def test_regime_efficiency_reads_the_setting_loss_on_muons_mean_curve():
     assert row.efficiency == pytest.approx(0.5) and row.low == pytest.approx(0.5) and row.high == pytest.approx(0.5)
     assert row.seeds == 2 and row.muon_horizons == ((1000, 2), (4000, 2)) and not row.extrapolated
     assert row.tokens_per_step == 128 * 512 and row.cards == "test card × 5"
+    assert row.row_share == 0.519  # llama-384's ½ by cost: its landed runs record average_fraction 0.5185
 
 
 def test_regime_efficiency_band_is_the_paired_gap_spread():
@@ -179,18 +180,24 @@ def test_a_settings_row_share_is_the_average_fraction_its_landed_runs_recorded()
     from dion3.tools.bench.presets import named_model
     from dion3.tools.plan.fractions import row_share
 
-    records = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "frontier" / "results.jsonl"
-    recorded: dict[tuple[str, float], set[float]] = {}
-    for line in records.read_text().splitlines():
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    lines = [line for name in ("frontier", "quality-study-llama-hf", "quality-study-llama-384")
+             for line in (results / name / "results.jsonl").read_text().splitlines()]
+    recorded: dict[tuple[str, float, str], set[float]] = {}
+    for line in lines:
         record = json.loads(line)
         c = record["config"]
-        if (c["optimizer"] == "dion3" and c.get("fraction_allocation") == "cost" and c.get("fraction_warmup") == 0
+        by_time = c.get("fraction_allocation", "uniform") == "uniform" or c.get("cost_rule") == "time"
+        if (c["optimizer"] == "dion3" and c.get("fraction_warmup") == 0 and by_time
+                and c.get("ns_coefficients") in (None, "polar_express")
                 and not c.get("fraction_weights") and not c.get("full_every") and "average_fraction" in record):
-            recorded.setdefault((c["model"], c["fraction"]), set()).add(round(record["average_fraction"], 9))
-    assert {("llama-384", 0.5), ("llama-384", 0.375), ("llama-512-6l", 0.5), ("llama-512-6l", 0.375)} <= set(recorded)
-    for (model, fraction), shares in recorded.items():
+            key = (c["model"], c["fraction"], c.get("fraction_allocation", "uniform"))
+            recorded.setdefault(key, set()).add(round(record["average_fraction"], 9))
+    assert {("llama-384", 0.5, "cost"), ("llama-384", 0.375, "cost"), ("llama-512-6l", 0.5, "cost"),
+            ("llama-512-6l", 0.375, "cost"), ("llama-hf", 0.25, "uniform")} <= set(recorded)
+    for (model, fraction, allocation), shares in recorded.items():
         described = named_model(model, None, None, "plan")
-        expected = row_share(described.preset.matrices, fraction, described.experts)
+        expected = row_share(described.preset.matrices, fraction, described.experts, allocation)
         assert all(share == pytest.approx(expected, abs=1e-9) for share in shares), (model, fraction, shares, expected)
 
 

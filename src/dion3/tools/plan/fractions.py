@@ -54,12 +54,18 @@ def groups(matrices, fraction: float, orthogonalizer: str = "auto", experts: Opt
     return cost_allocated_groups(group, fraction, most_rows=most_rows)
 
 
-def row_share(matrices, fraction: float, experts: Optional[dict] = None, most_rows: bool = False) -> float:
-    """The share of all the rows (each matrix of a stack counted) that `fraction` by cost selects:
-    what the study records as a Dion3 run's average_fraction, so the same name ("½ by cost") can
-    be compared across models, where the same budget buys different shares."""
+def row_share(matrices, fraction: float, experts: Optional[dict] = None, allocation: str = "cost") -> float:
+    """The share of all the rows (each matrix of a stack counted) that `fraction` selects under
+    param_groups' fraction_allocation `allocation` ("uniform", "cost", "most_rows"): what the study
+    records as a Dion3 run's average_fraction, so that one name ("½ by cost") can be compared across
+    models, where the same budget buys different shares."""
+    if allocation == "uniform":
+        split = [dict(params=[torch.empty((experts or {}).get(m.name, 1), m.rows, m.cols, device="meta")
+                              for _ in range(m.count)], fraction=fraction) for m in matrices]
+    else:
+        split = groups(matrices, fraction, experts=experts, most_rows=allocation == "most_rows")
     selected = total = 0
-    for group in groups(matrices, fraction, experts=experts, most_rows=most_rows):
+    for group in split:
         for p in group["params"]:
             matrices_in = p.numel() // (p.shape[-2] * p.shape[-1])
             selected += matrices_in * selected_row_count(p.shape[-2], group["fraction"])

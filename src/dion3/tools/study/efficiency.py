@@ -30,6 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ...optim.param_groups import BY_COST
+from ..bench.presets import named_model
+from ..plan.fractions import row_share
 from ..setting_names import Dion3Setting
 from .frontier import MUON, Variant, best_points
 from .launch import read_results
@@ -59,6 +62,9 @@ class Efficiency:
     muon_horizons: tuple  # (horizon, seeds) of each point of Muon's curve
     extrapolated: bool  # the crossing lies outside Muon's measured horizons
     cards: str
+    # Dion3: the share of the model's rows its fractions select (plan.fractions.row_share, what the
+    # runs record as average_fraction); None for Muon, NorMuon and the variants it does not price
+    row_share: Optional[float] = None
 
 
 def setting_name(variant: Variant) -> str:
@@ -131,23 +137,44 @@ def regime_efficiencies(records: Sequence[dict], compiled: bool = True) -> list[
                     model, block_matrix_parameters(MODELS[model]), batch, regime.tokens_per_step, horizon,
                     round(regime.tokens_per_parameter, 3), setting_name(variant), variant.label,
                     round(crossing / horizon, 4), round(slow / horizon, 4), round(fast / horizon, 4),
-                    len(point.losses), muon_seeds, outside or slow_outside or fast_outside, cards))
+                    len(point.losses), muon_seeds, outside or slow_outside or fast_outside, cards,
+                    share_of_rows(model, variant)))
     return rows
 
 
+def share_of_rows(model: str, variant: Variant) -> Optional[float]:
+    """The share of `model`'s rows a variant selects, rounded to 3 places: 1 for Muon and NorMuon;
+    None for AdamW and for the Dion3 variants whose allocation row_share does not price (weighted
+    rows, periodic full steps, another Newton–Schulz schedule, whose cost moves the fractions)."""
+    if variant.optimizer in ("muon", "normuon"):
+        return 1.0
+    if (variant.optimizer != "dion3" or variant.weights is not None or variant.full_every
+            or variant.ns_coefficients != DEFAULT_NS or variant.allocation not in ("uniform", *BY_COST)):
+        return None
+    try:
+        matrices = named_model(model, None, None, "plan").preset.matrices
+    except ValueError:
+        return None
+    return round(row_share(matrices, variant.fraction, allocation=variant.allocation), 3)
+
+
 def efficiency_table(rows: Sequence[Efficiency]) -> str:
-    lines = ["| model (hidden parameters) | tokens a step | steps | tokens per parameter | setting | e_S | band | "
-             "seeds | Muon's horizons (seeds) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model (hidden parameters) | tokens a step | steps | tokens per parameter | setting | share of rows | "
+             "e_S | band | seeds | Muon's horizons (seeds) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r.model, r.batch_size, r.horizon)):  # stable: the settings' order
         mark = " (extended)" if r.extrapolated else ""
+        share = "—" if r.row_share is None else "all" if r.row_share == 1.0 else f"{r.row_share:.2f}"
         lines.append(f"| {r.model} ({r.parameters / 1e6:.1f} M) | {r.tokens_per_step:,} | {r.horizon} | "
-                     f"{r.tokens_per_parameter:.2g} | {r.label} | {r.efficiency:.3f}{mark} | {r.low:.3f}–{r.high:.3f} | "
-                     f"{r.seeds} | {', '.join(f'{h} ({n})' for h, n in r.muon_horizons)} |")
+                     f"{r.tokens_per_parameter:.2g} | {r.label} | {share} | {r.efficiency:.3f}{mark} | "
+                     f"{r.low:.3f}–{r.high:.3f} | {r.seeds} | {', '.join(f'{h} ({n})' for h, n in r.muon_horizons)} |")
     return "\n".join(lines)
 
 
 def efficiency_picture(rows: Sequence[Efficiency], path: Path) -> bool:
-    """e_S against tokens per parameter (log axis), a line per setting and model, error bars the band."""
+    """Left: e_S against tokens per parameter (log axis), a line per setting and model, error bars
+    the band. Right: the same e_S against the share of the model's rows the setting selects (the
+    Dion3 settings whose share is priced), a point per regime: where the same name buys another
+    share on another shape, whether e follows the share."""
     shown = list(rows)
     if not shown:
         return False
@@ -156,7 +183,7 @@ def efficiency_picture(rows: Sequence[Efficiency], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(11, 5.2))
+    figure, (axis, by_share) = plt.subplots(1, 2, figsize=(15, 5.2), gridspec_kw=dict(width_ratios=[3, 2]))
     labels = list(dict.fromkeys(r.label for r in shown))
     colours = dict(zip(labels, (plt.get_cmap("tab10")(i) for i in range(10))))
     models = sorted({(r.model, r.batch_size) for r in shown})
@@ -169,18 +196,26 @@ def efficiency_picture(rows: Sequence[Efficiency], path: Path) -> bool:
                 axis.errorbar([r.tokens_per_parameter for r in series], [r.efficiency for r in series],
                               yerr=[[r.efficiency - r.low for r in series], [r.high - r.efficiency for r in series]],
                               color=colours[label], marker=markers[model], capsize=3, linewidth=1.2)
-    axis.axhline(1.0, color="tab:red", linestyle="--", linewidth=1)
+            shared = [r for r in series if r.row_share is not None and r.row_share < 1.0]
+            if shared:
+                by_share.errorbar([r.row_share for r in shared], [r.efficiency for r in shared],
+                                  yerr=[[r.efficiency - r.low for r in shared], [r.high - r.efficiency for r in shared]],
+                                  color=colours[label], marker=markers[model], capsize=3, linestyle="none")
+    for target in (axis, by_share):
+        target.axhline(1.0, color="tab:red", linestyle="--", linewidth=1)
+        target.grid(alpha=0.3)
+    by_share.set_xlabel("share of the model's rows selected")
+    by_share.set_title("the same, against the share of rows (Dion3)")
     axis.set_xscale("log")
     axis.set_xlabel("tokens per parameter (hidden matrices)")
     axis.set_ylabel("step-efficiency e_S (Muon's steps per step of S)")
     axis.set_title("Muon's steps to each setting's loss, per step")
-    axis.grid(alpha=0.3)
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], color=colours[label], linewidth=2, label=label) for label in labels]
     handles += [Line2D([], [], color="black", marker=m, linestyle="none", label=f"{model}, batch {batch}")
                 for (model, batch), m in markers.items()]
-    axis.legend(handles=handles, fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the points
+    by_share.legend(handles=handles, fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the points
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
