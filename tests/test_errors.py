@@ -184,7 +184,7 @@ CASES = [
      ValueError, "FractionScheduler: the groups by cost were allocated apart (groups 0, 1: budget 0.5; group 2: budget "
      "0.25), and a schedule sets one budget; build one FractionScheduler per allocation"),
     ("fraction-allocation-unknown", lambda: param_groups(torch.nn.Linear(4, 4), lm_head="weight", fraction_allocation="cheap"),
-     ValueError, "fraction_allocation must be one of ('uniform', 'cost')"),
+     ValueError, "fraction_allocation must be one of ('uniform', 'cost', 'most_rows')"),
     ("fraction-allocation-cost-without-fraction",
      lambda: param_groups(torch.nn.Linear(4, 4), lm_head="weight", fraction_allocation="cost"),
      ValueError, "fraction_allocation='cost' needs fraction="),
