@@ -460,3 +460,12 @@ def test_a_sparse_gradient_in_a_matrix_group_steps_as_its_dense_gradient(make):
         weights.append(embedding.weight.detach().clone())
     assert not torch.equal(weights[1], torch.nn.Embedding(16, 8).weight)
     assert torch.equal(weights[0], weights[1])
+
+
+def test_each_documented_row_quotes_the_message_its_case_asserts():
+    """docs/errors.md's row of each case holds the fragment the case asserts, so the doc cannot
+    keep an old message while the code and its test move on."""
+    rows = {line.split("|")[1].strip().strip("`"): line for line in DOC.read_text().splitlines()
+            if line.startswith("| `")}
+    stale = [case[0] for case in CASES if case[3] not in rows.get(case[0], "").replace("\\|", "|")]
+    assert not stale, f"rows of {DOC} whose message is not the one their case asserts: {stale}"
