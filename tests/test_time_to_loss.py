@@ -220,3 +220,21 @@ def test_the_report_says_where_a_setting_selects_fewer_rows_than_where_it_was_me
     fewer = [line for line in text.splitlines() if line.startswith("fewer rows")]
     assert len(fewer) == 1 and "dion3-1/2-cost 0.40 against 0.52" in fewer[0] and "3/8" not in fewer[0]
     assert not any(line.startswith("fewer rows") for line in report(run, regime, 0.1, predictions, {}).splitlines())
+
+
+def test_the_readme_gives_each_by_cost_setting_the_share_of_rows_it_selects():
+    import re
+    from pathlib import Path
+
+    from dion3.tools.bench.presets import named_model
+    from dion3.tools.plan.fractions import row_share
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    fractions = {"½": 0.5, "⅜": 0.375, "¼": 0.25}
+    rows = re.findall(r"^\| Dion3 ([½⅜¼]) by cost \(0\.02, 0\.6\) \| [^|]+ \| ([\d.]+) / ([\d.]+) / ([\d.]+) \|", readme,
+                      re.MULTILINE)
+    assert len(rows) == 3
+    for symbol, *shares in rows:
+        for model, written in zip(("llama-hf", "llama-384", "llama-8b"), shares):
+            matrices = named_model(model, None, None, "plan").preset.matrices
+            assert float(written) == round(row_share(matrices, fractions[symbol]), 2), (symbol, model)
