@@ -187,6 +187,9 @@ def test_a_mixture_of_experts_config_counts_every_expert_and_the_active_ones(tmp
     assert data["time_to_loss"]["run"]["hidden_parameters"] == hidden
     for entry in data["optimizers"]:  # one owner each: 2 layers × (q, o, k, v, router), and each ep half of 3 stacks
         assert sum(r["owned"] for r in entry["ranks"]) == layers * 5 + layers * 3 * 2
+    shares = data["time_to_loss"]["row_shares"]  # every expert's rows counted, beside llama-384's
+    assert set(shares) == {"dion3-1/4-cost", "dion3-3/8-cost", "dion3-1/2-cost"}
+    assert all(0 < s["this_model"] <= 1 and s["measured_model"] is not None for s in shares.values())
     wide = _config(tmp_path, "qwen-moe", hidden_size=d, head_dim=32, num_attention_heads=4, num_key_value_heads=1,
                    num_hidden_layers=layers, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                    shared_expert_intermediate_size=96, vocab_size=vocab, tie_word_embeddings=True)
