@@ -115,6 +115,20 @@ def test_a_measured_tokens_per_second_sets_the_forward_and_backward(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_a_measured_variant_joins_the_advice_with_its_own_share_of_rows(tmp_path, capsys):
+    """A data file that holds dion3-1/2-rows (three seeds) puts it beside the by-cost settings: its
+    step priced, its e read, its rows those of fraction_allocation="most_rows" — on llama-384, where
+    it was measured, every gate/up row and ⅓ of the others: 32256 of 41472 rows (0.778)."""
+    data = _efficiencies(tmp_path, EFFICIENCIES + [("dion3-1/2-rows", 0.99, 0.98, 1.0)])
+    advice = _advice(["--preset", "llama-1b", "--layout", "single", "--tokens-per-step", "8192",
+                      "--efficiency", data], capsys)
+    rows = next(p for p in advice["predictions"] if p["setting"] == "dion3-1/2-rows")
+    assert rows["efficiency"]["value"] == 0.99 and rows["optimizer_s"] > 0
+    shares = advice["row_shares"]
+    assert shares["dion3-1/2-rows"]["measured_model"] == pytest.approx(32256 / 41472)
+    assert shares["dion3-1/2-rows"]["this_model"] > shares["dion3-1/2-cost"]["this_model"]
+
+
 def test_tokens_per_parameter_picks_the_regime(tmp_path, capsys):
     rows = [dict(model="llama-384", parameters=18874368, batch_size=b, tokens_per_step=t, horizon=h, tokens_per_parameter=tpp,
                  setting="dion3-1/4-cost", label="", efficiency=e, low=e, high=e, seeds=3, muon_horizons=[],

@@ -238,3 +238,15 @@ def test_the_readme_gives_each_by_cost_setting_the_share_of_rows_it_selects():
         for model, written in zip(("llama-hf", "llama-384", "llama-8b"), shares):
             matrices = named_model(model, None, None, "plan").preset.matrices
             assert float(written) == round(row_share(matrices, fractions[symbol]), 2), (symbol, model)
+
+
+def test_a_setting_joins_the_advice_once_measured_on_three_seeds():
+    from dion3.tools.plan.time_to_loss import SETTINGS, advised_settings
+
+    measured = {"dion3-1/2-cost": Efficiency(0.93, 0.92, 0.94, 3),
+                "dion3-1/2-rows": Efficiency(0.99, 0.98, 1.0, 3),  # a kept variant: joins
+                "dion3-3/8-rows": Efficiency(0.99, 0.98, 1.0, 1),  # one seed: not yet
+                "dion3-1/4": Efficiency(0.84, 0.80, 0.88, 3),  # uniform ¼, measured: joins
+                "dion3-1/2-cost-warmup8": Efficiency(0.9, 0.9, 0.9, 3),  # a warm-up: the plan prices fixed fractions
+                "Dion3 1⁄2 by cost, 4 NS steps": Efficiency(0.91, 0.90, 0.92, 3)}  # a label, no setting name
+    assert advised_settings(measured) == [*SETTINGS, "dion3-1/2-rows", "dion3-1/4"]

@@ -15,8 +15,8 @@ from .pricing import Hardware, Network
 from .run import build_plans, price, setting_variant, stderr_progress, variant
 from .step_plan import StepPlan
 from .time_to_loss import DATA as EFFICIENCY_DATA
-from .time_to_loss import (SETTINGS, Run, forward_backward_seconds, load_efficiencies, nearest_regime, other_shapes,
-                           predict, recommendation, report, shape_check)
+from .time_to_loss import (Run, advised_settings, forward_backward_seconds, load_efficiencies, nearest_regime,
+                           other_shapes, predict, recommendation, report, shape_check)
 from .world import model_weights, parse_layout
 
 TB, GB, MB = 1e12, 1e9, 1e6
@@ -82,8 +82,8 @@ def parser() -> argparse.ArgumentParser:
     run = p.add_argument_group("time to Muon's loss (needs --tokens-per-step)")
     run.add_argument("--tokens-per-step", type=float, metavar="N",
                      help="global tokens a training step: prices Muon, NorMuon and Dion3 1/4, 3/8 and 1/2 by cost (not "
-                          "--optimizers, --fraction), models the whole step and recommends the setting that reaches "
-                          "Muon's loss soonest")
+                          "--optimizers, --fraction), and any other setting the data measured on 3 or more seeds, "
+                          "models the whole step and recommends the setting that reaches Muon's loss soonest")
     run.add_argument("--train-tokens", type=float, metavar="T",
                      help="tokens of the whole run, for its tokens per parameter (default 20 per hidden matrix parameter)")
     run.add_argument("--train-tflops", type=float,
@@ -151,16 +151,16 @@ def model(args) -> ConfigModel:
 
 
 def row_shares(described: ConfigModel, measured_model: str,
-               fractions: dict[str, float]) -> dict[str, tuple[float, Optional[float]]]:
-    """Each by-cost setting's share of the rows on the user's model and on the model its
-    efficiency was measured on (None where that model is not one of the presets)."""
+               settings: dict[str, tuple[float, str]]) -> dict[str, tuple[float, Optional[float]]]:
+    """Each Dion3 setting's (fraction, allocation) share of the rows on the user's model and on the
+    model its efficiency was measured on (None where that model is not one of the presets)."""
     try:
         measured = named_model(measured_model, None, None, "plan")
     except ValueError:
         measured = None
-    return {name: (row_share(described.preset.matrices, f, described.experts),
-                   None if measured is None else row_share(measured.preset.matrices, f, measured.experts))
-            for name, f in fractions.items()}
+    return {name: (row_share(described.preset.matrices, f, described.experts, allocation),
+                   None if measured is None else row_share(measured.preset.matrices, f, measured.experts, allocation))
+            for name, (f, allocation) in settings.items()}
 
 
 def time_to_loss_run(args, described: ConfigModel, layout) -> tuple[Run, dict]:
@@ -249,7 +249,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         momentum = None if args.momentum_dtype == "float32" else args.momentum_dtype
         if args.tokens_per_step is not None:
             run, efficiencies = time_to_loss_run(args, described, layout)
-            variants = [setting_variant(n, args.scope, momentum) for n in SETTINGS]
+            regime = nearest_regime(efficiencies, run.tokens_per_step, run.tokens_per_parameter)
+            names = advised_settings(efficiencies[regime])
+            variants = [setting_variant(n, args.scope, momentum) for n in names]
         else:
             names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
             variants = [variant(n, args.fraction, args.scope, momentum) for n in names]
@@ -272,14 +274,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                     if planned.verified_ranks else ""))
     advice = None
     if args.tokens_per_step is not None:
-        regime = nearest_regime(efficiencies, run.tokens_per_step, run.tokens_per_parameter)
-        optimizer_s = {name: steps[v.label].critical_path_s(overlap) for name, v in zip(SETTINGS, variants)}
+        optimizer_s = {name: steps[v.label].critical_path_s(overlap) for name, v in zip(names, variants)}
         forward_backward = forward_backward_seconds(run.parameters, run.tokens_per_step, run.world_size,
                                                     run.flops_per_second)
         predictions = predict(optimizer_s, forward_backward, efficiencies[regime])
         checks = [(g, efficiencies[g]) for g in other_shapes(efficiencies, regime)]
-        labels = {name: v.label for name, v in zip(SETTINGS, variants)}
-        shares = row_shares(described, regime.model, {name: v.fraction for name, v in zip(SETTINGS, variants)
+        labels = {name: v.label for name, v in zip(names, variants)}
+        shares = row_shares(described, regime.model, {name: (v.fraction, v.allocation) for name, v in zip(names, variants)
                                                       if v.algorithm == "dion3"})
         advice = dict(text=report(run, regime, forward_backward, predictions, labels, checks, shares),
                       run=asdict(run), regime=asdict(regime), forward_backward_s=forward_backward,

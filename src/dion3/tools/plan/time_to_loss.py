@@ -16,9 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..setting_names import parse_dion3
+
 DATA = Path(__file__).with_name("step_efficiency.json")
 SETTINGS = ("muon", "normuon", "dion3-1/4-cost", "dion3-3/8-cost", "dion3-1/2-cost")  # what the advice compares
 REFERENCES = ("muon", "normuon")
+SEEDS_TO_ADVISE = 3  # a setting beyond SETTINGS joins the advice once its regime has measured it on this many seeds
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,21 @@ def shape_check(predictions: Sequence[Prediction], efficiencies: dict[str, Effic
     """Each setting's time to Muon's loss with another regime's efficiencies (the same whole steps)."""
     return {p.setting: p.step_ratio / efficiencies[p.setting].value for p in predictions
             if p.setting != "muon" and p.setting in efficiencies}
+
+
+def advised_settings(measured: dict[str, Efficiency]) -> list[str]:
+    """SETTINGS, then every other fixed Dion3 setting the regime measured on SEEDS_TO_ADVISE or more
+    seeds (a variant the study kept, e.g. dion3-1/2-rows): a new record adds it, not a new release."""
+    extra = []
+    for name, efficiency in measured.items():
+        try:
+            setting = parse_dion3(name)
+        except ValueError:
+            continue
+        if (setting is not None and not setting.warmup_steps and setting.name == name and name not in SETTINGS
+                and efficiency.seeds >= SEEDS_TO_ADVISE):
+            extra.append(name)
+    return list(SETTINGS) + sorted(extra)
 
 
 def forward_backward_seconds(parameters: float, tokens_per_step: float, world_size: int, flops_per_second: float) -> float:
