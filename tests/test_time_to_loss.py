@@ -250,3 +250,18 @@ def test_a_setting_joins_the_advice_once_measured_on_three_seeds():
                 "dion3-1/2-cost-warmup8": Efficiency(0.9, 0.9, 0.9, 3),  # a warm-up: the plan prices fixed fractions
                 "Dion3 1⁄2 by cost, 4 NS steps": Efficiency(0.91, 0.90, 0.92, 3)}  # a label, no setting name
     assert advised_settings(measured) == [*SETTINGS, "dion3-1/2-rows", "dion3-1/4"]
+
+
+def test_the_shares_the_docs_quote_for_the_most_rows():
+    """training.md, param_groups and the frontier README quote these shares of the rows at ½'s and
+    ⅜'s budget: Llama-8B 0.64 (most rows) against 0.42 (by cost), llama-384 0.78 against 0.52; ⅜
+    0.44 against 0.39 and 0.68 against 0.48."""
+    from dion3.tools.bench.presets import named_model
+    from dion3.tools.plan.fractions import row_share
+
+    quoted = {("llama-8b", 0.5): (0.64, 0.42), ("llama-384", 0.5): (0.78, 0.52),
+              ("llama-8b", 0.375): (0.44, 0.39), ("llama-384", 0.375): (0.68, 0.48)}
+    for (model, fraction), (most, by_cost) in quoted.items():
+        matrices = named_model(model, None, None, "plan").preset.matrices
+        assert round(row_share(matrices, fraction, allocation="most_rows"), 2) == most, (model, fraction)
+        assert round(row_share(matrices, fraction, allocation="cost"), 2) == by_cost, (model, fraction)
