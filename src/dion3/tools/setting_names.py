@@ -26,6 +26,7 @@ PREFIX = "dion3-"
 GRAMMAR = ("dion3-F (F in (0, 1], e.g. dion3-1/4), dion3-F-cost, dion3-F-rows, dion3-F-warmupN or "
            "dion3-F-cost-warmupN")
 SUFFIXES = {"cost": "-cost", "most_rows": "-rows"}  # a setting's allocation (param_groups') → its name's suffix
+ALLOCATION_WORDS = {"cost": " by cost", "most_rows": " by cost, most rows"}  # … and how prose says it
 _DENOMINATOR = 64  # the largest denominator a fraction is written with (as the frontier's labels)
 
 
@@ -68,7 +69,7 @@ class Dion3Setting:
         """What the fraction spends, in words: "1/4 by cost", "1/4 on every matrix",
         "1 → 1/4 over 200 steps", "1 → 1/4 by cost over 200 steps"."""
         text = fraction_text(self.fraction)
-        by_cost = {"cost": " by cost", "most_rows": " by cost, most rows"}.get(self.allocation, "")
+        by_cost = ALLOCATION_WORDS.get(self.allocation, "")
         if self.warmup_steps:
             return f"1 → {text}{by_cost} over {self.warmup_steps} step{'s' if self.warmup_steps > 1 else ''}"
         return f"{text}{by_cost}" if by_cost else f"{text} on every matrix"

@@ -5,12 +5,13 @@ the matrices are meta tensors, nothing is allocated or run on a device."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Optional
 
 import torch
 
-from ...optim.cost_fractions import cost_allocated_groups
+from ...optim.cost_fractions import cost_allocated_fractions, cost_allocated_groups
 from ...optim.fraction_table import describe_fractions
 from ...rules import selected_row_count
 from ..bench.presets import MODELS, named_model
@@ -59,18 +60,12 @@ def row_share(matrices, fraction: float, experts: Optional[dict] = None, allocat
     param_groups' fraction_allocation `allocation` ("uniform", "cost", "most_rows"): what the study
     records as a Dion3 run's average_fraction, so that one name ("½ by cost") can be compared across
     models, where the same budget buys different shares."""
-    if allocation == "uniform":
-        split = [dict(params=[torch.empty((experts or {}).get(m.name, 1), m.rows, m.cols, device="meta")
-                              for _ in range(m.count)], fraction=fraction) for m in matrices]
-    else:
-        split = groups(matrices, fraction, experts=experts, most_rows=allocation == "most_rows")
-    selected = total = 0
-    for group in split:
-        for p in group["params"]:
-            matrices_in = p.numel() // (p.shape[-2] * p.shape[-1])
-            selected += matrices_in * selected_row_count(p.shape[-2], group["fraction"])
-            total += matrices_in * p.shape[-2]
-    return selected / total
+    # a stack of E experts is E matrices of its shape, as cost_allocated_groups counts them
+    shapes = [dataclasses.replace(m, count=m.count * (experts or {}).get(m.name, 1)) for m in matrices]
+    fractions = ([fraction] * len(shapes) if allocation == "uniform" else
+                 cost_allocated_fractions(shapes, fraction, most_rows=allocation == "most_rows"))
+    selected = sum(s.count * selected_row_count(s.rows, f) for s, f in zip(shapes, fractions))
+    return selected / sum(s.count * s.rows for s in shapes)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from ...optim.param_groups import BY_COST
-from ..setting_names import fraction_text, parse_dion3
+from ..setting_names import ALLOCATION_WORDS, fraction_text, parse_dion3
 from .buckets import BucketPlan, plans_of, same_owners
 from .pricing import Hardware, Network, Variant
 from .step_plan import StepPlan, plan_step
@@ -55,8 +55,8 @@ def setting_variant(name: str, scope: str = "local", momentum_dtype: Optional[st
     base = variant("dion3", setting.fraction, scope, momentum_dtype)
     if setting.allocation == "uniform":
         return base
-    by_cost = setting.budget[len(fraction_text(setting.fraction)):]  # " by cost", " by cost, most rows"
-    return dataclasses.replace(base, label=base.label.replace("f=", "") + by_cost, allocation=setting.allocation)
+    return dataclasses.replace(base, label=base.label.replace("f=", "") + ALLOCATION_WORDS[setting.allocation],
+                               allocation=setting.allocation)
 
 
 def _optimizer(v: Variant, params: list):

@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 from ...optim.param_groups import BY_COST
 from ..bench.step_time import parse_variant
-from ..setting_names import fraction_text
+from ..setting_names import ALLOCATION_WORDS, fraction_text
 from .launch import read_results
 from .runs import DEFAULT_NS, MODELS, best_on_shared_seeds, rule_label, schedule_label, selection_label
 from .summary import write_report
@@ -62,7 +62,7 @@ class Variant:
             family = {"adamw": "AdamW", "muon": "Muon", "normuon": "NorMuon"}[self.optimizer]
             return family + schedule_label(self.ns_coefficients)
         text = fraction_text(self.fraction).replace("/", "⁄")  # the fraction slash, for prose
-        allocation = {"cost": " by cost", "most_rows": " by cost, most rows"}.get(self.allocation, " on every matrix")
+        allocation = ALLOCATION_WORDS.get(self.allocation, " on every matrix")
         return (f"Dion3 {text}" + allocation
                 + selection_label(self.row_score, self.weights) + schedule_label(self.ns_coefficients)
                 + rule_label(self.unselected_decay, self.full_every))
