@@ -33,6 +33,13 @@ def by_cost(group: dict) -> bool:
     return group.get(BUDGET_KEY) is not None
 
 
+def allocation_rule(group: dict) -> tuple[Optional[tuple], bool]:
+    """What a group by cost was allocated with besides its budget: its row weights (sorted pairs)
+    and whether the most rows were searched first."""
+    weights = group.get(WEIGHTS_KEY)
+    return None if weights is None else tuple(sorted(dict(weights).items())), bool(group.get(MOST_ROWS_KEY, False))
+
+
 def _groups(indices: Sequence[int]) -> str:
     return f"group{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
 
@@ -47,9 +54,8 @@ class BudgetAllocation:
         # the inputs as they are now: the schedule reallocates the matrices it was built over
         self._inputs = [{key: list(g[key]) if isinstance(g[key], (list, tuple)) else g[key]
                          for key in ALLOCATION_KEYS if key in g} for g in groups]
-        weights = groups[0].get(WEIGHTS_KEY)
+        weights, self._most_rows = allocation_rule(groups[0])
         self._weights = None if weights is None else dict(weights)
-        self._most_rows = bool(groups[0].get(MOST_ROWS_KEY, False))
         self._owner = {id(p): n for n, g in enumerate(self._inputs) for p in g["params"]}
         self._cache: dict[float, list[float]] = {}
 
@@ -91,9 +97,7 @@ def budget_allocation(optimizer: torch.optim.Optimizer, indices: Sequence[int]) 
     allocations: dict[tuple, list[int]] = {}
     for i in costed:
         check_range(f"parameter group {i}", BUDGET_KEY, groups[i][BUDGET_KEY], 0.0, 1.0, low_open=True)
-        weights = groups[i].get(WEIGHTS_KEY)
-        key = (float(groups[i][BUDGET_KEY]), None if weights is None else tuple(sorted(dict(weights).items())),
-               bool(groups[i].get(MOST_ROWS_KEY, False)))
+        key = (float(groups[i][BUDGET_KEY]), *allocation_rule(groups[i]))
         allocations.setdefault(key, []).append(i)
     if len(allocations) > 1:
         listed = "; ".join(f"{_groups(members)}: budget {budget:g}"
