@@ -143,3 +143,13 @@ def test_a_larger_batch_is_its_own_setting_in_the_summary():
     assert sorted(line.split(" | ")[0] for line in lines) == [
         "| llama-384 (compiled)", "| llama-384 (compiled, batch 128)", "| llama-384 (compiled, batch 128)"]
     assert sum(" 0.01 | 0.8 | 3 |" in line for line in lines) == 1  # batch 32's three seeds, not batch 128's one
+
+
+@pytest.mark.parametrize("count", [1, 10, 11, 20, 33])
+def test_every_setting_gets_its_own_colour(count):
+    # the screened variants pushed the pictures past ten settings: a ten-colour cycle repeated (regime)
+    # or ran out (efficiency)
+    from dion3.tools.study.colours import distinct_colours
+
+    colours = distinct_colours(count)
+    assert len(colours) == count and len({tuple(round(c, 6) for c in colour) for colour in colours}) == count

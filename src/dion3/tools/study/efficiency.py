@@ -35,6 +35,7 @@ from ..bench.presets import named_model
 from ..plan.fractions import row_share
 from ..setting_names import Dion3Setting
 from .frontier import MUON, Variant, best_points
+from .colours import distinct_colours
 from .launch import read_results
 from .regime import Regime, _variant_order, block_matrix_parameters, gap, regime_cards, regime_of
 from .runs import DEFAULT_NS, MODELS
@@ -185,7 +186,7 @@ def efficiency_picture(rows: Sequence[Efficiency], path: Path) -> bool:
 
     figure, (axis, by_share) = plt.subplots(1, 2, figsize=(15, 5.2), gridspec_kw=dict(width_ratios=[3, 2]))
     labels = list(dict.fromkeys(r.label for r in shown))
-    colours = dict(zip(labels, (plt.get_cmap("tab10")(i) for i in range(10))))
+    colours = dict(zip(labels, distinct_colours(len(labels))))
     models = sorted({(r.model, r.batch_size) for r in shown})
     markers = dict(zip(models, "osD^vP*X"))
     for label in labels:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .frontier import MUON, Point, Variant, best_points
+from .colours import distinct_colours
 from .launch import read_results
 from .runs import MODELS, ModelSpec
 from .summary import write_report
@@ -178,7 +179,7 @@ def regime_picture(table: dict[Regime, RegimeRow], path: Path) -> bool:
 
     figure, axes = plt.subplots(1, 2, figsize=(14, 5.2))
     markers = dict(zip(sorted({g.model for g in table}), "osD^vP*X"))
-    colours = plt.get_cmap("tab10")
+    colours = distinct_colours(len(variants))
     # on the batch axis a line joins one model's regimes of one horizon; across tokens per
     # parameter, all of one model's regimes (a longer horizon or a larger batch)
     panels = [("tokens per step", lambda g: g.tokens_per_step, lambda g: (g.model, g.horizon)),
@@ -193,7 +194,7 @@ def regime_picture(table: dict[Regime, RegimeRow], path: Path) -> bool:
                 series.sort(key=lambda item: item[0])
                 gaps = [g for _, g in series]
                 axis.errorbar([x for x, _ in series], [g.mean for g in gaps], yerr=[g.sd for g in gaps],
-                              marker=markers[key[0]], color=colours(index), capsize=3, linewidth=1.2)
+                              marker=markers[key[0]], color=colours[index], capsize=3, linewidth=1.2)
         axis.axhline(0.0, color="tab:red", linestyle="--", linewidth=1)
         axis.set_xscale("log")
         axis.set_xlabel(name)
@@ -204,7 +205,7 @@ def regime_picture(table: dict[Regime, RegimeRow], path: Path) -> bool:
     # one legend entry per setting (colour) and per model (marker), beside the panels
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], color=colours(i), linewidth=2, label=v.label) for i, v in enumerate(variants)]
+    handles = [Line2D([], [], color=colours[i], linewidth=2, label=v.label) for i, v in enumerate(variants)]
     handles += [Line2D([], [], color="black", marker=m, linestyle="none", label=model) for model, m in markers.items()]
     figure.legend(handles=handles, fontsize=8, loc="center right")
     figure.subplots_adjust(left=0.06, right=0.82, wspace=0.25)
