@@ -5,7 +5,8 @@ Layouts: torchtitan's recipe on a (dp=2, tp=2) mesh (parallelize_module with Col
 RowwiseParallel, then fully_shard on dp: column-parallel weights get (_StridedShard(0, sf=2),
 Shard(0)), row-parallel ones (Shard(0), Shard(1))); HSDP + TP on (replicate=2, shard=2, tp=2);
 expert stacks [E, out, in] sharded over an expert axis, alone or with their rows sharded over a
-dp axis; convolution kernels through param_groups under FSDP2. Gradients are full tensors drawn on every rank and cut by DTensor itself
+dp axis; convolution kernels through param_groups under FSDP2; param_groups' fractions by cost and with
+the most rows on the recipe. Gradients are full tensors drawn on every rank and cut by DTensor itself
 (distribute_tensor with src_data_rank=None), so the distributed and the one-process optimizers
 see the same numbers. Rank 0 writes the results to a JSON file. Not a test module.
 """
@@ -184,6 +185,32 @@ def conv_scenarios(mesh) -> dict:
             ref.step()
         errors[name] = max_relative_error([full(p) for p in params], [r.detach() for r in ref_params])
     return errors
+
+
+def allocation_scenarios(mesh) -> dict:
+    """param_groups by cost and with the most rows on the tensor- and data-parallel recipe: the
+    groups (name → fraction) come from the global shapes, so the sharded model gets the plain
+    model's, and its steps match one process. dim 16, hidden 24: shapes on which the two
+    allocations give different fractions (the test checks that they do)."""
+    out = {}
+    for allocation in ("cost", "most_rows"):
+        model, reference = recipe(mesh, dim=16, hidden=24)
+        options = dict(lm_head=False, fraction=0.5, fraction_allocation=allocation)
+        groups, reference_groups = param_groups(model, **options), param_groups(reference, **options)
+        fractions = [{n: g["fraction"] for g in gs for n in g["param_names"]} for gs in (groups, reference_groups)]
+        opt = Dion3(groups, **SETTINGS, selection_scope="global")
+        ref = Dion3(reference_groups, **SETTINGS, selection_scope="global")
+        named, ref_named = dict(model.named_parameters()), dict(reference.named_parameters())
+        names = list(ref_named)
+        for step in range(STEPS):
+            for name, g in zip(names, grads_for([tuple(ref_named[n].shape) for n in names], step)):
+                named[name].grad, ref_named[name].grad = cut(g, named[name]), g.clone()
+            opt.step()
+            ref.step()
+        out[allocation] = dict(fractions=fractions[0], reference_fractions=fractions[1],
+                               error=max_relative_error([full(named[n]) for n in names],
+                                                        [ref_named[n].detach() for n in names]))
+    return out
 
 
 def _matches(p: DTensor, mesh) -> bool:
@@ -516,6 +543,7 @@ def worker(rank: int, world: int, out_path: str, which: str) -> None:
             results["errors"]["local_scope"] = local_scope_error(mesh)
             results["uneven"] = uneven_scenarios(mesh)
             results["convolutions"] = conv_scenarios(mesh)
+            results["allocations"] = allocation_scenarios(mesh)
             results["traffic"] = traffic(mesh)
             results["experts"] = expert_scenarios(world)
             results["rejected"] = rejected_layouts(mesh)

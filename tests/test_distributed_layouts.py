@@ -2,7 +2,7 @@
 
 (dp=2, tp=2) with torchtitan's recipe (4 ranks): layout indices against DTensor's full_tensor(),
 Muon / NorMuon / Dion3 against one process, Dion3 "local" against its own definition, traffic,
-expert stacks, convolution kernels from param_groups, rejected layouts and a DCP round trip across
+expert stacks, convolution kernels from param_groups, fractions by cost and with the most rows, rejected layouts and a DCP round trip across
 layouts. HSDP + TP on (replicate=2, shard=2, tp=2) (8 tiny ranks), plus rows over two axes with
 columns over the third, and columns split alone (uneven pieces, both meshes). Each group of ranks is spawned once per module.
 """
@@ -70,6 +70,18 @@ def test_convolution_kernels_from_param_groups_under_fsdp2_match_one_process(dp_
     over 2 ranks for one of them)."""
     errors = dp_tp["convolutions"]
     assert errors[scenario] <= TOLERANCE, errors
+
+
+@pytest.mark.parametrize("allocation", ["cost", "most_rows"])
+def test_fractions_by_cost_and_most_rows_on_tp_and_fsdp_match_one_process(dp_tp, allocation):
+    """param_groups(fraction_allocation=...) on the recipe's DTensors gives the plain model's groups
+    (priced from the global shapes, not the shards), and the same steps as one process."""
+    result = dp_tp["allocations"][allocation]
+    assert result["fractions"] == result["reference_fractions"]
+    assert len(set(result["fractions"].values())) > 1  # per-shape fractions, not one uniform ½
+    assert result["error"] <= TOLERANCE, result["error"]
+    if allocation == "most_rows":  # the two rules differ on these shapes, so both are exercised
+        assert result["fractions"] != dp_tp["allocations"]["cost"]["fractions"]
 
 
 @pytest.mark.parametrize("scenario", RECIPE)
