@@ -218,10 +218,10 @@ def test_resume_on_fsdp_over_four_ranks_continues_the_trajectory(runs):
 
 # --- per-shape fractions by cost (fraction_allocation="cost") ---------------------------------
 
-def _expected_cost_fractions(model, fraction: float) -> dict[str, float]:
-    """FQN → fraction for the Dion3 parameters of the debug model under "cost", from its global
-    weight shapes: cost_allocated_fractions over the orthogonal group's shapes; the fused wqkv
-    (per-head blocks) keeps `fraction`."""
+def _expected_cost_fractions(model, fraction: float, allocation: str = "cost") -> dict[str, float]:
+    """FQN → fraction for the Dion3 parameters of the debug model under `allocation` ("cost" or
+    "most_rows"), from its global weight shapes: cost_allocated_fractions over the orthogonal
+    group's shapes; the fused wqkv (per-head blocks) keeps `fraction`."""
     from dion3.tools.bench.step_cost import MatrixShape
     from dion3.optim.cost_fractions import cost_allocated_fractions
 
@@ -229,37 +229,46 @@ def _expected_cost_fractions(model, fraction: float) -> dict[str, float]:
                   if p.dim() == 2 and not re.search(r"(tok_embeddings|output|lm_head)\.|wqkv", n)}
     counts = Counter(orthogonal.values())
     shapes = [MatrixShape(f"{r}x{c}", r, c, count) for (r, c), count in counts.items()]
-    by_shape = dict(zip(counts, cost_allocated_fractions(shapes, fraction)))
+    by_shape = dict(zip(counts, cost_allocated_fractions(shapes, fraction, most_rows=allocation == "most_rows")))
     expected = {n: by_shape[shape] for n, shape in orthogonal.items()}
     expected.update({n: fraction for n, _ in model.named_parameters() if n.endswith("wqkv.weight")})
     return expected
 
 
-def _cost_config(fraction: float = 0.25):
+def _cost_config(fraction: float = 0.25, allocation: str = "cost"):
     from torchtitan.models.llama3 import model_registry
 
     from dion3.integrations.torchtitan import dion3_optimizer
 
     return dion3_optimizer(model_registry("debugmodel").model, lr=0.02, adamw_lr=3e-3, fraction=fraction,
-                           selection_scope="global", fraction_allocation="cost")
+                           selection_scope="global", fraction_allocation=allocation)
+
+
+# the debug model's wo 256×256, w1/w3 768×256, w2 256×768: "cost" at ¼ gives 1, 1/6, ½; "most_rows"
+# at ½ gives ½ to all three where "cost" gives 1, 1/6, 0.79 (the most rows ½'s modeled time buys)
+ALLOCATIONS = [("cost", 0.25), ("most_rows", 0.5)]
 
 
 @needs_torchtitan
-def test_cost_allocation_splits_the_orthogonal_group_by_shape():
+@pytest.mark.parametrize("allocation, fraction", ALLOCATIONS)
+def test_cost_allocation_splits_the_orthogonal_group_by_shape(allocation, fraction):
     from torchtitan.models.llama3 import model_registry
 
     spec = model_registry("debugmodel")
     model = _meta_model(spec)
-    container = _cost_config(0.25).build(model_parts=[model])
+    container = _cost_config(fraction, allocation).build(model_parts=[model])
     dion3_groups = [g for o in container.optimizers if type(o).__name__ == "Dion3" for g in o.param_groups]
     built = {name: g["fraction"] for g in dion3_groups for name in g["param_names"]}
-    expected = _expected_cost_fractions(model, 0.25)
+    expected = _expected_cost_fractions(model, fraction, allocation)
     assert built == expected
     params = dict(model.named_parameters())
     for group in dion3_groups:  # one group per shape (wqkv: its own group, by pattern)
         assert len({tuple(params[n].shape) for n in group["param_names"]}) == 1
         assert [params[n] for n in group["param_names"]] == list(group["params"])
     others = {f for n, f in expected.items() if not n.endswith("wqkv.weight")}
+    if allocation == "most_rows":  # the two rules split this model differently at ½
+        assert expected != _expected_cost_fractions(model, fraction, "cost") and others == {0.5}
+        return
     assert len(others) == 3 and 0.25 not in others  # wo 256×256, w1/w3 768×256, w2 256×768
     # "uniform" (the default) keeps one fraction on both orthogonal groups, as before
     from dion3.integrations.torchtitan import dion3_optimizer
@@ -276,6 +285,8 @@ def test_cost_allocation_splits_the_orthogonal_group_by_shape():
     ({"fraction_allocation": "cost", "fraction": 0.25, "fraction_schedule": "warmup"},
      "fraction_schedule cannot be combined"),
     ({"fraction_allocation": "by_cost", "fraction": 0.25}, "fraction_allocation must be one of"),
+    ({"fraction_allocation": "most_rows"}, "fraction_allocation='most_rows' needs fraction="),
+    ({"fraction_allocation": "most_rows", "fraction": 0.5, "algorithm": "NorMuon"}, "needs algorithm='Dion3'"),
 ])
 def test_dion3_optimizer_refuses_bad_cost_settings(kwargs, message):
     from torchtitan.models.llama3 import model_registry
@@ -309,10 +320,12 @@ def test_container_refuses_bad_cost_settings(algorithm, options, schedule, messa
         config.build(model_parts=[_meta_model(spec)])
 
 
-@pytest.fixture(scope="module")
-def cost_runs(job_config, tmp_path_factory):
-    return gloo.spawn_and_read(worker.cost_worker, 2, tmp_path_factory.mktemp("torchtitan_cost") / "results.json",
-                               _cost_config(0.25), job_config.lr_scheduler)
+@pytest.fixture(scope="module", params=ALLOCATIONS, ids=[a for a, _ in ALLOCATIONS])
+def cost_runs(request, job_config, tmp_path_factory):
+    allocation, fraction = request.param
+    runs = gloo.spawn_and_read(worker.cost_worker, 2, tmp_path_factory.mktemp(f"torchtitan_{allocation}") / "results.json",
+                               _cost_config(fraction, allocation), job_config.lr_scheduler)
+    return dict(runs, allocation=allocation, fraction=fraction)
 
 
 @needs_torchtitan
@@ -322,7 +335,8 @@ def test_cost_fractions_on_fsdp_match_one_process_and_resume(cost_runs):
     a, b, ref = cost_runs["a"], cost_runs["b"], cost_runs["reference"]
     # the groups come from global shapes: the same on FSDP2 (dim-0 shards), on one process and
     # after loading the checkpoint (each parameter's group settings are saved under its FQN)
-    expected = _expected_cost_fractions(_meta_model(model_registry("debugmodel")), 0.25)
+    expected = _expected_cost_fractions(_meta_model(model_registry("debugmodel")), cost_runs["fraction"],
+                                        cost_runs["allocation"])
     assert a["fraction_by_fqn"] == ref["fraction_by_fqn"] == b["fraction_by_fqn"] == pytest.approx(expected)
     assert all(math.isfinite(x) for x in a["losses"]) and a["losses"][-1] < a["losses"][0] - 0.2
     # global selection: the same update on any layout up to the order of float32 sums, which a

@@ -30,7 +30,9 @@ position is saved beside them (`FRACTION_STEP_KEY`).
 With `fraction_allocation="cost"` the container splits every Dion3/Dion2 group of whole matrices
 into one group per global matrix shape, with fractions by orthogonalization cost
 (dion3.optim.cost_fractions.cost_allocated_groups, the rule of `param_groups(fraction_allocation=
-"cost")`); groups split into blocks (the fused `wqkv`'s heads) keep their one fraction.
+"cost")`); with "most_rows", the same split, with the most rows that the same modeled time buys
+(`param_groups(fraction_allocation="most_rows")`). Groups split into blocks (the fused `wqkv`'s
+heads) keep their one fraction.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ from torch.optim import Optimizer
 from ..algorithms import ALIASES, SELECTING_ALGORITHMS
 from ..optim import Dion3, FractionScheduler, FractionWarmup, Muon, NorMuon
 from ..optim.cost_fractions import cost_allocated_groups
+from ..optim.param_groups import BY_COST
 
 __all__ = [
     "Dion3OptimizersContainer", "FRACTION_STEP_KEY", "OPTIMIZERS", "dion3_optimizer",
@@ -71,29 +74,30 @@ NO_DECAY_PATTERN = r"(norm\.weight|\.bias)$"
 ADAMW_PATTERN = r"(^|\.)(tok_embeddings|output|lm_head)\.|\.router\.gate\."
 FUSED_QKV_PATTERN = r"\.wqkv\.weight$"
 
-FRACTION_ALLOCATIONS = ("uniform", "cost")  # Dion3OptimizersContainer.Config.fraction_allocation
+FRACTION_ALLOCATIONS = ("uniform", *BY_COST)  # Dion3OptimizersContainer.Config.fraction_allocation
 
 
 def _check_allocation(where: str, fraction_allocation: str, fraction_schedule: Any) -> None:
     if fraction_allocation not in FRACTION_ALLOCATIONS:
         raise ValueError(f"{where}: fraction_allocation must be one of {FRACTION_ALLOCATIONS}, "
                          f"got {fraction_allocation!r}")
-    if fraction_allocation == "cost" and fraction_schedule is not None:
-        raise ValueError(f"{where}: fraction_schedule cannot be combined with fraction_allocation='cost': a "
-                         "schedule sets one fraction on every Dion3 group, the per-shape fractions by cost "
-                         "are fixed; drop one of them")
+    if fraction_allocation in BY_COST and fraction_schedule is not None:
+        raise ValueError(f"{where}: fraction_schedule cannot be combined with fraction_allocation="
+                         f"{fraction_allocation!r}: a schedule sets one fraction on every Dion3 group, the "
+                         "per-shape fractions by cost are fixed; drop one of them")
 
 
 def _is_cost_split(group: dict) -> bool:
-    """A Dion3-optimizer group that fraction_allocation='cost' splits by shape: row-selecting
+    """A Dion3-optimizer group that fraction_allocation 'cost' or 'most_rows' splits by shape: row-selecting
     (dion3, dion2) and of whole matrices (no num_heads, no split_sizes)."""
     algorithm = group.get("algorithm", "dion3")
     return (ALIASES.get(algorithm, algorithm) in SELECTING_ALGORITHMS
             and group.get("num_heads") is None and group.get("split_sizes") is None)
 
 
-def _split_by_cost(group: dict, settings: dict[str, Any], pattern: str) -> list[dict]:
-    """`group` split into one group per global matrix shape with fractions by cost, `params` and
+def _split_by_cost(group: dict, settings: dict[str, Any], pattern: str, allocation: str) -> list[dict]:
+    """`group` split into one group per global matrix shape with fractions by cost (allocation
+    "cost", or "most_rows": the most rows within the same modeled time), `params` and
     `param_names` split alike. settings: the group's settings with the constructor's beneath
     (fraction, flatten, orthogonalizer and ns_coefficients price the rows).
 
@@ -102,13 +106,13 @@ def _split_by_cost(group: dict, settings: dict[str, Any], pattern: str) -> list[
     collective runs, and every rank derives the same groups from the same model."""
     fraction = settings.get("fraction")
     if fraction is None:
-        raise ValueError(f"Dion3OptimizersContainer: fraction_allocation='cost' needs a fraction in the group of "
+        raise ValueError(f"Dion3OptimizersContainer: fraction_allocation={allocation!r} needs a fraction in the group of "
                          f"pattern {pattern!r} (its uniform fraction, whose orthogonalization FLOPs the "
                          "per-shape fractions share)")
     params, names = list(group["params"]), list(group["param_names"])
     stand_ins = [torch.empty(tuple(p.shape), device="meta") for p in params]
     index = {id(s): i for i, s in enumerate(stand_ins)}
-    parts = cost_allocated_groups(dict(settings, params=stand_ins), fraction)
+    parts = cost_allocated_groups(dict(settings, params=stand_ins), fraction, most_rows=allocation == "most_rows")
     out = []
     for part in parts:
         members = [index[id(s)] for s in part["params"]]
@@ -136,7 +140,8 @@ class Dion3OptimizersContainer(OptimizersContainer):
     Config.fraction_allocation: "uniform" (default) keeps each group's `fraction`; "cost" splits
     every "Dion3" group of row-selecting whole matrices (algorithm dion3/dion2, no num_heads or
     split_sizes) into one group per global matrix shape, with fractions by orthogonalization cost
-    at the FLOPs of the group's fraction (`_split_by_cost`). The split is a function of the
+    at the FLOPs of the group's fraction (`_split_by_cost`); "most_rows" splits alike, with the
+    most rows within that modeled time. The split is a function of the
     model's global shapes and FQN order, so every rank and every reload builds the same groups,
     and each parameter's group settings (its fraction) are saved under its FQN. Under pipeline
     parallelism each model part shares its own budget. Refused with a fraction schedule.
@@ -150,7 +155,8 @@ class Dion3OptimizersContainer(OptimizersContainer):
         """Dion3's row fraction as a function of the step (None: each group's `fraction`)."""
 
         fraction_allocation: str = "uniform"
-        """"uniform": each group's `fraction`; "cost": per-shape fractions by orthogonalization cost."""
+        """"uniform": each group's `fraction`; "cost": per-shape fractions by orthogonalization cost;
+        "most_rows": per-shape fractions with the most rows in the same modeled time."""
 
     def __init__(self, config: Config, *, model_parts) -> None:
         _check_allocation("Dion3OptimizersContainer", config.fraction_allocation, config.fraction_schedule)
@@ -159,9 +165,10 @@ class Dion3OptimizersContainer(OptimizersContainer):
         self._dion3_factory_kwargs = dict(config.optimizer_factory_kwargs_by_name.get("Dion3", {}))
         self._cost_split_groups = 0
         super().__init__(config, model_parts=model_parts)
-        if config.fraction_allocation == "cost" and self._cost_split_groups == 0:
-            raise ValueError("Dion3OptimizersContainer: fraction_allocation='cost' but no parameter group runs "
-                             "Dion3 or Dion2 on whole matrices (optimizer_name 'Dion3', no num_heads/split_sizes)")
+        if config.fraction_allocation in BY_COST and self._cost_split_groups == 0:
+            raise ValueError(f"Dion3OptimizersContainer: fraction_allocation={config.fraction_allocation!r} but no "
+                             "parameter group runs Dion3 or Dion2 on whole matrices (optimizer_name 'Dion3', no "
+                             "num_heads/split_sizes)")
         self.fraction_schedulers: list[FractionScheduler] = []
         if config.fraction_schedule is not None:
             selecting = [o for o in self.optimizers
@@ -174,7 +181,7 @@ class Dion3OptimizersContainer(OptimizersContainer):
     def _build_param_groups(self, model: nn.Module, param_group_configs: list[ParamGroupConfig],
                             impl_kwargs: dict[str, Any]) -> tuple[dict[str, list[dict]], dict[str, list[str]]]:
         groups, patterns = OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
-        if self._fraction_allocation != "cost" or "Dion3" not in groups:
+        if self._fraction_allocation not in BY_COST or "Dion3" not in groups:
             return groups, patterns
         split_groups, split_patterns = [], []
         for group, pattern in zip(groups["Dion3"], patterns["Dion3"], strict=True):
@@ -184,9 +191,10 @@ class Dion3OptimizersContainer(OptimizersContainer):
                 split_patterns.append(pattern)
                 continue
             self._cost_split_groups += 1
-            for part in _split_by_cost(group, settings, pattern):
+            for part in _split_by_cost(group, settings, pattern, self._fraction_allocation):
                 split_groups.append(part)
-                split_patterns.append(f"{pattern} (fraction {part['fraction']:.4g} by cost)")
+                split_patterns.append(f"{pattern} (fraction {part['fraction']:.4g} by cost"
+                                      + (", most rows)" if self._fraction_allocation == "most_rows" else ")"))
         groups["Dion3"], patterns["Dion3"] = split_groups, split_patterns
         return groups, patterns
 
@@ -288,16 +296,18 @@ def dion3_optimizer(
     orthogonal group splits, when the container is built, into one group per global matrix shape
     with fractions by orthogonalization cost at the FLOPs of `fraction` on every matrix (as
     `dion3.param_groups(..., fraction_allocation="cost")`); the fused `wqkv` group (per-head
-    blocks) keeps `fraction`. Needs algorithm "Dion3" and `fraction`; no fraction_schedule.
+    blocks) keeps `fraction`. "most_rows": the same split with the most rows that modeled time
+    buys (as `fraction_allocation="most_rows"`; opt-in, measured at batch 128 in the frontier
+    README). Either needs algorithm "Dion3" and `fraction`; no fraction_schedule.
     settings: as `param_group_configs` (lr, adamw_lr, weight_decay, fraction, selection_scope, ...)."""
     _check_allocation("dion3_optimizer", fraction_allocation, fraction_schedule)
-    if fraction_allocation == "cost":
+    if fraction_allocation in BY_COST:
         if algorithm != "Dion3":
-            raise ValueError(f"dion3_optimizer: fraction_allocation='cost' needs algorithm='Dion3' (row selection), "
-                             f"got algorithm={algorithm!r}")
+            raise ValueError(f"dion3_optimizer: fraction_allocation={fraction_allocation!r} needs algorithm='Dion3' "
+                             f"(row selection), got algorithm={algorithm!r}")
         if settings.get("fraction") is None:
-            raise ValueError("dion3_optimizer: fraction_allocation='cost' needs fraction=..., the uniform fraction "
-                             "whose orthogonalization FLOPs the per-shape fractions share")
+            raise ValueError(f"dion3_optimizer: fraction_allocation={fraction_allocation!r} needs fraction=..., the "
+                             "uniform fraction whose orthogonalization FLOPs the per-shape fractions share")
     heads = fused_qkv_heads(model_config) if model_config is not None else None
     return Dion3OptimizersContainer.Config(
         param_groups=param_group_configs(algorithm, qkv_heads=heads, **settings),
