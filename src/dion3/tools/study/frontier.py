@@ -209,7 +209,8 @@ def _rounded(variant: Variant) -> Variant:
     measures the squared row norms either way, and the selection costs the same); the schedule is
     kept (fewer Newton–Schulz steps are what such a row times), and so are the unselected rows'
     decay (one more pass over the momentum) and periodic full steps (the full steps' time too),
-    timed by bench rows named with -unselectedD and -full-everyK."""
+    timed by bench rows named with -unselectedD and -full-everyK. Row weights are timed as the
+    rule: they move rows between shapes within the same modeled time."""
     fraction = None if variant.fraction is None else round(variant.fraction, 9)
     return Variant(variant.optimizer, fraction, variant.allocation, ns_coefficients=variant.ns_coefficients,
                    unselected_decay=variant.unselected_decay, full_every=variant.full_every)
