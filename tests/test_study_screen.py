@@ -38,7 +38,9 @@ def test_each_variant_faces_the_rule_s_run_of_its_seed_and_gets_the_screening_ve
     assert set(rows) == {"dion3-1/2 mu=0.6", "dion3-1/2-cost mu=0.8", "dion3-1/2-cost-unselected0.9 mu=0.6",
                          "dion3-3/8-cost-l2 mu=0.6"}
     uniform = rows["dion3-1/2 mu=0.6"]
-    assert uniform["difference"] == pytest.approx(-0.003) and uniform["verdict"].startswith("ahead by more than 0.002")
+    # the furthest ahead is the screen's best: three seeds and the held-out shape, as the issue asks
+    assert uniform["difference"] == pytest.approx(-0.003)
+    assert uniform["verdict"] == "the best, ahead by more than 0.002: seeds 1 and 2, then the held-out shape"
     assert uniform["reference"] == "dion3-1/2-cost lr=0.02 mu=0.6 h=1500 seed=0"
     # Muon's curve: 0.64 at 1000 steps, 0.61 at 1500, linear in log steps
     steps = 1000 * 1.5 ** ((0.611 - 0.64) / (0.61 - 0.64))
@@ -51,7 +53,24 @@ def test_each_variant_faces_the_rule_s_run_of_its_seed_and_gets_the_screening_ve
     assert screen.main(["--results", str(path), "--model", "llama-384", "--batch-size", "128"]) == 0
     text = capsys.readouterr().out
     assert "| dion3-1/2 lr=0.02 mu=0.6 h=1500 seed=0 | 0.6110 | dion3-1/2-cost lr=0.02 mu=0.6 h=1500 seed=0 | 0.6140 | " \
-           f"-0.0030 | {steps / 1500:.3f} | ahead by more than 0.002: seeds 1 and 2 next |" in text
+           f"-0.0030 | {steps / 1500:.3f} | the best, ahead by more than 0.002: seeds 1 and 2, then the held-out shape |" in text
     with pytest.raises(SystemExit):
         screen.main(["--results", str(path), "--model", "llama-384", "--batch-size", "128", "--margin", "-1"])
     assert "--margin must be ≥ 0" in capsys.readouterr().err
+
+
+def test_the_best_within_the_margin_is_still_the_one_seeded_and_others_ahead_keep_their_verdict():
+    muon = dict(optimizer="muon", fraction=None, mu=0.8, fraction_allocation="uniform", cost_rule=None)
+    records = [_record(0.64, horizon=1000, **muon), _record(0.61, **muon), _record(0.614),
+               _record(0.6125, fraction_allocation="most_rows"),  # 0.0015 ahead: within, but the best
+               _record(0.6135, mu=0.8),  # 0.0005 ahead: within
+               _record(0.615, row_score="l2")]  # behind
+    rows = {r["variant"]: r["verdict"] for r in screen.screen(records, "llama-384", 128, 1500, 0)}
+    assert rows == {
+        "dion3-1/2-rows lr=0.02 mu=0.6 h=1500 seed=0": "the best, within 0.002: seeds 1 and 2, then the held-out shape",
+        "dion3-1/2-cost lr=0.02 mu=0.8 h=1500 seed=0": "not kept: within 0.002 of the rule",
+        "dion3-1/2-cost-l2 lr=0.02 mu=0.6 h=1500 seed=0": "not kept: within 0.002 of the rule"}
+    # no variant ahead: no best
+    behind = records[:3] + [_record(0.6165, row_score="l2"), _record(0.614, mu=0.8)]
+    assert [r["verdict"] for r in screen.screen(behind, "llama-384", 128, 1500, 0)] == [
+        "not kept: within 0.002 of the rule", "not kept: behind by more than 0.002"]
