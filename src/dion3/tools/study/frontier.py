@@ -327,16 +327,20 @@ def frontier_picture(panels: Sequence[tuple[str, Sequence[Point]]], axis: tuple,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(len(panels), 1, figsize=(7.5, 4.4 * len(panels)), squeeze=False)
+    figure, axes = plt.subplots(len(panels), 1, figsize=(12, 4.4 * len(panels)), squeeze=False)
     styles = {"muon": ("s", "tab:red"), "normuon": ("D", "tab:green"), "adamw": ("v", "tab:gray")}
     for ax, (model, timed, points) in zip(axes[:, 0], panels):
-        for index, point in enumerate(sorted(timed, key=lambda p: p.step_ms[axis])):
+        # variants share the rule's step time, so their names would overprint: each point carries a
+        # number, and a key beside the panel names it; one-seed points are drawn hollow
+        key = []
+        for point in sorted(timed, key=lambda p: (p.step_ms[axis], p.mean)):
             marker, colour = styles.get(point.variant.optimizer, ("o", "tab:blue"))
             x = point.step_ms[axis]
-            ax.errorbar(x, point.mean, yerr=point.sd, fmt=marker, color=colour, capsize=3, markersize=7)
-            # neighbours' labels on alternate sides, so that close points stay readable
-            ax.annotate(f"{point.variant.label} ({len(point.losses)})", (x, point.mean), textcoords="offset points",
-                        xytext=(6, 5 if index % 2 else -11), fontsize=8)
+            ax.errorbar(x, point.mean, yerr=point.sd, fmt=marker, color=colour, capsize=3, markersize=7,
+                        markerfacecolor="white" if len(point.losses) == 1 else colour)
+            key.append(f"{len(key) + 1}  {point.variant.label} ({len(point.losses)})")
+            ax.annotate(str(len(key)), (x, point.mean), textcoords="offset points", xytext=(6, -3), fontsize=8)
+        ax.text(1.02, 1.0, "\n".join(key), transform=ax.transAxes, va="top", fontsize=8)
         for point in points:
             if point.variant in (MUON, NORMUON):  # the references, drawn across the panel
                 _, colour = styles[point.variant.optimizer]
@@ -345,11 +349,11 @@ def frontier_picture(panels: Sequence[tuple[str, Sequence[Point]]], axis: tuple,
                     ax.axhspan(point.mean - point.sd, point.mean + point.sd, color=colour, alpha=0.1, label="Muon best ± sd")
         ax.set_xlabel(f"optimizer step on {axis[0]} shapes, one H200 ({axis[1]}), ms")
         ax.set_ylabel("final validation loss, nats per byte")
-        ax.set_title(f"{model}: loss against step time (mean ± sd over seeds; seeds in brackets)")
+        ax.set_title(f"{model}: loss against step time (mean ± sd over seeds; seeds in brackets, one: hollow)")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # a panel without Muon or NorMuon has no reference lines
             ax.legend(fontsize=8, loc="upper right")
-    figure.tight_layout()
+    figure.tight_layout()  # counts the keys beside the panels
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return [model for model, _, _ in panels]
