@@ -169,3 +169,44 @@ def test_matrix_settings_are_the_settings_scalar_groups_do_not_read(cls):
     optimizers but the four that the AdamW and Lion steps read, and the algorithm."""
     defaults = set(cls([torch.zeros(2, 2, requires_grad=True)]).defaults)
     assert set(MATRIX_SETTINGS) == defaults - {"algorithm", "lr", "betas", "weight_decay", "epsilon"}
+
+
+class AttentionAndMLP(nn.Module):
+    """q/o 16 × 16, k 8 × 16, an MLP 24 × 16 and 16 × 24: shapes on which fractions by cost and
+    with the most rows differ (0.8125, 0.75, 1/6, 1/8 against 0.3125, 1, 0.21, 1 at ½)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.o = nn.Linear(16, 16, bias=False), nn.Linear(16, 8, bias=False), nn.Linear(16, 16, bias=False)
+        self.up, self.down = nn.Linear(16, 24, bias=False), nn.Linear(24, 16, bias=False)
+
+
+@pytest.mark.parametrize("allocation", ["cost", "most_rows"])
+def test_fractions_by_cost_step_each_matrix_at_its_own_fraction_as_the_float64_reference(exact_orthogonalizer,
+                                                                                         allocation):
+    """param_groups' per-shape fractions reach the step: each matrix moves as the float64 reference
+    of Dion3 at its group's fraction (the rows ⌈f·rows⌉), and one uniform ½ would not."""
+    torch.manual_seed(0)
+    model = AttentionAndMLP().double()
+    groups = param_groups(model, lm_head=False, lr=0.05, mu=0.9, weight_decay=0.1, fraction=0.5,
+                          fraction_allocation=allocation)
+    fractions = {n: g["fraction"] for g in groups for n in g["param_names"]}
+    assert len(set(fractions.values())) >= 3 and 0.5 not in fractions.values()
+    optimizer = Dion3(groups)
+    params = dict(model.named_parameters())
+    references = {n: ReferenceOptimizer([p.detach()], "dion3", lr=0.05, mu=0.9, weight_decay=0.1,
+                                     fraction=fractions[n])
+                  for n, p in params.items()}
+    uniform = ReferenceOptimizer([p.detach() for p in params.values()], "dion3", lr=0.05, mu=0.9, weight_decay=0.1,
+                                 fraction=0.5)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = {n: torch.randn(p.shape, generator=generator, dtype=torch.float64) for n, p in params.items()}
+        for name, p in params.items():
+            p.grad = grads[name]
+            references[name].step([grads[name]])
+        uniform.step(list(grads.values()))
+        optimizer.step()
+    for name, p in params.items():
+        torch.testing.assert_close(p.detach(), references[name].params[0], rtol=2e-6, atol=2e-7, msg=name)
+    assert not all(torch.allclose(p.detach(), u, atol=1e-4) for p, u in zip(params.values(), uniform.params))
