@@ -113,9 +113,15 @@ job() {
       heldout_part c 0; heldout_part c 1 ;;
     heldout-c-s2)
       heldout_part c 2 ;;
-    b128-alone-muon|b128-alone-normuon)  # the batch-128 bests' seeds one at a time, the GPU to one process: skips?
-      local family=${1#b128-alone-}
-      run "$1" 128 $($family 0.02) --seeds 0,1,2 --jobs 1 ;;
+    # the batch-128 Muon and NorMuon seeds one at a time, the GPU to one process: do skips remain? A run
+    # alone takes about 4 minutes on an H100, so two a job (--jobs 1: one after the other)
+    b128-alone-a)
+      run "$1" 128 $(muon 0.02) --seeds 0,1 --jobs 1 ;;
+    b128-alone-b)
+      run "$1" 128 --optimizers muon,normuon --muon-lr 0.02 --muon-mu 0.8 --normuon-lr 0.02 --normuon-mu 0.6 \
+        --seeds 2 --jobs 1 ;;
+    b128-alone-c)
+      run "$1" 128 $(normuon 0.02) --seeds 0,1 --jobs 1 ;;
     b128-screen-a)  # rule variants at batch 128, seed 0 (the time-to-loss issue's neighbour): where the rows go, μ, L2
       run b128-uniform-half 128 --optimizers dion3 --fraction-warmup 0 --fraction-allocation uniform --dion3-mu 0.6 \
         --fraction 0.5 --dion3-lr 0.02 --seeds 0
@@ -153,7 +159,7 @@ job() {
   esac
 }
 
-JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4 b128-long-a-s0 b128-long-b-s0 b128-long-a-s1 b128-long-b-s1 b128-long-c-s1 b128-long-a-s2 b128-long-b-s2 b128-long-c-s2 b32-muon-horizons heldout-a-s0 heldout-b-s0 heldout-a-s1 heldout-b-s1 heldout-a-s2 heldout-b-s2 heldout-c-s01 heldout-c-s2 b128-alone-muon b128-alone-normuon b128-screen-a b128-screen-b b128-screen-c b128-screen-d b128-rows-seeds heldout-rows"
+JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4 b128-long-a-s0 b128-long-b-s0 b128-long-a-s1 b128-long-b-s1 b128-long-c-s1 b128-long-a-s2 b128-long-b-s2 b128-long-c-s2 b32-muon-horizons heldout-a-s0 heldout-b-s0 heldout-a-s1 heldout-b-s1 heldout-a-s2 heldout-b-s2 heldout-c-s01 heldout-c-s2 b128-alone-a b128-alone-b b128-alone-c b128-screen-a b128-screen-b b128-screen-c b128-screen-d b128-rows-seeds heldout-rows"
 case ${1:-} in
   --dry-run) dry=1; for j in $([ "${2:?JOB or all}" = all ] && echo $JOBS || echo "$2"); do echo "### $j"; job "$j" || exit $?; done; exit 0 ;;
   "") echo "usage: regime_jobs.sh JOB | --dry-run JOB|all (jobs: $JOBS)" >&2; exit 2 ;;
