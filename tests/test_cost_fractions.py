@@ -246,6 +246,56 @@ def test_most_rows_selects_at_least_the_rows_of_every_allocation_on_the_grid(fra
     assert rows(cost_allocated_fractions(shapes, fraction)) < best
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_most_rows_is_the_most_weighted_rows_on_the_grid_for_random_shapes_and_weights(seed):
+    """Three or four random shapes (rows up to 1280, several matrices each) and weights, against every
+    allocation on the grid (floor, multiples of 128, all rows) enumerated: the search prunes the
+    allocations that cannot leave the later shapes their cheapest rows, and must lose none of the
+    best; the water-filling after it only adds rows."""
+    import functools
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    shapes = [MatrixShape(f"s{i}", rng.choice([192, 384, 640, 1024, 1280]), rng.choice([128, 384, 768]), rng.choice([1, 3, 8]))
+              for i in range(rng.choice([3, 4]))]
+    shapes = list({(s.rows, s.cols): s for s in shapes}.values())  # one weight per distinct shape
+    weights = [rng.choice([0.5, 1.0, 2.0]) for _ in shapes]
+    fraction = rng.choice([0.25, 0.375, 0.5])
+    price = functools.lru_cache(maxsize=None)(modeled_seconds)
+    budget = _total(shapes, [fraction] * len(shapes), price) * (1 + 1e-9)
+    choices = []
+    for shape in shapes:
+        low = selected_row_count(shape.rows, fraction / 4)
+        choices.append(sorted({low, shape.rows, *range(128 * -(-low // 128), shape.rows, 128)}))
+    best = max(sum(s.count * w * k for s, w, k in zip(shapes, weights, ks)) for ks in itertools.product(*choices)
+               if sum(s.count * price(k, s.cols) for s, k in zip(shapes, ks)) <= budget)
+    most = cost_allocated_fractions(shapes, fraction, most_rows=True, weights=weights)
+    got = sum(s.count * w * selected_row_count(s.rows, f) for s, w, f in zip(shapes, weights, most))
+    assert got >= best - 1e-9 and _total(shapes, most, price) <= budget
+
+
+def test_most_rows_searches_a_dozen_large_shapes():
+    """Twelve distinct DeepSeek-like shapes (up to 18432 × 7168, up to 256 each), where the search
+    keeps millions of allocations on the way: the result stays within the budget and selects at
+    least the water-filling's rows."""
+    import random
+
+    rng = random.Random(0)
+    picks = [(rng.choice([1024, 2048, 4096, 7168, 14336, 18432]), rng.choice([1024, 2048, 4096, 7168]),
+              rng.choice([1, 8, 64, 256])) for _ in range(18)]
+    shapes = [MatrixShape(f"{r}x{c}", r, c, n) for r, c, n in dict(((r, c), (r, c, n)) for r, c, n in picks).values()][:12]
+    assert len(shapes) == 12
+    budget = _total(shapes, [0.5] * len(shapes), modeled_seconds) * (1 + 1e-9)
+    most = cost_allocated_fractions(shapes, 0.5, most_rows=True)
+    greedy = cost_allocated_fractions(shapes, 0.5)
+
+    def rows(fractions):
+        return sum(s.count * selected_row_count(s.rows, f) for s, f in zip(shapes, fractions))
+
+    assert _total(shapes, most, modeled_seconds) <= budget and rows(most) >= rows(greedy)
+
+
 def test_most_rows_groups_record_their_rule_and_a_schedule_follows_it():
     """param_groups(fraction_allocation="most_rows") marks its groups, and a FractionScheduler's
     allocation of the groups' own budget gives back their fractions (it would not with the

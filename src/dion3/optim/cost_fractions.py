@@ -174,22 +174,38 @@ def _most_rows(points: list[list[tuple[int, float]]], counts: list[int], weights
     weighted rows Σ count·weight·k are the most within `limit` (Σ count·cost), over the points at
     a multiple of ROW_GRID rows, the first (the floor's) and the last (all rows); ties: the least
     cost. Exact: the allocations are built shape by shape, keeping only those that no other beats
-    in both cost and rows (so at most one per distinct cost)."""
-    front: list[tuple[float, float, tuple[int, ...]]] = [(0.0, 0.0, ())]  # (cost, weighted rows, indices)
-    for shape_points, count, weight in zip(points, counts, weights):
+    in both cost and rows, and only those that leave each later shape at least its cheapest point.
+    In float64 tensors: with a dozen distinct shapes of thousands of rows the kept allocations
+    number millions, too many for Python tuples at start-up on every rank."""
+    import torch  # the search's arrays; the module's other rules are plain Python
+
+    least = [count * shape_points[0][1] for shape_points, count in zip(points, counts)]
+    slack = limit * 1e-12  # the sums below add in another order than the final check does
+    spent, rows = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    parents: list[tuple[torch.Tensor, torch.Tensor]] = []  # per shape: each entry's previous entry and point
+    for i, (shape_points, count, weight) in enumerate(zip(points, counts, weights)):
         last = len(shape_points) - 1
-        candidates = [j for j, (k, _) in enumerate(shape_points) if j in (0, last) or k % ROW_GRID == 0]
-        grown = [(spent + count * shape_points[j][1], rows + count * weight * shape_points[j][0], chosen + (j,))
-                 for spent, rows, chosen in front for j in candidates
-                 if spent + count * shape_points[j][1] <= limit]
-        grown.sort(key=lambda entry: (entry[0], -entry[1], entry[2]))
-        front, most = [], -math.inf
-        for entry in grown:
-            if entry[1] > most:  # more rows than every cheaper allocation
-                front.append(entry)
-                most = entry[1]
-    # the floor's rows fit the budget (they cost no more than the fraction's), so front is not empty
-    return list(max(front, key=lambda entry: (entry[1], -entry[0]))[2])
+        candidates = torch.tensor([j for j, (k, _) in enumerate(shape_points) if j in (0, last) or k % ROW_GRID == 0])
+        prices = torch.tensor([count * shape_points[j][1] for j in candidates.tolist()], dtype=torch.float64)
+        gains = torch.tensor([count * weight * shape_points[j][0] for j in candidates.tolist()], dtype=torch.float64)
+        grown_spent = (spent[:, None] + prices[None, :]).flatten()
+        grown_rows = (rows[:, None] + gains[None, :]).flatten()
+        index = (grown_spent <= limit - sum(least[i + 1:]) + slack).nonzero().flatten()
+        # by cost, then the most rows first (stable: among equals, the earlier entry and point)
+        index = index[torch.argsort(-grown_rows[index], stable=True)]
+        index = index[torch.argsort(grown_spent[index], stable=True)]
+        ordered = grown_rows[index]
+        before = torch.cat([ordered.new_full((1,), -math.inf), torch.cummax(ordered, dim=0).values[:-1]])
+        index = index[ordered > before]  # more rows than every cheaper allocation
+        parents.append((index // len(candidates), candidates[index % len(candidates)]))
+        spent, rows = grown_spent[index].clone(), grown_rows[index].clone()
+    # the floor's rows fit the budget (they cost no more than the fraction's), so some entry is kept;
+    # rows rise with cost along the kept entries: the last has the most, at the least cost for them
+    chosen, entry = [], len(spent) - 1
+    for previous, point in reversed(parents):
+        chosen.append(int(point[entry]))
+        entry = int(previous[entry])
+    return chosen[::-1]
 
 
 def _shape_weights(shapes: Sequence, weights: Optional[Sequence[float]]) -> dict[tuple[int, int], float]:
