@@ -187,14 +187,14 @@ def conv_scenarios(mesh) -> dict:
     return errors
 
 
-def allocation_scenarios(mesh) -> dict:
+def allocation_scenarios(mesh, dp=("dp",)) -> dict:
     """param_groups by cost and with the most rows on the tensor- and data-parallel recipe: the
     groups (name → fraction) come from the global shapes, so the sharded model gets the plain
     model's, and its steps match one process. dim 16, hidden 24: shapes on which the two
     allocations give different fractions (the test checks that they do)."""
     out = {}
     for allocation in ("cost", "most_rows"):
-        model, reference = recipe(mesh, dim=16, hidden=24)
+        model, reference = recipe(mesh, dim=16, hidden=24, dp=dp)
         options = dict(lm_head=False, fraction=0.5, fraction_allocation=allocation)
         groups, reference_groups = param_groups(model, **options), param_groups(reference, **options)
         fractions = [{n: g["fraction"] for g in gs for n in g["param_names"]} for gs in (groups, reference_groups)]
@@ -559,6 +559,7 @@ def worker(rank: int, world: int, out_path: str, which: str) -> None:
             results = recipe_scenarios(mesh, dp=("replicate", "shard"))
             results["errors"]["local_scope"] = local_scope_error(mesh, dp=("replicate", "shard"))
             results["uneven"] = uneven_scenarios(mesh, UNEVEN_3D)
+            results["allocations"] = allocation_scenarios(mesh, dp=("replicate", "shard"))
             model, _ = recipe(mesh, dp=("replicate", "shard"))
             results["placements"] = {n: [str(pl) for pl in p.placements] for n, p in model.named_parameters()}
         if rank == 0:

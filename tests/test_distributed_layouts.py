@@ -72,16 +72,19 @@ def test_convolution_kernels_from_param_groups_under_fsdp2_match_one_process(dp_
     assert errors[scenario] <= TOLERANCE, errors
 
 
+@pytest.mark.parametrize("layout", ["dp_tp", "hsdp_tp"])
 @pytest.mark.parametrize("allocation", ["cost", "most_rows"])
-def test_fractions_by_cost_and_most_rows_on_tp_and_fsdp_match_one_process(dp_tp, allocation):
-    """param_groups(fraction_allocation=...) on the recipe's DTensors gives the plain model's groups
-    (priced from the global shapes, not the shards), and the same steps as one process."""
-    result = dp_tp["allocations"][allocation]
+def test_fractions_by_cost_and_most_rows_on_tp_and_fsdp_match_one_process(dp_tp, hsdp_tp, layout, allocation):
+    """param_groups(fraction_allocation=...) on the recipe's DTensors (FSDP2 + TP, HSDP + TP) gives
+    the plain model's groups (priced from the global shapes, not the shards), and the same steps as
+    one process."""
+    results = {"dp_tp": dp_tp, "hsdp_tp": hsdp_tp}[layout]["allocations"]
+    result = results[allocation]
     assert result["fractions"] == result["reference_fractions"]
     assert len(set(result["fractions"].values())) > 1  # per-shape fractions, not one uniform ½
     assert result["error"] <= TOLERANCE, result["error"]
     if allocation == "most_rows":  # the two rules differ on these shapes, so both are exercised
-        assert result["fractions"] != dp_tp["allocations"]["cost"]["fractions"]
+        assert result["fractions"] != results["cost"]["fractions"]
 
 
 @pytest.mark.parametrize("scenario", RECIPE)
