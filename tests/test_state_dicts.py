@@ -274,6 +274,57 @@ def test_a_run_regrouped_by_cost_resumes_each_parameter_from_its_own_state():
         assert torch.equal(a, b)
 
 
+class _AttentionAndMLP(torch.nn.Module):
+    """Shapes on which fractions by cost and with the most rows differ (q/v/o 16 × 16, k 8 × 16, an
+    MLP 24 × 16 and 16 × 24: 0.8125, 0.75, 1/6, 1/8 against 0.3125, 1, 0.21, 1 at ½)."""
+
+    def __init__(self):
+        super().__init__()
+        linear = lambda a, b: torch.nn.Linear(a, b, bias=False)  # noqa: E731
+        self.q, self.k, self.v, self.o, self.up, self.down = (linear(16, 16), linear(16, 8), linear(16, 16),
+                                                              linear(16, 16), linear(16, 24), linear(24, 16))
+
+
+def test_a_checkpoint_by_cost_loaded_with_the_most_rows_is_said_and_stays_one_rule():
+    """Resumed with fraction_allocation="most_rows" from a checkpoint by cost: torch loads the saved
+    fractions, so load_state_dict warns and the groups keep the checkpoint's rule whole (no
+    most-rows flag left on fractions by cost); convert_state_dict keeps this optimizer's fractions,
+    silently. The same allocation on both sides loads without a word."""
+    import warnings
+
+    from dion3 import param_groups
+    from dion3.optim.budget_schedule import allocation_rule
+
+    torch.manual_seed(0)
+    model = _AttentionAndMLP()
+
+    def build(allocation):
+        return Dion3(param_groups(model, lm_head=False, fraction=0.5, fraction_allocation=allocation))
+
+    by_cost = build("cost")
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    by_cost.step()
+    saved = by_cost.state_dict()
+    cost_fractions = [g["fraction"] for g in by_cost.param_groups]
+    most_rows = build("most_rows")
+    wanted = [g["fraction"] for g in most_rows.param_groups]
+    assert wanted != cost_fractions
+    with pytest.warns(UserWarning, match=r"parameter groups 0, 1, 2, 3 of the state dict were allocated by another "
+                                         r"rule than this optimizer's \(group 0: fractions by cost, here the most "
+                                         r"rows\).*dion3.convert_state_dict"):
+        most_rows.load_state_dict(saved)
+    assert [g["fraction"] for g in most_rows.param_groups] == cost_fractions
+    assert all(allocation_rule(g)[1] is False and "fraction_most_rows" not in g for g in most_rows.param_groups)
+    converted = build("most_rows")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        converted.load_state_dict(convert_state_dict(saved, converted))
+        build("cost").load_state_dict(saved)
+    assert [g["fraction"] for g in converted.param_groups] == wanted
+    assert all(allocation_rule(g)[1] is True for g in converted.param_groups)
+
+
 def test_regrouping_needs_every_parameter_by_name():
     net = Net()
     named = Dion3([{"params": [("inp.weight", net.inp.weight), ("out.weight", net.out.weight)]},

@@ -29,6 +29,8 @@ from .foreign_state import check_not_foreign
 from .scalar_group import step_group
 from .validation import (
     ALIASES,
+    BUDGET_KEY,
+    BY_COST_KEYS,
     MATRIX_ALGORITHMS,
     NORMALIZING_ALGORITHMS,
     SCALAR_ALGORITHMS,
@@ -40,6 +42,7 @@ from .validation import (
     param_label,
     validate_group,
     variance_shape,
+    warn_of_allocation_change,
 )
 
 
@@ -285,13 +288,17 @@ class OrthogonalOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_not_foreign(state_dict, self.param_groups)  # another optimizer's (AdamW's, say): convert_state_dict
         check_state_dict(state_dict, self.param_groups)  # before torch mutates anything
+        warn_of_allocation_change(state_dict, self.param_groups)
         current = [dict(g) for g in self.param_groups]
         super().load_state_dict(state_dict)
         # torch replaces each group by the saved one: a setting the checkpoint does not have (one
-        # saved before num_heads/split_sizes existed) keeps this optimizer's value.
-        for group, before in zip(self.param_groups, current):
+        # saved before num_heads/split_sizes existed) keeps this optimizer's value. A group saved
+        # with its allocation (its budget) brings the whole of it: a key of it that the checkpoint
+        # lacks is not this optimizer's to keep (a most-rows flag on the fractions of a by-cost run).
+        for group, before, saved in zip(self.param_groups, current, state_dict["param_groups"]):
             for key, value in before.items():
-                group.setdefault(key, value)
+                if not (key in BY_COST_KEYS and BUDGET_KEY in saved):
+                    group.setdefault(key, value)
             # check_state_dict let only this algorithm in: keep its name, not a saved alias ("nordion2")
             group["algorithm"] = before["algorithm"]
             # the state's dtype is this optimizer's choice, not the checkpoint's: a run may resume

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from .cost_fractions import cost_allocated_groups
-from .validation import BUDGET_KEY, MOST_ROWS_KEY, WEIGHTS_KEY, check_range
+from .validation import BUDGET_KEY, allocation_rule, check_range
 
 # What the allocation reads of a group: its matrices, their names (the weights pick them by name),
 # how they are viewed as matrices, and the orthogonalizer settings the cost model prices.
@@ -31,13 +31,6 @@ ALLOCATION_KEYS = ("params", "param_names", "flatten", "orthogonalizer", "ns_coe
 def by_cost(group: dict) -> bool:
     """Whether the group's fraction was allocated by cost (it records its budget)."""
     return group.get(BUDGET_KEY) is not None
-
-
-def allocation_rule(group: dict) -> tuple[Optional[tuple], bool]:
-    """What a group by cost was allocated with besides its budget: its row weights (sorted pairs)
-    and whether the most rows were searched first."""
-    weights = group.get(WEIGHTS_KEY)
-    return None if weights is None else tuple(sorted(dict(weights).items())), bool(group.get(MOST_ROWS_KEY, False))
 
 
 def _groups(indices: Sequence[int]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -280,6 +281,45 @@ def check_state_dict(state_dict: dict[str, Any], param_groups: list[dict]) -> No
                         f"has shape {found} in the state dict, expected {shape}; the state dict does not "
                         "match these parameters"
                     )
+
+
+def allocation_rule(group: dict) -> tuple[Optional[tuple], bool]:
+    """What a group by cost was allocated with besides its budget: its row weights (sorted pairs)
+    and whether the most rows were searched first."""
+    weights = group.get(WEIGHTS_KEY)
+    return None if weights is None else tuple(sorted(dict(weights).items())), bool(group.get(MOST_ROWS_KEY, False))
+
+
+def _allocation_of(group: dict) -> Optional[tuple]:
+    """The rule (allocation_rule) of a group that param_groups allocated by cost (it records its
+    budget); None for a group of a fraction of its own, or one saved before groups recorded it."""
+    return None if BUDGET_KEY not in group else allocation_rule(group)
+
+
+def _allocation_text(rule: Optional[tuple]) -> str:
+    if rule is None:
+        return "a fraction of its own"
+    weights, most_rows = rule
+    return ("the most rows" if most_rows else "fractions by cost") + (f", rows weighted {dict(weights)}" if weights else "")
+
+
+def warn_of_allocation_change(state_dict: dict[str, Any], param_groups: list[dict]) -> None:
+    """Warn where a saved group was allocated by another rule than this optimizer's group: torch
+    loads every saved group setting, so the checkpoint's fractions come back, not those this
+    optimizer was built with (a run resumed with fraction_allocation="most_rows" from a checkpoint
+    by cost, say). The budget is not compared: a FractionScheduler moves it like a learning rate."""
+    changed = [(index, _allocation_of(saved), _allocation_of(group))
+               for index, (saved, group) in enumerate(zip(state_dict["param_groups"], param_groups))
+               if _allocation_of(saved) is not None and _allocation_of(saved) != _allocation_of(group)]
+    if not changed:
+        return
+    index, saved, own = changed[0]
+    warnings.warn(
+        f"load_state_dict: parameter group{'s' if len(changed) > 1 else ''} {', '.join(str(c[0]) for c in changed)} "
+        f"of the state dict {'were' if len(changed) > 1 else 'was'} allocated by another rule than this optimizer's "
+        f"(group {index}: {_allocation_text(saved)}, here {_allocation_text(own)}); torch loads every saved group "
+        "setting, so the checkpoint's fractions are the ones that train on. To resume with this optimizer's, load "
+        "dion3.convert_state_dict(state_dict, optimizer), which keeps the target's settings", stacklevel=3)
 
 
 def expected_state_shapes(algorithm: str, param: Tensor, flatten: bool) -> dict[str, tuple[int, ...]]:
