@@ -311,3 +311,12 @@ def test_a_batch_size_compares_the_runs_of_that_batch_alone(tmp_path):
     assert text.startswith("# Frontier at 100 steps, batch 128")
     assert "| Dion3 3⁄8 by cost | 0.02 | 0.6 | 2 | 0.6150 ± 0.0014 | +0.0040 |" in text
     assert "- muon quality: none measured within one seed sd of Muon's best" in text
+
+
+def test_a_bench_row_times_the_rows_by_l2_but_not_weighted_rows():
+    """Rows by L2 cost what the L1 rule costs (the same passes), so the rule's bench row times them;
+    weighted rows are other fractions that spend another share of the budget, so it does not."""
+    rule = frontier.Variant("dion3", 0.5, "cost")
+    assert frontier._rounded(frontier.Variant("dion3", 0.5, "cost", row_score="l2")) == frontier._rounded(rule)
+    weighted = frontier.Variant("dion3", 0.5, "cost", weights="gate_proj=2,up_proj=2")
+    assert frontier._rounded(weighted) != frontier._rounded(rule)

@@ -209,11 +209,13 @@ def _rounded(variant: Variant) -> Variant:
     measures the squared row norms either way, and the selection costs the same); the schedule is
     kept (fewer Newton–Schulz steps are what such a row times), and so are the unselected rows'
     decay (one more pass over the momentum) and periodic full steps (the full steps' time too),
-    timed by bench rows named with -unselectedD and -full-everyK. Row weights are timed as the
-    rule: they move rows between shapes within the same modeled time."""
+    timed by bench rows named with -unselectedD and -full-everyK. Row weights are kept too: they
+    give other fractions within the same budget, which spend another share of it (on llama-384,
+    gate/up weighted twice gives the fractions of the most rows), and no bench row times them."""
     fraction = None if variant.fraction is None else round(variant.fraction, 9)
-    return Variant(variant.optimizer, fraction, variant.allocation, ns_coefficients=variant.ns_coefficients,
-                   unselected_decay=variant.unselected_decay, full_every=variant.full_every)
+    return Variant(variant.optimizer, fraction, variant.allocation, weights=variant.weights,
+                   ns_coefficients=variant.ns_coefficients, unselected_decay=variant.unselected_decay,
+                   full_every=variant.full_every)
 
 
 def picks(points: Sequence[Point], axis: tuple) -> dict[str, Optional[Point]]:
