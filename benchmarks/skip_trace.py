@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--optimizer", default="dion3", choices=("dion3", "muon", "normuon"))
     parser.add_argument("--lr", type=float, required=True)
     parser.add_argument("--fraction", type=float, help="Dion3's fraction (by cost); needed for dion3 only")
-    parser.add_argument("--mu", type=float, default=0.6)
+    parser.add_argument("--mu", type=float, help="the run's μ (Dion3's default 0.6; Muon's and NorMuon's: give the record's)")
     parser.add_argument("--batch-size", type=int, help="sequences a step (default: the model's study batch)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--horizon", type=int, default=1500, help="the schedule's length (the run's lr schedule)")
@@ -112,6 +112,9 @@ def main() -> None:
     if (args.fraction is None) == (args.optimizer == "dion3"):
         parser.error(f"--fraction is Dion3's: give it with --optimizer dion3 only (got --optimizer {args.optimizer}"
                      f", --fraction {args.fraction})")
+    if args.mu is None and args.optimizer != "dion3":
+        parser.error(f"--mu: give the μ of the {args.optimizer} run traced (its record's config names it)")
+    mu = 0.6 if args.mu is None else args.mu
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be ≥ 1, got {args.batch_size}")
     if not torch.cuda.is_available():
@@ -127,7 +130,7 @@ def main() -> None:
     schedule = trainer.Schedule(steps=args.horizon, batch_size=args.batch_size or spec.batch_size,
                                 eval_every=args.horizon, eval_batches=16, warmup_steps=50, cooldown_fraction=0.3,
                                 read_once=True)
-    run = trainer.RunSpec("skip-trace", args.optimizer, args.lr, args.fraction, args.mu, 0,
+    run = trainer.RunSpec("skip-trace", args.optimizer, args.lr, args.fraction, mu, 0,
                           "cost" if args.optimizer == "dion3" else "uniform")
     try:
         trainer.train(run, config, schedule, data, torch.device("cuda"), args.seed, bf16=True,

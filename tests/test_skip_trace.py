@@ -95,8 +95,10 @@ def test_the_stop_is_raised_after_the_last_step(trace):
 @pytest.mark.parametrize("argv, message", [
     (["--optimizer", "muon", "--lr", "0.02", "--fraction", "0.5", "--stop", "10", "--out", "x"], "--fraction is Dion3's"),
     (["--lr", "0.02", "--stop", "10", "--out", "x"], "--fraction is Dion3's"),
-    (["--optimizer", "muon", "--lr", "0.02", "--batch-size", "0", "--stop", "10", "--out", "x"], "--batch-size must be ≥ 1"),
+    (["--optimizer", "muon", "--lr", "0.02", "--mu", "0.8", "--batch-size", "0", "--stop", "10", "--out", "x"],
+     "--batch-size must be ≥ 1"),
     (["--optimizer", "muon", "--lr", "0.02", "--stop", "0", "--out", "x"], "--stop must be in 1..1500"),
+    (["--optimizer", "normuon", "--lr", "0.02", "--stop", "10", "--out", "x"], "--mu: give the μ of the normuon run"),
 ])
 def test_bad_arguments_are_refused_by_name(argv, message, monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["skip_trace.py", *argv])
