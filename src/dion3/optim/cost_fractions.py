@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
+import torch
 from torch import Tensor
 
 from ..algorithms import MATRIX_ALGORITHMS, SELECTING_ALGORITHMS
@@ -177,8 +178,6 @@ def _most_rows(points: list[list[tuple[int, float]]], counts: list[int], weights
     in both cost and rows, and only those that leave each later shape at least its cheapest point.
     In float64 tensors: with a dozen distinct shapes of thousands of rows the kept allocations
     number millions, too many for Python tuples at start-up on every rank."""
-    import torch  # the search's arrays; the module's other rules are plain Python
-
     least = [count * shape_points[0][1] for shape_points, count in zip(points, counts)]
     slack = limit * 1e-12  # the sums below add in another order than the final check does
     spent, rows = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)

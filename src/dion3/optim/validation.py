@@ -308,9 +308,9 @@ def warn_of_allocation_change(state_dict: dict[str, Any], param_groups: list[dic
     loads every saved group setting, so the checkpoint's fractions come back, not those this
     optimizer was built with (a run resumed with fraction_allocation="most_rows" from a checkpoint
     by cost, say). The budget is not compared: a FractionScheduler moves it like a learning rate."""
-    changed = [(index, _allocation_of(saved), _allocation_of(group))
-               for index, (saved, group) in enumerate(zip(state_dict["param_groups"], param_groups))
-               if _allocation_of(saved) is not None and _allocation_of(saved) != _allocation_of(group)]
+    pairs = [(index, _allocation_of(saved), _allocation_of(group))
+             for index, (saved, group) in enumerate(zip(state_dict["param_groups"], param_groups))]
+    changed = [(index, saved, own) for index, saved, own in pairs if saved is not None and saved != own]
     if not changed:
         return
     index, saved, own = changed[0]

@@ -75,6 +75,14 @@ class Dion3Setting:
         return f"{text}{by_cost}" if by_cost else f"{text} on every matrix"
 
 
+def _split_allocation(text: str) -> tuple[str, str]:
+    """(text without its allocation suffix, the allocation it names; "uniform" where none)."""
+    for allocation, suffix in SUFFIXES.items():
+        if text.endswith(suffix):
+            return text[: -len(suffix)], allocation
+    return text, "uniform"
+
+
 def parse_dion3(name: str) -> Optional[Dion3Setting]:
     """The Dion3 setting a name spells (module docstring), None for a name that is not Dion3's.
     ValueError, saying what is wrong, for a Dion3 name that spells no setting."""
@@ -83,13 +91,7 @@ def parse_dion3(name: str) -> Optional[Dion3Setting]:
     rest = name[len(PREFIX):]
     if rest[:1] == "f" and rest[1:2] not in ("", "-"):  # the old compare spelling: dion3-f0.25
         rest = rest[1:]
-    def allocation_of(text: str) -> tuple[str, str]:
-        for allocation, suffix in SUFFIXES.items():
-            if text.endswith(suffix):
-                return text[: -len(suffix)], allocation
-        return text, "uniform"
-
-    rest, allocation = allocation_of(rest)
+    rest, allocation = _split_allocation(rest)
     warmup_text = None
     for marker in ("-warmup", "-warm"):  # -warm: the old compare spelling
         if marker in rest:
@@ -98,7 +100,7 @@ def parse_dion3(name: str) -> Optional[Dion3Setting]:
     if warmup_text is not None and allocation != "uniform":
         raise ValueError("a warm-up by cost is spelled with the warm-up last: dion3-F-cost-warmupN")
     if warmup_text is not None:  # dion3-F-cost-warmupN
-        rest, allocation = allocation_of(rest)
+        rest, allocation = _split_allocation(rest)
     if warmup_text is not None and not (warmup_text.isdigit() and int(warmup_text) > 0):
         raise ValueError("the warm-up needs a positive number of steps, e.g. dion3-1/4-warmup200")
     return Dion3Setting(parse_fraction(rest), allocation, int(warmup_text) if warmup_text else 0)

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ...optim.cost_fractions import COST_RULE
-from ...optim.param_groups import BY_COST
-from ...optim.param_groups import FRACTION_ALLOCATIONS as PARAM_GROUP_ALLOCATIONS
+from ...optim.param_groups import BY_COST, FRACTION_ALLOCATIONS
 from ...ortho.coefficients import SCHEDULES
 from ...rules import ROW_SCORES
 from ..models import REGISTRY
@@ -64,7 +63,6 @@ MODELS = {name: study_model(name, seq_len, batch_size) for name, (seq_len, batch
 }.items()}
 # family → (lr flag default, μ flag default or None where the family has no μ)
 FAMILIES = {"adamw": ("0.003", None), "muon": ("0.02", "0.95"), "normuon": ("0.02", "0.6,0.8"), "dion3": ("0.04,0.08", "0.3,0.6")}
-FRACTION_ALLOCATIONS = PARAM_GROUP_ALLOCATIONS  # Dion3's fractions: param_groups' fraction_allocation
 DEFAULT_NS = "polar_express"  # the optimizers' Newton–Schulz schedule (ns_coefficients)
 
 

@@ -7,9 +7,9 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
+from ...optim.param_groups import BY_COST
 from ..setting_names import Dion3Setting
 from .launch import read_results
-from ...optim.param_groups import BY_COST
 from .runs import MODELS, Run, rule_label, schedule_label, selection_label
 
 
