@@ -34,7 +34,7 @@ from ...optim.param_groups import BY_COST
 from ..bench.presets import named_model
 from ..plan.fractions import row_share
 from ..setting_names import Dion3Setting
-from .frontier import MUON, Variant, best_points
+from .points import MUON, Variant, best_points
 from .colours import distinct_colours
 from .launch import read_results
 from .regime import Regime, _variant_order, block_matrix_parameters, gap, regime_cards, regime_of

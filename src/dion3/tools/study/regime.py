@@ -1,7 +1,7 @@
 """The regime: where a cheap Dion3 setting keeps Muon's loss, by tokens per step and tokens per
 parameter. The study's runs fall into regimes, each a model, a batch size and a horizon; in each the
 best of every family and Dion3 variant is found as the frontier finds it
-(`frontier.best_points`), and each setting's gap to Muon's best is written down:
+(`points.best_points`), and each setting's gap to Muon's best is written down:
 
     python -m dion3.tools.study.regime --results benchmarks/results/frontier ... --out DIR
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .frontier import MUON, Point, Variant, best_points
+from .points import MUON, Point, Variant, best_points
 from .colours import distinct_colours
 from .launch import read_results
 from .runs import MODELS, ModelSpec

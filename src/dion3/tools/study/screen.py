@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from ...optim.cost_fractions import COST_RULE
 from .efficiency import muon_curve, steps_to_loss
-from .frontier import best_points
+from .points import best_points
 from .launch import read_results
 from .runs import DEFAULT_NS, Run
 
