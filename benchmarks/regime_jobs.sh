@@ -145,11 +145,6 @@ job() {
     b128-screen-d)  # the most rows within ½'s and ⅜'s modeled time (fraction_allocation most_rows): 0.78 and 0.68 of the rows
       run b128-half-rows 128 $(rows 0.5) --seeds 0
       run b128-three8-rows 128 $(rows 0.375) --seeds 0 ;;
-    b128-screen-e)  # if ½ with the most rows holds its lead over seeds: its μ and lr either side, and 7/16's budget
-      run b128-half-rows-mu0.7 128 $(rows 0.5) --dion3-mu 0.7 --seeds 0
-      run b128-half-rows-mu0.8 128 $(rows 0.5) --dion3-mu 0.8 --seeds 0
-      run b128-half-rows-lr0.03 128 $(rows 0.5) --dion3-lr 0.03 --seeds 0
-      run b128-seven16-rows 128 $(rows 0.4375) --seeds 0 ;;
     b128-rows-seeds)  # seeds 1 and 2 of the screen's best variant, ½ with the most rows (⅜'s gained nothing at seed 0)
       for seed in 1 2; do
         run "b128-half-rows-s$seed" 128 $(rows 0.5) --seeds "$seed"
@@ -164,7 +159,7 @@ job() {
   esac
 }
 
-JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4 b128-long-a-s0 b128-long-b-s0 b128-long-a-s1 b128-long-b-s1 b128-long-c-s1 b128-long-a-s2 b128-long-b-s2 b128-long-c-s2 b32-muon-horizons heldout-a-s0 heldout-b-s0 heldout-a-s1 heldout-b-s1 heldout-a-s2 heldout-b-s2 heldout-c-s01 heldout-c-s2 b128-alone-a b128-alone-b b128-alone-c b128-screen-a b128-screen-b b128-screen-c b128-screen-d b128-screen-e b128-rows-seeds heldout-rows"
+JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4 b128-long-a-s0 b128-long-b-s0 b128-long-a-s1 b128-long-b-s1 b128-long-c-s1 b128-long-a-s2 b128-long-b-s2 b128-long-c-s2 b32-muon-horizons heldout-a-s0 heldout-b-s0 heldout-a-s1 heldout-b-s1 heldout-a-s2 heldout-b-s2 heldout-c-s01 heldout-c-s2 b128-alone-a b128-alone-b b128-alone-c b128-screen-a b128-screen-b b128-screen-c b128-screen-d b128-rows-seeds heldout-rows"
 case ${1:-} in
   --dry-run) dry=1; for j in $([ "${2:?JOB or all}" = all ] && echo $JOBS || echo "$2"); do echo "### $j"; job "$j" || exit $?; done; exit 0 ;;
   "") echo "usage: regime_jobs.sh JOB | --dry-run JOB|all (jobs: $JOBS)" >&2; exit 2 ;;

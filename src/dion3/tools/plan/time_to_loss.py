@@ -102,7 +102,8 @@ def shape_check(predictions: Sequence[Prediction], efficiencies: dict[str, Effic
 
 def advised_settings(measured: dict[str, Efficiency]) -> list[str]:
     """SETTINGS, then every other fixed Dion3 setting the regime measured on SEEDS_TO_ADVISE or more
-    seeds (a variant the study kept, e.g. dion3-1/2-rows): a new record adds it, not a new release."""
+    seeds (e.g. dion3-1/2-rows): its row shows what the records say of it, kept or not, and the
+    recommendation still goes by time to Muon's loss; a new record adds it, not a new release."""
     extra = []
     for name, efficiency in measured.items():
         try:
