@@ -6,7 +6,10 @@ the difference, the variant's step-efficiency read on Muon's curve of that model
 the verdict: ahead of the rule by more than --margin (default 0.002, about two seed sds at batch
 128) → seeds 1 and 2 next; else not kept. The variant furthest ahead (if any is ahead at all) is
 the screen's best whatever the margin: the frontier issue gives the best three seeds and the
-held-out shape, so its verdict says so.
+held-out shape, so its verdict says so. Once a variant's other seeds have landed (≥ 3 seeds paired
+with the rule's runs of the same seeds), or its runs on another model at this batch and horizon,
+its row gives the paired differences' mean ± sd over the seeds, and the verdict follows them:
+kept only if ahead over the seeds by more than one sd and not behind on any other model.
 
     python -m dion3.tools.study.screen --results benchmarks/results/frontier --model llama-384 \\
         --batch-size 128 [--horizon 1500] [--seed 0] [--rule-mu 0.6]
@@ -14,6 +17,7 @@ held-out shape, so its verdict says so.
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -32,6 +36,37 @@ def rule_config(config: dict, rule_mu: float) -> dict:
     """The config of the rule's run a variant is compared with: the variant's with every screened
     field set to the rule's."""
     return {**config, **RULE, "mu": rule_mu}
+
+
+def paired(by_key: dict, config: dict, rule_mu: float, seeds: Sequence[int]) -> Optional[tuple[float, float, int]]:
+    """(mean, sd, n) of the variant's loss minus the rule's over the seeds both ran with `config`
+    (its seed and model replaced per run); None below two seeds."""
+    differences = []
+    for seed in seeds:
+        variant = by_key.get(Run(**{**config, "seed": seed}).key)
+        rule = by_key.get(Run(**rule_config({**config, "seed": seed}, rule_mu)).key)
+        if variant is not None and rule is not None:
+            differences.append(variant["final_val_loss"] - rule["final_val_loss"])
+    if len(differences) < 2:
+        return None
+    return statistics.fmean(differences), statistics.stdev(differences), len(differences)
+
+
+def _side(summary: tuple[float, float, int]) -> str:
+    """ahead, behind or level: the mean difference beyond one sd of it, or not."""
+    mean, sd, _ = summary
+    return "ahead" if mean + sd < 0 else "behind" if mean - sd > 0 else "level"
+
+
+def seeded_verdict(over_seeds: tuple[float, float, int], held_out: dict[str, tuple[float, float, int]]) -> str:
+    """The verdict once the seeds have landed: kept only if ahead over them and behind on no other model."""
+    parts = [f"over {over_seeds[2]} seeds {_side(over_seeds)}"]
+    parts += [f"{other} {_side(summary)}" for other, summary in sorted(held_out.items())]
+    if _side(over_seeds) != "ahead":
+        return "not kept: " + ", ".join(parts)
+    if any(_side(summary) == "behind" for summary in held_out.values()):
+        return "not kept: " + ", ".join(parts)
+    return ("kept: " if held_out else "ahead over the seeds, the held-out shape next: ") + ", ".join(parts)
 
 
 def screen(records: Sequence[dict], model: str, batch: int, horizon: int, seed: int, rule_mu: float = 0.6,
@@ -53,7 +88,7 @@ def screen(records: Sequence[dict], model: str, batch: int, horizon: int, seed: 
         reference = by_key.get(rule.key)
         loss = record["final_val_loss"]
         row = dict(variant=Run(**config).label, loss=loss, reference=rule.label,
-                   reference_loss=None, difference=None, efficiency=None, verdict="")
+                   reference_loss=None, difference=None, efficiency=None, verdict="", config=config)
         if len(curve) >= 2:
             steps, outside = steps_to_loss(curve, loss)
             row["efficiency"] = (round(steps / horizon, 3), outside)
@@ -71,18 +106,32 @@ def screen(records: Sequence[dict], model: str, batch: int, horizon: int, seed: 
         ahead = rows[0]["difference"] < -margin
         rows[0]["verdict"] = ("the best, " + ("ahead by more than" if ahead else "within") + f" {margin:g}: "
                               "seeds 1 and 2, then the held-out shape")
+    seeds = sorted({r["seed"] for r in records})
+    others = sorted({r["config"]["model"] for r in records} - {model})
+    for row in rows:  # the seeds and other models landed since overrule seed 0
+        config = row.pop("config")
+        row["seeds"] = paired(by_key, config, rule_mu, seeds)
+        row["held_out"] = {other: summary for other in others
+                           if (summary := paired(by_key, {**config, "model": other}, rule_mu, seeds)) is not None}
+        if row["seeds"] is not None and row["seeds"][2] >= 3:
+            row["verdict"] = seeded_verdict(row["seeds"], row["held_out"])
     return rows
 
 
 def table(rows: Sequence[dict]) -> str:
-    lines = ["| variant | final val loss | the rule's run | its loss | difference | e on Muon's curve | verdict |",
-             "|---|---|---|---|---|---|---|"]
+    def summary(s: Optional[tuple[float, float, int]]) -> str:
+        return "—" if s is None else f"{s[0]:+.4f} ± {s[1]:.4f} ({s[2]})"
+
+    lines = ["| variant | final val loss | the rule's run | its loss | difference | e on Muon's curve | "
+             "difference over the seeds (n) | other models | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         e = "—" if r["efficiency"] is None else f"{r['efficiency'][0]:.3f}" + (" (extended)" if r["efficiency"][1] else "")
         reference_loss = "—" if r["reference_loss"] is None else f"{r['reference_loss']:.4f}"
         difference = "—" if r["difference"] is None else f"{r['difference']:+.4f}"
+        held_out = "; ".join(f"{m} {summary(v)}" for m, v in sorted(r["held_out"].items())) or "—"
         lines.append(f"| {r['variant']} | {r['loss']:.4f} | {r['reference']} | {reference_loss} | {difference} | {e} | "
-                     f"{r['verdict']} |")
+                     f"{summary(r['seeds'])} | {held_out} | {r['verdict']} |")
     return "\n".join(lines)
 
 
