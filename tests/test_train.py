@@ -337,6 +337,35 @@ def test_a_run_records_the_steps_whose_updates_were_skipped(algorithm, monkeypat
     assert result.nonfinite_parameters == 0 and all(math.isfinite(v) for v in result.train_losses)
 
 
+
+def test_the_study_s_progress_lines_carry_the_updates_skipped_so_far(capsys):
+    """A run whose gradients turn NaN at its third step: the guard skips every matrix then, and the
+    progress line after it says how many (the log of a run that dies keeps that count)."""
+    from dion3.tools.study.child import progress_printer
+
+    built, step = {}, [0]
+    printer = progress_printer(4, lines=2, skipped=lambda: int(built["optimizer"].nonfinite_updates) if built else None)
+
+    def on_step():
+        printer()
+        step[0] += 1
+
+    def poison(optimizer):
+        built["optimizer"] = optimizer
+        matrices = [p for group in optimizer.param_groups if group.get("algorithm") == "dion3" for p in group["params"]]
+        built["matrices"] = len(matrices)
+        for p in matrices:  # the third backward (step index 2) leaves NaN in every matrix's gradient
+            p.register_hook(lambda grad: grad * float("nan") if step[0] == 2 else grad)
+
+    tokens = _periodic_text(3000)
+    corpus = data.TokenData(tokens[:2500], tokens[2500:], 256, "periodic")
+    train(RunSpec("r", "dion3", 0.02, 0.5), TINY, Schedule(steps=4, batch_size=4, eval_every=4, eval_batches=1), corpus,
+          torch.device("cpu"), on_step=on_step, on_optimizer=poison)
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert built["matrices"] == 2 * 6  # per block: q, k, v, o, two MLP matrices
+    assert progress[0].startswith("step 2/4") and progress[0].endswith(", 0 updates skipped so far")
+    assert progress[1].startswith("step 4/4") and progress[1].endswith(", 12 updates skipped so far")
+
 def test_fraction_warmup_run_logs_its_average_fraction_and_step_times():
     """dion3 with a 2-step fraction warm-up to ¼ over 4 steps sets f = 1, ⅝, ¼, ¼ (mean 0.53125);
     the first losses match the fixed-fraction run's and the later ones do not."""

@@ -46,11 +46,12 @@ PROGRESS_LINES = 10
 
 
 def progress_printer(steps: int, lines: int = PROGRESS_LINES, sample: Optional[Callable[[], Optional[int]]] = None,
-                     samples: Optional[list] = None):
+                     samples: Optional[list] = None, skipped: Optional[Callable[[], Optional[int]]] = None):
     """An on_step callback that prints `lines` lines over `steps` steps: the step, the minutes
-    since the first step and an estimate of the minutes left (host clock, no device sync). With
-    `sample` (e.g. gpu_process_count), each line also calls it, appends its answer to `samples`
-    and prints it."""
+    since the first step and an estimate of the minutes left (host clock). With `sample` (e.g.
+    gpu_process_count), each line also calls it, appends its answer to `samples` and prints it.
+    With `skipped` (the optimizer's skip counter: one device sync a line), each line prints the
+    updates skipped so far, so the log of a run that dies keeps how many it had skipped."""
     every = max(1, steps // lines)
     started = time.perf_counter()
     done = 0
@@ -66,6 +67,9 @@ def progress_printer(steps: int, lines: int = PROGRESS_LINES, sample: Optional[C
                 if samples is not None:
                     samples.append(count)
                 line += f", {'?' if count is None else count} processes on the GPU"
+            if skipped is not None:
+                so_far = skipped()
+                line += f", {'?' if so_far is None else so_far} updates skipped so far"
             print(line, flush=True)
     return step
 
@@ -124,9 +128,11 @@ def run_one(run: Run, device_name: str, threads: Optional[int]) -> dict:
                        full_every=run.full_every if run.optimizer == "dion3" else 0)
     started = time.perf_counter()
     sharing: list = []  # processes on the GPU at each progress line
-    on_step = progress_printer(run.horizon, sample=lambda: gpu_process_count(device), samples=sharing)
+    built: dict = {}  # the run's optimizer, once train has built it
+    on_step = progress_printer(run.horizon, sample=lambda: gpu_process_count(device), samples=sharing,
+                               skipped=lambda: int(built["optimizer"].nonfinite_updates) if built else None)
     result = train(run_spec, config, schedule, data, device, run.seed, bf16=True, model_factory=factory, captured=run.captured,
-                   compiled=run.compiled, on_step=on_step)
+                   compiled=run.compiled, on_step=on_step, on_optimizer=lambda optimizer: built.update(optimizer=optimizer))
     counted = [n for n in sharing if n is not None]
     return {
         "key": run.key, "config": dataclasses.asdict(run), "seed": run.seed, "horizon": run.horizon,

@@ -204,6 +204,7 @@ def train(
     bf16: bool = False,
     on_eval: Optional[Callable[[RunResult, int], None]] = None,
     on_step: Optional[Callable[[], None]] = None,
+    on_optimizer: Optional[Callable[[torch.optim.Optimizer], None]] = None,
     model_factory: Callable[[GPTConfig], nn.Module] = GPT,
     captured: bool = False,
     compiled: bool = False,
@@ -216,11 +217,14 @@ def train(
     a fraction warm-up then runs its ramp eagerly and is captured once k settles; periodic full
     steps (spec.full_every) get a graph of their own beside the other steps'.
     compiled: the model's forward and backward through torch.compile (the optimizer step is not
-    compiled); the same math with fused elementwise kernels, for throughput on a GPU."""
+    compiled); the same math with fused elementwise kernels, for throughput on a GPU.
+    on_optimizer: called with the optimizer once it is built (e.g. to read its skip counter)."""
     config = dataclasses.replace(model_config, vocab_size=padded_vocab(data.vocab_size))
     torch.manual_seed(seed)
     model = model_factory(config).to(device)
     optimizer = build_optimizer(model, spec)
+    if on_optimizer is not None:
+        on_optimizer(optimizer)
     # parameters stay the model's own; only the calls go through the compiled wrapper
     forward = torch.compile(model, dynamic=False) if compiled else model
     for group in optimizer.param_groups:
