@@ -210,3 +210,56 @@ def test_fractions_by_cost_step_each_matrix_at_its_own_fraction_as_the_float64_r
     for name, p in params.items():
         torch.testing.assert_close(p.detach(), references[name].params[0], rtol=2e-6, atol=2e-7, msg=name)
     assert not all(torch.allclose(p.detach(), u, atol=1e-4) for p, u in zip(params.values(), uniform.params))
+
+
+class Conv1D(nn.Module):
+    """Hugging Face's Conv1D as transformers defines it (GPT-2): a linear map of nx inputs to nf
+    outputs whose weight is stored [nx, nf] and applied as x @ W + b."""
+
+    def __init__(self, nf: int, nx: int):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+def test_a_conv1d_map_gets_its_own_group_with_the_transposed_spectral_scale():
+    model = nn.Sequential(nn.Linear(8, 16), Conv1D(32, 16), Conv1D(8, 32))
+    groups = {tuple(g["param_names"]): g for g in param_groups(model)}
+    assert "adjust_lr" not in groups[("0.weight",)]  # the optimizer's own (spectral_norm by default)
+    assert groups[("1.weight", "2.weight")]["adjust_lr"] == "spectral_norm_transposed"
+    assert groups[("0.bias", "1.bias", "2.bias")]["algorithm"] == "adamw"
+    # the symmetric scales stay; the spectral one turns over either way
+    for asked, given in (("rms_norm", "rms_norm"), (None, None), ("spectral_norm", "spectral_norm_transposed")):
+        groups = {tuple(g["param_names"]): g for g in param_groups(model, adjust_lr=asked)}
+        assert groups[("0.weight",)]["adjust_lr"] == asked and groups[("1.weight", "2.weight")]["adjust_lr"] == given
+    # AdamW on the matrices, or every matrix flattened: no transposed group
+    assert [g["param_names"] for g in param_groups(model, algorithm="adamw")][0] == ["0.weight", "1.weight", "2.weight"]
+
+
+def test_the_transposed_spectral_scale_is_the_maps_own(exact_orthogonalizer):
+    """A map of 16 inputs to 48 outputs stored [in, out] steps under Muon exactly as the float64
+    reference steps the same map stored [out, in] (√(48/16) = √3, where the stored shape's
+    spectral scale would give √(16/48)); under Dion3 the stored rows (the inputs) are the
+    selected and normalized ones, at the map's lr scale."""
+    for algorithm, cls, options in (("muon", Muon, dict(mu=0.9)), ("dion3", Dion3, dict(fraction=0.5, mu=0.9))):
+        torch.manual_seed(0)
+        model = nn.Sequential(Conv1D(48, 16)).double()
+        stored = model[0].weight
+        optimizer = cls(param_groups(model, lr=0.05, weight_decay=0.1, **options))
+        if algorithm == "muon":  # the map [out, in] = [48, 16], the spectral scale of that shape
+            reference = ReferenceOptimizer([stored.detach().T.clone()], algorithm, lr=0.05, weight_decay=0.1, **options)
+        else:  # the stored rows, at the map's scale √(out/in) given by hand
+            reference = ReferenceOptimizer([stored.detach().clone()], algorithm, lr=0.05 * 3 ** 0.5, adjust_lr=None,
+                                           weight_decay=0.1 * 3 ** -0.5, **options)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            grad = torch.randn(stored.shape, generator=generator, dtype=torch.float64)
+            stored.grad, model[0].bias.grad = grad, torch.zeros_like(model[0].bias)
+            optimizer.step()
+            reference.step([grad.T.clone() if algorithm == "muon" else grad])
+        expected = reference.params[0].T if algorithm == "muon" else reference.params[0]
+        torch.testing.assert_close(stored.detach(), expected, rtol=1e-7, atol=1e-8, msg=algorithm)

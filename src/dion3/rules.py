@@ -41,7 +41,9 @@ from .ortho.newton_schulz import InputScaling, _resolve, input_scaling, orthogon
 from .ortho.padding import Padded, empty_padded, marked_matrices, padded_buffer_of
 
 Grads = Union[Tensor, Sequence[Tensor]]
-ADJUST_LR = ("spectral_norm", "rms_norm", None)
+# "spectral_norm_transposed": the spectral-norm scale of a parameter stored as its map's transpose,
+# [in, out] (Hugging Face's Conv1D, x @ W): √(cols/rows), the map's √(out/in)
+ADJUST_LR = ("spectral_norm", "spectral_norm_transposed", "rms_norm", None)
 # Headroom over the schedule's band for rounding (half-precision outputs stay within 1.03 of
 # √min(k, C) on the study's runs: benchmarks/results/nonfinite-h200-2026-12-02.md).
 BOUND_MARGIN = 1.25
@@ -90,6 +92,8 @@ def lr_scale(adjust_lr: Optional[str], rows: int, cols: int) -> float:
     """Learning-rate multiplier from the full matrix shape (never the selected submatrix)."""
     if adjust_lr == "spectral_norm":
         return math.sqrt(rows / cols)
+    if adjust_lr == "spectral_norm_transposed":
+        return math.sqrt(cols / rows)
     if adjust_lr == "rms_norm":
         return 0.2 * math.sqrt(max(rows, cols))
     if adjust_lr is None:

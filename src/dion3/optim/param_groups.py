@@ -9,6 +9,11 @@ orthogonalizing those hurts, so the split is done here from the model's structur
   flatten=True); any other 3-D parameter is a stack of matrices [E, rows, cols] (expert weights),
   each orthogonalized on its own (stacked=True): the shape alone cannot tell the two apart, the
   module can;
+* a linear map stored as its transpose, [in, out] (Hugging Face's `Conv1D`, GPT-2 and its kin) →
+  the same algorithm in a group of its own whose `adjust_lr` is the transposed one
+  ("spectral_norm_transposed", √(out/in) as for the map stored [out, in]), so its lr is the one
+  the same map gets from an `nn.Linear`; the rows NorMuon normalizes and Dion3 selects are still
+  the stored rows, the map's inputs;
 * embeddings (`nn.Embedding` weights) → AdamW with `embed_lr`;
 * the LM head, which the caller must name → AdamW with `head_lr`;
 * everything else (norm gains, biases, other 0-/1-D parameters) → AdamW with `scalar_lr` and no
@@ -34,6 +39,10 @@ BY_COST = ("cost", "most_rows")  # the allocations that spend `fraction` as a bu
 
 # Modules whose ≥ 3-D weights are convolution kernels (out, in, k...): one matrix each, flattened.
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+# adjust_lr of a linear map stored [in, out], from the one asked for the others (the optimizers'
+# default, spectral_norm, when none is): the spectral scale turns over, the others are symmetric
+TRANSPOSED_ADJUST_LR = {"spectral_norm": "spectral_norm_transposed", "spectral_norm_transposed": "spectral_norm",
+                        "rms_norm": "rms_norm", None: None}
 # The attribute under which torch.compile's wrapper (OptimizedModule) holds the compiled module.
 COMPILE_WRAPPER = "_orig_mod"
 
@@ -129,8 +138,11 @@ def param_groups(
     conv_ids = set() if scalar_run or options.get("flatten") else {
         id(p) for m in model.modules() if isinstance(m, CONVOLUTIONS) for p in m.parameters() if p.dim() >= 3}
 
+    transposed_ids = set() if scalar_run or options.get("flatten") else {
+        id(m.weight) for m in model.modules() if stores_transposed(m)}
+
     buckets: dict[str, list[tuple[str, nn.Parameter]]] = {
-        "matrix": [], "conv": [], "head": [], "embed": [], "scalar": []}
+        "matrix": [], "transposed": [], "conv": [], "head": [], "embed": [], "scalar": []}
     for name, param in model.named_parameters():  # shared (tied) parameters are listed once, by their first name
         if not param.requires_grad:
             continue
@@ -140,6 +152,8 @@ def param_groups(
             kind = "embed"
         elif id(param) in conv_ids:
             kind = "conv"
+        elif id(param) in transposed_ids:
+            kind = "transposed"
         elif param.dim() >= 2:
             kind = "matrix"
         else:
@@ -162,7 +176,9 @@ def param_groups(
         settings["lr"] = lr
     conv_settings = {key: value for key, value in settings.items() if key != "stacked"}
     conv_settings["flatten"] = True  # one out × in·k matrix per kernel
-    matrix_groups = [group(buckets["matrix"], **settings), group(buckets["conv"], **conv_settings)]
+    transposed_settings = dict(settings, adjust_lr=TRANSPOSED_ADJUST_LR[settings.get("adjust_lr", "spectral_norm")])
+    matrix_groups = [group(buckets["matrix"], **settings), group(buckets["transposed"], **transposed_settings),
+                     group(buckets["conv"], **conv_settings)]
     matrix_groups = [g for g in matrix_groups if g["params"]]
     if fraction_allocation in BY_COST and matrix_groups:
         # one budget over the kernels and the other matrices: one fraction per shape
@@ -179,6 +195,15 @@ def param_groups(
         group(buckets["scalar"], algorithm=scalar_algorithm, lr=scalar_lr, weight_decay=0.0),
     ]
     return [g for g in groups if g["params"]]
+
+
+def stores_transposed(module: nn.Module) -> bool:
+    """A linear map whose weight is stored [in, out] and applied as x @ W: Hugging Face's Conv1D
+    (transformers.pytorch_utils; GPT-2 and its kin), recognized by its name and its `nf` output
+    width, so that transformers need not be imported."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(weight, nn.Parameter) and weight.dim() == 2
+            and weight.shape[1] == getattr(module, "nf", None))
 
 
 def plain_name(name: str) -> str:
