@@ -17,8 +17,9 @@ def _record(loss: float, **fields) -> dict:
     """A llama-384 batch-128 compiled record (a landed run's config) with the given fields changed."""
     landed = [json.loads(line)["config"] for line in LANDED.read_text().splitlines()]
     template = [c for c in landed if c["model"] == "llama-384" and c["batch_size"] == 128 and c["compiled"]][-1]
-    config = {**template, "horizon": 1500, "seed": 0, "optimizer": "dion3", "fraction": 0.5, "lr": 0.02, "mu": 0.6,
-              "fraction_allocation": "cost", "cost_rule": "time", **fields}
+    # every field the screen varies set to the rule's: the latest landed run may be a variant
+    config = {**template, **screen.RULE, "horizon": 1500, "seed": 0, "optimizer": "dion3", "fraction": 0.5, "lr": 0.02,
+              "mu": 0.6, "fraction_allocation": "cost", "cost_rule": "time", **fields}
     assert config["model"] == fields.get("model", "llama-384") and config["batch_size"] == 128 and config["compiled"]
     return dict(key=Run(**config).key, config=config, seed=config["seed"], horizon=config["horizon"],
                 final_val_loss=loss)
