@@ -41,8 +41,6 @@ from .ortho.newton_schulz import InputScaling, _resolve, input_scaling, orthogon
 from .ortho.padding import Padded, empty_padded, marked_matrices, padded_buffer_of
 
 Grads = Union[Tensor, Sequence[Tensor]]
-# "spectral_norm_transposed": the spectral-norm scale of a parameter stored as its map's transpose,
-# [in, out] (Hugging Face's Conv1D, x @ W): √(cols/rows), the map's √(out/in)
 ADJUST_LR = ("spectral_norm", "spectral_norm_transposed", "rms_norm", None)
 # Headroom over the schedule's band for rounding (half-precision outputs stay within 1.03 of
 # √min(k, C) on the study's runs: benchmarks/results/nonfinite-h200-2026-12-02.md).
@@ -89,7 +87,8 @@ def selected_row_count(rows: int, fraction: float) -> int:
 
 
 def lr_scale(adjust_lr: Optional[str], rows: int, cols: int) -> float:
-    """Learning-rate multiplier from the full matrix shape (never the selected submatrix)."""
+    """Learning-rate multiplier from the full matrix shape (never the selected submatrix);
+    "spectral_norm_transposed" is the spectral scale of a map stored [in, out] (Conv1D, x @ W)."""
     if adjust_lr == "spectral_norm":
         return math.sqrt(rows / cols)
     if adjust_lr == "spectral_norm_transposed":

@@ -133,13 +133,13 @@ def param_groups(
     head_ids = _head_parameter_ids(model, lm_head)
     embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     scalar_run = algorithm in SCALAR_ALGORITHMS  # AdamW/Lion on the matrices: any shape, no flattening
-    # kernels of convolutions (their parametrizations' tensors included); with flatten among the
-    # options every matrix is flattened already
-    conv_ids = set() if scalar_run or options.get("flatten") else {
-        id(p) for m in model.modules() if isinstance(m, CONVOLUTIONS) for p in m.parameters() if p.dim() >= 3}
-
-    transposed_ids = set() if scalar_run or options.get("flatten") else {
-        id(m.weight) for m in model.modules() if stores_transposed(m)}
+    # kernels of convolutions (their parametrizations' tensors included) and linear maps stored
+    # [in, out] get groups of their own, under an orthogonal rule on unflattened matrices only (with
+    # flatten among the options every matrix is flattened already)
+    by_module = not (scalar_run or options.get("flatten"))
+    conv_ids = {id(p) for m in model.modules() if isinstance(m, CONVOLUTIONS) for p in m.parameters()
+                if p.dim() >= 3} if by_module else set()
+    transposed_ids = {id(m.weight) for m in model.modules() if stores_transposed(m)} if by_module else set()
 
     buckets: dict[str, list[tuple[str, nn.Parameter]]] = {
         "matrix": [], "transposed": [], "conv": [], "head": [], "embed": [], "scalar": []}

@@ -60,19 +60,19 @@ def _side(summary: tuple[float, float, int]) -> str:
 
 def seeded_verdict(over_seeds: tuple[float, float, int], held_out: dict[str, tuple[float, float, int]]) -> str:
     """The verdict once the seeds have landed: kept only if ahead over them and behind on no other model."""
-    parts = [f"over {over_seeds[2]} seeds {_side(over_seeds)}"]
-    parts += [f"{other} {_side(summary)}" for other, summary in sorted(held_out.items())]
-    if _side(over_seeds) != "ahead":
-        return "not kept: " + ", ".join(parts)
-    if any(_side(summary) == "behind" for summary in held_out.values()):
-        return "not kept: " + ", ".join(parts)
-    return ("kept: " if held_out else "ahead over the seeds, the held-out shape next: ") + ", ".join(parts)
+    parts = ", ".join([f"over {over_seeds[2]} seeds {_side(over_seeds)}"]
+                      + [f"{other} {_side(summary)}" for other, summary in sorted(held_out.items())])
+    if _side(over_seeds) != "ahead" or any(_side(summary) == "behind" for summary in held_out.values()):
+        return "not kept: " + parts
+    return ("kept: " if held_out else "ahead over the seeds, the held-out shape next: ") + parts
 
 
 def screen(records: Sequence[dict], model: str, batch: int, horizon: int, seed: int, rule_mu: float = 0.6,
            margin: float = 0.002, compiled: bool = True) -> list[dict]:
     """A row per variant run of the regime and seed (the rule's own runs left out)."""
     by_key = {r["key"]: r for r in records}
+    seeds = sorted({r["seed"] for r in records})
+    others = sorted({r["config"]["model"] for r in records} - {model})
     horizons = {r["config"]["horizon"] for r in records
                 if r["config"]["model"] == model and r["config"].get("batch_size") == batch}
     curve = muon_curve({h: best_points(records, model, h, compiled, batch) for h in horizons})
@@ -88,7 +88,10 @@ def screen(records: Sequence[dict], model: str, batch: int, horizon: int, seed: 
         reference = by_key.get(rule.key)
         loss = record["final_val_loss"]
         row = dict(variant=Run(**config).label, loss=loss, reference=rule.label,
-                   reference_loss=None, difference=None, efficiency=None, verdict="", config=config)
+                   reference_loss=None, difference=None, efficiency=None, verdict="",
+                   seeds=paired(by_key, config, rule_mu, seeds),
+                   held_out={other: summary for other in others
+                             if (summary := paired(by_key, {**config, "model": other}, rule_mu, seeds)) is not None})
         if len(curve) >= 2:
             steps, outside = steps_to_loss(curve, loss)
             row["efficiency"] = (round(steps / horizon, 3), outside)
@@ -106,13 +109,7 @@ def screen(records: Sequence[dict], model: str, batch: int, horizon: int, seed: 
         ahead = rows[0]["difference"] < -margin
         rows[0]["verdict"] = ("the best, " + ("ahead by more than" if ahead else "within") + f" {margin:g}: "
                               "seeds 1 and 2, then the held-out shape")
-    seeds = sorted({r["seed"] for r in records})
-    others = sorted({r["config"]["model"] for r in records} - {model})
     for row in rows:  # the seeds and other models landed since overrule seed 0
-        config = row.pop("config")
-        row["seeds"] = paired(by_key, config, rule_mu, seeds)
-        row["held_out"] = {other: summary for other in others
-                           if (summary := paired(by_key, {**config, "model": other}, rule_mu, seeds)) is not None}
         if row["seeds"] is not None and row["seeds"][2] >= 3:
             row["verdict"] = seeded_verdict(row["seeds"], row["held_out"])
     return rows
