@@ -32,6 +32,8 @@ run() {
     pids+=($!)
   fi
 }
+# alone NAME BATCH STUDY-FLAGS...: run, then wait for it: the next run starts once this one ends
+alone() { run "$@"; [ -n "$dry" ] || wait "${pids[-1]}"; }
 muon() { echo --optimizers muon --muon-lr "$1" --muon-mu "${2:-0.8}"; }
 normuon() { echo --optimizers normuon --normuon-lr "$1" --normuon-mu 0.6; }
 fraction() { echo $DION3 --fraction "$1" --dion3-lr "$2"; }
@@ -114,14 +116,14 @@ job() {
     heldout-c-s2)
       heldout_part c 2 ;;
     # the batch-128 Muon and NorMuon seeds one at a time, the GPU to one process: do skips remain? A run
-    # alone takes about 4 minutes on an H100, so two a job (--jobs 1: one after the other)
+    # alone takes about 4 minutes on an H100, so two a job; a first: the two seeds that skipped most
+    # when five shared an H200 (Muon seed 0: 3 updates, NorMuon seed 1: 4)
     b128-alone-a)
-      run "$1" 128 $(muon 0.02) --seeds 0,1 --jobs 1 ;;
-    b128-alone-b)
-      run "$1" 128 --optimizers muon,normuon --muon-lr 0.02 --muon-mu 0.8 --normuon-lr 0.02 --normuon-mu 0.6 \
-        --seeds 2 --jobs 1 ;;
-    b128-alone-c)
-      run "$1" 128 $(normuon 0.02) --seeds 0,1 --jobs 1 ;;
+      alone b128-alone-muon-s0 128 $(muon 0.02) --seeds 0; alone b128-alone-normuon-s1 128 $(normuon 0.02) --seeds 1 ;;
+    b128-alone-b)  # Muon seed 2 skipped 1 shared, NorMuon seed 2 none
+      alone b128-alone-muon-s2 128 $(muon 0.02) --seeds 2; alone b128-alone-normuon-s2 128 $(normuon 0.02) --seeds 2 ;;
+    b128-alone-c)  # neither skipped shared
+      alone b128-alone-muon-s1 128 $(muon 0.02) --seeds 1; alone b128-alone-normuon-s0 128 $(normuon 0.02) --seeds 0 ;;
     b128-screen-a)  # rule variants at batch 128, seed 0 (the time-to-loss issue's neighbour): where the rows go, μ, L2
       run b128-uniform-half 128 --optimizers dion3 --fraction-warmup 0 --fraction-allocation uniform --dion3-mu 0.6 \
         --fraction 0.5 --dion3-lr 0.02 --seeds 0
@@ -142,6 +144,8 @@ job() {
       run b128-three8-unselected0.95 128 $(fraction 0.375 0.02) --unselected-decay 0.95 --seeds 0
       run b128-half-full8 128 $(fraction 0.5 0.02) --full-every 8 --seeds 0
       run b128-three8-full8 128 $(fraction 0.375 0.02) --full-every 8 --seeds 0 ;;
+    b128-screen-c-decay0.9)  # its ½ by cost ×0.9 run, which died past step 1200 beside four others: alone
+      alone b128-half-unselected0.9 128 $(fraction 0.5 0.02) --unselected-decay 0.9 --seeds 0 ;;
     b128-screen-d)  # the most rows within ½'s and ⅜'s modeled time (fraction_allocation most_rows): 0.78 and 0.68 of the rows
       run b128-half-rows 128 $(rows 0.5) --seeds 0
       run b128-three8-rows 128 $(rows 0.375) --seeds 0 ;;
@@ -159,7 +163,7 @@ job() {
   esac
 }
 
-JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4 b128-long-a-s0 b128-long-b-s0 b128-long-a-s1 b128-long-b-s1 b128-long-c-s1 b128-long-a-s2 b128-long-b-s2 b128-long-c-s2 b32-muon-horizons heldout-a-s0 heldout-b-s0 heldout-a-s1 heldout-b-s1 heldout-a-s2 heldout-b-s2 heldout-c-s01 heldout-c-s2 b128-alone-a b128-alone-b b128-alone-c b128-screen-a b128-screen-b b128-screen-c b128-screen-d b128-rows-seeds heldout-rows"
+JOBS="b128-edges b128-seed1 b128-seed2 b16-grid b16-seeds b256-grid b128-ns4 b128-long-a-s0 b128-long-b-s0 b128-long-a-s1 b128-long-b-s1 b128-long-c-s1 b128-long-a-s2 b128-long-b-s2 b128-long-c-s2 b32-muon-horizons heldout-a-s0 heldout-b-s0 heldout-a-s1 heldout-b-s1 heldout-a-s2 heldout-b-s2 heldout-c-s01 heldout-c-s2 b128-alone-a b128-alone-b b128-alone-c b128-screen-a b128-screen-b b128-screen-c b128-screen-c-decay0.9 b128-screen-d b128-rows-seeds heldout-rows"
 case ${1:-} in
   --dry-run) dry=1; for j in $([ "${2:?JOB or all}" = all ] && echo $JOBS || echo "$2"); do echo "### $j"; job "$j" || exit $?; done; exit 0 ;;
   "") echo "usage: regime_jobs.sh JOB | --dry-run JOB|all (jobs: $JOBS)" >&2; exit 2 ;;
