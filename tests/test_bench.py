@@ -747,32 +747,38 @@ def test_regime_jobs_plan_their_runs_through_the_study(tmp_path):
     assert refused.returncode == 2 and "unknown job 'b512'" in refused.stderr and "b128-edges" in refused.stderr
 
 
-def test_a_failed_run_fails_its_regime_job(tmp_path):
-    """Outside --dry-run a job starts every run at once and waits for all: with a stand-in $PYTHON
-    whose study fails for one run, the job still waits for the others and exits 1; each run gets its
-    batch's validation windows (--eval-batches 2 at batch 256) and its own folder under $WORK."""
+def _run_job_with_stand_in(tmp_path, job: str, study_lines: str):
+    """Run regime_jobs.sh JOB with a stand-in $PYTHON: `-m dion3.tools.study` appends its arguments
+    to $WORK/calls.txt, then runs study_lines (bash); any other call goes to this interpreter.
+    Returns (the finished job, $WORK, the study calls in order)."""
     import os
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parent.parent
     shim = tmp_path / "bin"
     shim.mkdir()
     (shim / "python").write_text(
         "#!/bin/bash\n"
         'if [ "$2" = dion3.tools.study ]; then\n'
         '  echo "$@" >> "$WORK/calls.txt"\n'
-        '  case "$*" in *--muon-lr\\ 0.04*) exit 1 ;; esac\n'
+        f"{study_lines}"
         "  exit 0\n"
         "fi\n"
         f'exec {sys.executable} "$@"\n')
     (shim / "python").chmod(0o755)
     work = tmp_path / "work"
     env = {**os.environ, "WORK": str(work), "PYTHON": str(shim / "python")}
-    done = subprocess.run(["bash", "benchmarks/regime_jobs.sh", "b256-grid"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(["bash", "benchmarks/regime_jobs.sh", job], cwd=Path(__file__).resolve().parent.parent,
+                          env=env, capture_output=True, text=True, timeout=120)
+    return done, work, (work / "calls.txt").read_text().splitlines()
+
+
+def test_a_failed_run_fails_its_regime_job(tmp_path):
+    """Outside --dry-run a job starts every run at once and waits for all: with a stand-in $PYTHON
+    whose study fails for one run, the job still waits for the others and exits 1; each run gets its
+    batch's validation windows (--eval-batches 2 at batch 256) and its own folder under $WORK."""
+    done, work, calls = _run_job_with_stand_in(tmp_path, "b256-grid", '  case "$*" in *--muon-lr\\ 0.04*) exit 1 ;; esac\n')
     assert done.returncode == 1, done.stderr
-    calls = (work / "calls.txt").read_text().splitlines()
     assert len(calls) == 3 and all("--batch-size 256 --eval-batches 2" in call for call in calls)
     assert sorted(call.split("--out ")[1] for call in calls) == sorted(
         str(work / name) for name in ("b256-muon-0.02", "b256-muon-0.04", "b256-half-0.03"))
@@ -782,30 +788,12 @@ def test_an_alone_job_runs_one_study_at_a_time(tmp_path):
     """The b128-alone jobs give the GPU to one process: the second run starts only after the first
     has ended (the stand-in study counts the calls begun when it ends), and a first run that fails
     still fails the job after the second has run."""
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parent.parent
-    shim = tmp_path / "bin"
-    shim.mkdir()
-    (shim / "python").write_text(
-        "#!/bin/bash\n"
-        'if [ "$2" = dion3.tools.study ]; then\n'
-        '  echo "$@" >> "$WORK/calls.txt"\n'
+    done, work, calls = _run_job_with_stand_in(
+        tmp_path, "b128-alone-a",
         "  sleep 1\n"  # a second run started beside this one would have written its call by now
         '  echo "$(wc -l < "$WORK/calls.txt")" >> "$WORK/begun_at_end.txt"\n'
-        '  case "$*" in *--muon-lr*) exit 1 ;; esac\n'
-        "  exit 0\n"
-        "fi\n"
-        f'exec {sys.executable} "$@"\n')
-    (shim / "python").chmod(0o755)
-    work = tmp_path / "work"
-    env = {**os.environ, "WORK": str(work), "PYTHON": str(shim / "python")}
-    done = subprocess.run(["bash", "benchmarks/regime_jobs.sh", "b128-alone-a"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=120)
+        '  case "$*" in *--muon-lr*) exit 1 ;; esac\n')
     assert done.returncode == 1, done.stderr
-    calls = (work / "calls.txt").read_text().splitlines()
     assert [call.split("--out ")[1] for call in calls] == [
         str(work / "b128-alone-muon-s0"), str(work / "b128-alone-normuon-s1")]
     assert "--seeds 0" in calls[0] and "--seeds 1" in calls[1]
