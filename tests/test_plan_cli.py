@@ -35,6 +35,27 @@ def test_a_world_of_1024_ranks_plans(capsys):
     assert len(ranks) == 1024 and sum(r["owned"] for r in ranks) == 16
 
 
+def test_a_run_that_does_not_fit_the_gpu_is_named(capsys):
+    """Llama-8B on one GPU: its 32 · (2·4096² + 2·1024·4096 + 3·14336·4096) = 6.98 B fp32 matrix
+    parameters need 83.8 GB for parameters, gradients and momentum alone, so none of the optimizers
+    fits an 83 GB GPU (the bench ran out of memory on an 80 GB H100 for this reason); on a 1000 GB
+    one each fits, and the JSON says so per optimizer."""
+    matrix_params = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096)
+    assert 3 * 4 * matrix_params / 1e9 > 83
+    argv = ["--preset", "llama-8b", "--layout", "single", "--optimizers", "muon,normuon,dion3", "--quiet", "--ranks", "0"]
+    assert cli.main(argv + ["--capacity-gb", "83"]) == 0
+    warning = [line for line in capsys.readouterr().out.splitlines() if line.startswith("does not fit")]
+    assert len(warning) == 1 and "GPU of 83 GB" in warning[0]
+    assert all(f"{label} " in warning[0] for label in ("Muon", "NorMuon", "Dion3 f=1/4"))
+    assert cli.main(argv + ["--capacity-gb", "1000"]) == 0
+    assert "does not fit" not in capsys.readouterr().out
+    for capacity, fits in (("83", False), ("1000", True)):
+        assert cli.main(argv + ["--capacity-gb", capacity, "--json", "-"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert [entry["fits"] for entry in data["optimizers"]] == [fits] * 3
+        assert all(entry["memory_gb_max"] > 3 * 4 * matrix_params / 1e9 for entry in data["optimizers"])
+
+
 def _efficiencies(tmp_path, rows):
     """A data file as the study writes it, with the given (setting, e, low, high) rows in one regime."""
     path = tmp_path / "efficiency.json"
