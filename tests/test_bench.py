@@ -328,6 +328,31 @@ def test_bench_refuses_a_model_larger_than_the_free_memory(monkeypatch, capsys):
     assert len(ran) == 1
 
 
+def test_a_slice_of_layers_is_offered_and_timed_when_the_model_does_not_fit(monkeypatch, capsys, tmp_path):
+    """Llama-1B's layer holds 2·2048² + 2·512·2048 + 3·8192·2048 = 60.8 M matrix parameters, 0.73 GB
+    in fp32 with gradients and momentum: with 5 GB free the refusal offers 6 of its 16 layers, and
+    --layers 6 then times those (the report names the slice, so it is not read as the whole model)."""
+    ran = []
+    monkeypatch.setattr(step, "run_variant", lambda *args: ran.append(args) or dict(name="muon", mode="eager", error="not run here"))
+    monkeypatch.setattr(presets, "free_bytes", lambda device: 5 * 10 ** 9)
+    per_layer = 2 * 2048 ** 2 + 2 * 512 * 2048 + 3 * 8192 * 2048
+    assert int(5e9 // (12 * per_layer)) == 6
+    assert step.main(["--device", "cpu", "--preset", "llama-1b", "--optimizers", "muon"]) == 2 and not ran
+    assert "--layers 6" in capsys.readouterr().err
+    out = tmp_path / "bench.json"
+    # not refused (2): it ran, and the stand-in run's error row makes the status 1
+    assert step.main(["--device", "cpu", "--preset", "llama-1b", "--layers", "6", "--optimizers", "muon",
+                      "--json", str(out)]) == 1 and len(ran) == 1
+    source = json.loads(out.read_text())["source"]
+    assert source["name"] == "llama-1b-6l" and source["layers"] == 6
+    assert sum(m["rows"] * m["cols"] * m["count"] for m in source["matrices"]) == 6 * per_layer
+    for bad in (["--preset", "llama-1b", "--layers", "17"], ["--preset", "llama-1b", "--layers", "0"],
+                ["--shapes", "64x64", "--layers", "1"]):
+        with pytest.raises(SystemExit):
+            step.main(["--device", "cpu", *bad])
+        assert "--layers" in capsys.readouterr().err
+
+
 def test_rule_variant_names():
     """The frontier's rule variants as the bench names them: a fixed Dion3 setting with
     -unselectedD and/or -full-everyK last, its name the setting's one spelling; each fault named."""

@@ -45,13 +45,20 @@ def head_numel(preset) -> int:
     return heads[0].numel // heads[0].count if heads else 0
 
 
-def get_preset(name: str) -> Preset:
+def get_preset(name: str, layers: Optional[int] = None) -> Preset:
     """The shapes `dion3 bench --preset NAME` times; a name it does not take is refused naming the
-    commands that do."""
+    commands that do. layers: that many of the model's layers instead (a slice that fits a smaller
+    GPU: the same shapes, so the same fractions by cost and time per layer), named NAME-<layers>l
+    so that its times are not read as the whole model's."""
     try:
-        return lookup(name, "bench").bench_preset()
+        model = lookup(name, "bench")
     except ValueError as error:
         raise ValueError(f"--preset: {error}") from None
+    if layers is None:
+        return model.bench_preset()
+    if not 1 <= layers <= model.n_layer:
+        raise ValueError(f"--layers: {name} has {model.n_layer} layers, got {layers}")
+    return dataclasses.replace(model.preset(layers), name=f"{name}-{layers}l")
 
 
 def free_bytes(device: torch.device) -> Optional[int]:
@@ -70,13 +77,19 @@ def free_bytes(device: torch.device) -> Optional[int]:
 
 def check_fits(source: Preset, device: torch.device, scalars: bool) -> None:
     """Refuse a model whose fp32 matrices, gradients and momentum alone exceed the free memory
-    (a run would fail every variant, or on a CPU swap the machine to a halt)."""
+    (a run would fail every variant, or on a CPU swap the machine to a halt). For a stack of
+    layers the refusal names the most layers whose matrices would fit (--layers)."""
     need = 12 * source.matrix_numel + (16 * source.scalar_numel if scalars else 0)
     free = free_bytes(device)
-    if free is not None and need > free:
-        raise ValueError(f"{source.name}: its matrices need {need / 1e9:.1f} GB in fp32 with their gradients and "
-                         f"momentum, and {device} has {free / 1e9:.1f} GB free; time a slice of its layers with "
-                         "--shapes, or price the whole model with `dion3 plan`")
+    if free is None or need <= free:
+        return
+    fitting = int(free // (12 * source.matrix_numel / source.layers)) if source.layers else 0
+    instead = (f"time {fitting} of its layers with --layers {fitting} (their matrices alone fill the free memory; "
+               f"fewer leave room for the step's buffers)" if 0 < fitting < source.layers
+               else "time a slice of its matrices with --shapes")
+    raise ValueError(f"{source.name}: its matrices need {need / 1e9:.1f} GB in fp32 with their gradients and "
+                     f"momentum, and {device} has {free / 1e9:.1f} GB free; {instead}, or price the whole model "
+                     "with `dion3 plan`")
 
 
 def config_matrices(path: str) -> Preset:

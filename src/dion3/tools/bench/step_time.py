@@ -281,6 +281,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     source.add_argument("--hf-config", metavar="PATH",
                         help="a Hugging Face config.json of a Llama-family decoder (as `dion3 plan --hf-config`): "
                              "every matrix of the model, each expert one matrix, on one device")
+    parser.add_argument("--layers", type=int, metavar="N",
+                        help="with --preset: time N of the model's layers (a slice that fits a smaller GPU; the "
+                             "same shapes, so the same fractions by cost; the report names it PRESET-Nl)")
     parser.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS,
                         help=f"comma list (default {DEFAULT_OPTIMIZERS}); dion3-F takes any fraction F in (0, 1], "
                         "dion3-F-cost (e.g. dion3-1/4-cost) fractions per matrix shape within dion3-F's modeled "
@@ -307,8 +310,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--warmup must be ≥ 1 (the first step is always untimed), got {args.warmup}")
     try:
         args.device = torch.device(args.device)
+        if args.layers is not None and (args.shapes or args.hf_config):
+            raise ValueError("--layers slices a --preset's layers; --shapes and --hf-config set every matrix")
         args.source = (parse_shapes(args.shapes) if args.shapes else
-                       config_matrices(args.hf_config) if args.hf_config else get_preset(args.preset))
+                       config_matrices(args.hf_config) if args.hf_config else get_preset(args.preset, args.layers))
         skip = {canonical_name(name.strip()) for name in args.skip.split(",") if name.strip()}
         given = [n.strip() for n in args.optimizers.split(",") if n.strip() and canonical_name(n.strip()) not in skip]
         if args.ns_coefficients not in SCHEDULES:
