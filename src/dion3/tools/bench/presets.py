@@ -75,15 +75,18 @@ def free_bytes(device: torch.device) -> Optional[int]:
     return None
 
 
+MATRIX_BYTES = 12  # a matrix element's fp32 parameter, gradient and momentum
+
+
 def check_fits(source: Preset, device: torch.device, scalars: bool) -> None:
     """Refuse a model whose fp32 matrices, gradients and momentum alone exceed the free memory
     (a run would fail every variant, or on a CPU swap the machine to a halt). For a stack of
     layers the refusal names the most layers whose matrices would fit (--layers)."""
-    need = 12 * source.matrix_numel + (16 * source.scalar_numel if scalars else 0)
+    need = MATRIX_BYTES * source.matrix_numel + (16 * source.scalar_numel if scalars else 0)
     free = free_bytes(device)
     if free is None or need <= free:
         return
-    fitting = int(free // (12 * source.matrix_numel / source.layers)) if source.layers else 0
+    fitting = int(free // (MATRIX_BYTES * source.matrix_numel / source.layers)) if source.layers else 0
     instead = (f"time {fitting} of its layers with --layers {fitting} (their matrices alone fill the free memory; "
                f"fewer leave room for the step's buffers)" if 0 < fitting < source.layers
                else "time a slice of its matrices with --shapes")

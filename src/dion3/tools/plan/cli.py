@@ -233,14 +233,18 @@ def table(steps: dict[str, StepPlan], overlap: bool, ranks: str) -> str:
     return "\n".join(lines)
 
 
+def fits(step: StepPlan, hw: Hardware) -> bool:
+    """Whether the step's busiest rank holds its parameters, gradients, state and buffers."""
+    return step.worst(step.memory_per_rank) <= hw.capacity
+
+
 def memory_warning(steps: dict[str, StepPlan], hw: Hardware) -> Optional[str]:
     """One line naming the optimizers whose busiest rank needs more memory than the device holds
     (such a run stops on out-of-memory, whatever its timings say); None when all fit."""
-    over = [(step.variant.label, step.worst(step.memory_per_rank)) for step in steps.values()]
-    over = [(label, needed) for label, needed in over if needed > hw.capacity]
+    over = [step for step in steps.values() if not fits(step, hw)]
     if not over:
         return None
-    named = ", ".join(f"{label} {needed / GB:.1f} GB" for label, needed in over)
+    named = ", ".join(f"{step.variant.label} {step.worst(step.memory_per_rank) / GB:.1f} GB" for step in over)
     return (f"does not fit a GPU of {hw.capacity / GB:.0f} GB ({hw.name}; --capacity-gb sets it): {named} on the busiest "
             f"rank (parameters, gradients, optimizer state and the step's transient buffers; activations come on "
             f"top). Shard over more ranks (--layout fsdp=N) or split the largest same-shape groups into several "
@@ -305,7 +309,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         data = dict(header=head, model=preset.name, layout=layout.describe(), world_size=layout.world_size,
                     hardware=asdict(hw), network=asdict(net), planning_seconds=planned.seconds,
                     verified_ranks=list(planned.verified_ranks),
-                    optimizers=[dict(summary(s, overlap), fits=s.worst(s.memory_per_rank) <= hw.capacity,
+                    optimizers=[dict(summary(s, overlap), fits=fits(s, hw),
                                      ranks=rank_rows(s)) for s in steps.values()])
         if advice is not None:
             data["time_to_loss"] = {k: v for k, v in advice.items() if k != "text"}
